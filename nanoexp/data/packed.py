@@ -1,0 +1,72 @@
+"""Packing documents into fixed-length training samples."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .corpus import load_builtin_documents, split_train_val
+from .tokenizer import Tokenizer, build_tokenizer
+
+
+class PackedDataset:
+    """All documents tokenized, each followed by ``eod_id``, concatenated into one token stream.
+
+    Sample ``i`` is ``tokens[i*L : i*L + L + 1]`` with ``L = sequence_length``: the model reads
+    the first ``L`` tokens and predicts the last ``L``. Consecutive samples share one token, so
+    every token after the first is a prediction target exactly once. The tail that does not fill
+    a whole sample is dropped.
+    """
+
+    def __init__(self, documents: Sequence[str], tokenizer: Tokenizer, sequence_length: int):
+        if sequence_length < 1:
+            raise ValueError(f"sequence_length={sequence_length}: must be >= 1")
+        self.sequence_length = sequence_length
+        self.eod_id = tokenizer.eod_id
+        eod = np.array([tokenizer.eod_id], dtype=np.int32)
+        pieces = []
+        for doc in documents:
+            pieces += [tokenizer.encode_array(doc), eod]
+        self.tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+        self.num_samples = max(0, (len(self.tokens) - 1) // sequence_length)
+        if self.num_samples == 0:
+            raise ValueError(
+                f"{len(self.tokens)} tokens are too few for one sample of tokens.sequence_length="
+                f"{sequence_length} (needs {sequence_length + 1}): lower sequence_length or use more text"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens in the packed stream (including end-of-document tokens)."""
+        return len(self.tokens)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Return sample ``i`` as a LongTensor of ``sequence_length + 1`` tokens."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
+        start = i * self.sequence_length
+        return torch.from_numpy(self.tokens[start:start + self.sequence_length + 1].astype(np.int64))
+
+
+def build_datasets(
+    tokenizer_name_or_path: str,
+    sequence_length: int,
+    val_fraction: float,
+    documents: Optional[Sequence[str]] = None,
+) -> tuple[PackedDataset, PackedDataset, Tokenizer]:
+    """Build ``(train, validation, tokenizer)`` from config values.
+
+    ``documents`` defaults to the built-in corpus; the validation set is the held-out tail of
+    every document (see :func:`split_train_val`). Deterministic: same inputs, same datasets.
+    """
+    tokenizer = build_tokenizer(tokenizer_name_or_path)
+    docs = load_builtin_documents() if documents is None else list(documents)
+    train_docs, val_docs = split_train_val(docs, val_fraction)
+    train = PackedDataset(train_docs, tokenizer, sequence_length)
+    val = PackedDataset(val_docs, tokenizer, sequence_length)
+    return train, val, tokenizer

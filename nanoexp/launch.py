@@ -1,0 +1,119 @@
+"""How workers come to exist.
+
+- Under torchrun or a SLURM task (the environment says so), this process joins that world.
+- With one process in all, the run happens in this process.
+- Otherwise dp*tp*pp local workers are started (fork on CPU, spawn with CUDA) and watched:
+  if one fails, the others are stopped and the command exits non-zero with that rank's error.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("nanoexp")
+
+
+class WorkerFailed(RuntimeError):
+    """A local worker died or raised; the message names the rank and carries its error."""
+
+
+def launcher_env() -> dict | None:
+    """Rank, world size and local rank given by torchrun or SLURM, or None when run directly."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
+                "local_rank": int(env.get("LOCAL_RANK", 0))}
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
+                "local_rank": int(env.get("SLURM_LOCALID", 0))}
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_device(local_rank: int, local_world: int) -> torch.device:
+    """One GPU per process when CUDA is present; on CPU, split the cores between processes."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return torch.device("cpu")
+
+
+def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s: float = 600.0) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        device = setup_device(rank, world_size)
+        init_distributed(rank, world_size, device)
+        fn(rank, world_size, device, *args)
+        dist.destroy_process_group()
+    except BaseException as error:  # noqa: BLE001 - any failure must reach the parent
+        errors.put((rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def spawn_local(world_size: int, fn: Callable, args: tuple, poll_s: float = 0.2) -> None:
+    """Run fn(rank, world_size, device, *args) in world_size local processes and watch them."""
+    method = "spawn" if torch.cuda.is_available() else "fork"   # CUDA cannot be forked
+    context = mp.get_context(method)
+    errors = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_local_worker, args=(r, world_size, port, fn, args, errors), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    failure = None
+    try:
+        while any(p.is_alive() for p in procs) and failure is None:
+            time.sleep(poll_s)
+            for rank, p in enumerate(procs):
+                if p.exitcode not in (None, 0):
+                    failure = (rank, p.exitcode)
+                    break
+    finally:
+        if failure is not None or any(p.is_alive() for p in procs):
+            _stop(procs)
+    if failure is not None:
+        rank, code = failure
+        message, trace = f"exited with code {code}", ""
+        time.sleep(0.1)   # let the failing rank's report reach the queue
+        while not errors.empty():
+            first_rank, first_message, first_trace = errors.get()
+            if first_rank == rank or not trace:
+                message, trace = first_message, first_trace
+                if first_rank == rank:
+                    break
+        log.error("rank %d failed: %s\n%s", rank, message, trace)
+        raise WorkerFailed(f"rank {rank} failed: {message}")
+
+
+def _stop(procs, grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.kill()
+            p.join()

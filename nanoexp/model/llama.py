@@ -1,0 +1,220 @@
+"""The Llama decoder, built from tensor-parallel layers.
+
+One class per block, each forward a few lines that read like the equations. Parameter names
+match Hugging Face's LlamaForCausalLM one to one (`model.layers.3.self_attn.q_proj.weight`), on
+every layout: a pipeline stage holds only its own layers but keeps their global indices.
+With tp == 1 the parallel layers are plain linear/embedding ops.
+
+Shapes: b = batch, s = sequence, h = hidden, d = head dim; under sequence parallelism the
+activations between blocks are [b, s/tp, h] and the attention/MLP insides see the full s.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                              shard_tensor, vocab_parallel_cross_entropy)
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - not installable on CPU machines
+    flash_attn_func = None
+
+
+@dataclass
+class LlamaShape:
+    """The model's shape, as in `model.model_config` (vocab_size already padded)."""
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in float32 (as HF does) so bf16 activations keep their precision here.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_tables(shape: LlamaShape, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [s, d] for positions 0..seq_len-1 (HF's half-split convention)."""
+    d = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate x [b, heads, s, d] by the position angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def causal_attention(q, k, v):
+    """q [b, nh, s, d], k/v [b, nkv, s, d] -> [b, nh, s, d]; flash-attn on CUDA half precision."""
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
+        super().__init__()
+        d = shape.head_dim
+        self.heads = shape.num_attention_heads // ctx.tp          # heads on this tp rank
+        self.kv_heads = shape.num_key_value_heads // ctx.tp
+        self.head_dim = d
+        sp = dict(sequence_parallel=sequence_parallel)
+        self.q_proj = ColumnParallelLinear(shape.hidden_size, shape.num_attention_heads * d, ctx, **sp)
+        self.k_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
+        self.v_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
+        self.o_proj = RowParallelLinear(shape.num_attention_heads * d, shape.hidden_size, ctx, **sp)
+
+    def forward(self, x, cos, sin):
+        q = self.q_proj(x)                                   # [b, s, heads*d] (full s even under SP)
+        b, s, _ = q.shape
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = causal_attention(q, k, v)                      # [b, heads, s, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
+        super().__init__()
+        sp = dict(sequence_parallel=sequence_parallel)
+        self.gate_proj = ColumnParallelLinear(shape.hidden_size, shape.intermediate_size, ctx, **sp)
+        self.up_proj = ColumnParallelLinear(shape.hidden_size, shape.intermediate_size, ctx, **sp)
+        self.down_proj = RowParallelLinear(shape.intermediate_size, shape.hidden_size, ctx, **sp)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))   # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape, ctx, sequence_parallel)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape, ctx, sequence_parallel)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """HF's `model.*`: embedding (first stage), this stage's layers, final norm (last stage)."""
+
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range, sequence_parallel: bool):
+        super().__init__()
+        self.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, ctx,
+                                                    sequence_parallel=sequence_parallel)
+                             if ctx.is_first_stage else None)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx, sequence_parallel) for i in layer_ids})
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if ctx.is_last_stage else None
+
+
+class LlamaForCausalLM(nn.Module):
+    """One pipeline stage of a Llama (the whole model when pp == 1)."""
+
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range | None = None,
+                 sequence_parallel: bool = False, recompute_layer: bool = False):
+        super().__init__()
+        self.shape, self.ctx = shape, ctx
+        self.sequence_parallel, self.recompute_layer = sequence_parallel, recompute_layer
+        layer_ids = range(shape.num_hidden_layers) if layer_ids is None else layer_ids
+        self.model = LlamaBody(shape, ctx, layer_ids, sequence_parallel)
+        self.lm_head = None
+        if ctx.is_last_stage:
+            self.lm_head = ColumnParallelLinear(shape.hidden_size, shape.vocab_size, ctx,
+                                                sequence_parallel=sequence_parallel)
+            if shape.tie_word_embeddings and ctx.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        # Under SP the norm weights see only part of the sequence: their grads are summed over tp.
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, input_ids=None, hidden_states=None, labels=None):
+        """First stage: input_ids [b, s]. Other stages: hidden_states from the previous stage.
+        Last stage returns the mean token loss when labels are given, else this rank's logits shard;
+        other stages return hidden states."""
+        x = self.model.embed_tokens(input_ids) if self.ctx.is_first_stage else hidden_states
+        seq_len = x.shape[1] * (self.ctx.tp if self.sequence_parallel else 1)   # SP: x holds s/tp
+        cos, sin = rotary_tables(self.shape, seq_len, x.device)
+        for layer in self.model.layers.values():
+            if self.recompute_layer and self.training:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        if not self.ctx.is_last_stage:
+            return x
+        logits = self.lm_head(self.model.norm(x))           # [b, s, vocab/tp]
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.ctx).mean()
+
+
+def init_name(name: str, shape: LlamaShape) -> str:
+    """The name whose seed a parameter is drawn from: a tied lm_head draws the embedding's."""
+    if shape.tie_word_embeddings and name == "lm_head.weight":
+        return "model.embed_tokens.weight"
+    return name
+
+
+@torch.no_grad()
+def init_weights(model: LlamaForCausalLM, std: float, seed: int) -> None:
+    """Fill every parameter independently of the layout: draw the full tensor from a generator
+    seeded by (seed, parameter name) and keep this rank's tensor-parallel slice."""
+    ctx = model.ctx
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        dim = getattr(param, "tp_split_dim", None)
+        full_shape = list(param.shape)
+        if dim is not None:
+            full_shape[dim] *= ctx.tp
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(init_name(name, model.shape).encode()))
+        full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+        param.copy_(shard_tensor(full, dim, ctx))
+
+
+def count_parameters(shape: LlamaShape) -> int:
+    """Parameters of the whole model (all stages, unsharded), counting a tied embedding once."""
+    h, i, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    kv = shape.num_key_value_heads * shape.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    head = 0 if shape.tie_word_embeddings else v * h
+    return shape.num_hidden_layers * per_layer + v * h + head + h

@@ -1,0 +1,85 @@
+"""AdamW parameter groups, the learning-rate schedule, and clipping by the true global norm."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.zero import ZeroAdamW
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: norms (and biases, if any) are 1-D and are not decayed."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg, model: nn.Module, ctx: ParallelContext):
+    """torch AdamW (foreach or fused), or ZeRO-1 AdamW with state sharded over dp."""
+    o = cfg.optimizer
+    f = o.optimizer_factory
+    groups = parameter_groups(model, o.weight_decay)
+    lr = o.learning_rate_scheduler.learning_rate
+    betas = (f.adam_beta1, f.adam_beta2)
+    if o.zero_stage == 1:
+        return ZeroAdamW(groups, ctx.dp_group, ctx.dp_rank, ctx.dp, lr=lr, betas=betas, eps=f.adam_eps,
+                         weight_decay=o.weight_decay)
+    fused = bool(f.torch_adam_is_fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=f.adam_eps, fused=fused or None,
+                             foreach=None if fused else True)
+
+
+def lr_at(step: int, cfg) -> float:
+    """The learning rate used by the update of optimizer step `step` (the first step is 1)."""
+    s = cfg.optimizer.learning_rate_scheduler
+    peak, warmup = s.learning_rate, s.lr_warmup_steps
+    if step <= warmup:
+        return peak * step / warmup if s.lr_warmup_style == "linear" else peak
+    decay_steps = s.lr_decay_steps or max(cfg.tokens.train_steps - warmup, 1)
+    progress = min((step - warmup) / decay_steps, 1.0)
+    if s.lr_decay_style == "cosine":
+        return s.min_decay_lr + (peak - s.min_decay_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if s.lr_decay_style == "linear":
+        return peak - (peak - s.min_decay_lr) * progress
+    return peak
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def counts_once(param: nn.Parameter, ctx: ParallelContext) -> bool:
+    """Whether this rank's copy of `param` enters the global norm: a tp-replicated parameter is
+    counted on tp rank 0 only, a tied LM head on the last stage not at all (its twin, the
+    embedding on the first stage, holds the same summed gradient)."""
+    if getattr(param, "tied_copy", False):
+        return False
+    return getattr(param, "tp_split_dim", None) is not None or ctx.tp_rank == 0
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, each parameter counted once across tp and pp
+    (gradients are already identical across dp)."""
+    grads = [p.grad.float() for p in params if p.grad is not None and counts_once(p, ctx)]
+    device = params[0].device if params else torch.device("cpu")
+    sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+    if ctx.model_parallel_group is not None and ctx.tp * ctx.pp > 1:
+        dist.all_reduce(sq, group=ctx.model_parallel_group)
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_gradients(params: list[nn.Parameter], max_norm: float | None, ctx: ParallelContext) -> float:
+    """Scale the gradients so that the global norm is at most max_norm; returns the norm before."""
+    norm = global_grad_norm(params, ctx)
+    if max_norm is not None:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+    return norm.item()

@@ -1,0 +1,211 @@
+"""The training loop: batch -> pipeline step -> gradient sync -> clip -> optimizer -> metrics.
+
+The trainer does not know which engine or data source it drives; it asks for a batch, runs
+a step, and records what happened. It runs on every rank; only global rank 0 writes the run
+folder's shared files.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanoexp import config as C
+from nanoexp.data import build_datasets
+from nanoexp.data.loader import TrainBatches, eval_batches
+from nanoexp.metrics import MetricsWriter, flops_per_token, peak_memory_mb, peak_tflops
+from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, count_parameters, init_weights
+from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
+from nanoexp.parallel.pipeline import build_engine, split_layers
+
+log = logging.getLogger("nanoexp")
+
+
+def model_shape(cfg) -> LlamaShape:
+    m = cfg.model.model_config
+    return LlamaShape(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                      num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                      num_key_value_heads=C.num_kv_heads(cfg), vocab_size=C.padded_vocab_size(cfg),
+                      max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+                      rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings)
+
+
+def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
+    """This rank's shard of the model: its pipeline stage's layers, its tensor-parallel slices."""
+    shape = model_shape(cfg)
+    layer_ids = split_layers(shape.num_hidden_layers, ctx.pp)[ctx.pp_rank]
+    model = LlamaForCausalLM(shape, ctx, layer_ids, sequence_parallel=cfg.parallelism.tp_mode == "reduce_scatter",
+                             recompute_layer=cfg.parallelism.recompute_layer)
+    init_weights(model, cfg.model.init_method.std, cfg.general.seed)
+    if model.lm_head is not None and shape.tie_word_embeddings and not ctx.is_first_stage:
+        model.lm_head.weight.tied_copy = True   # twin of the first stage's embedding
+    return model.to(ctx.device)
+
+
+class Trainer:
+    def __init__(self, cfg, ctx: ParallelContext, run_dir: str):
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.is_writer = ctx.rank == 0
+        torch.manual_seed(cfg.general.seed)
+        self.shape = model_shape(cfg)
+        self.model = build_model(cfg, ctx)
+        self.raw_model = self.model
+        self.params = list(self.model.parameters())
+        self.optimizer = build_optimizer(cfg, self.model, ctx)
+        self.grad_sync = GradientBuckets(self.params, ctx.dp_group, ctx.dp)
+        self.engine = build_engine(cfg.parallelism.pp_engine, ctx)
+        self.accumulation = C.batch_accumulation(cfg)
+        self.global_batch = C.global_batch_size(cfg)
+        train_set, self.val_set, _ = build_datasets(cfg.tokenizer.tokenizer_name_or_path, cfg.tokens.sequence_length,
+                                                    cfg.data.validation_fraction)
+        self.batches = TrainBatches(train_set, self.global_batch, cfg.tokens.micro_batch_size,
+                                    ctx.dp_rank, ctx.dp, cfg.general.seed, prefetch=cfg.data.prefetch)
+        sp = cfg.parallelism.tp_mode == "reduce_scatter"
+        seq = cfg.tokens.sequence_length // (ctx.tp if sp else 1)
+        self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)
+        self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+                         if cfg.model.dtype == "bfloat16" else contextlib.nullcontext())
+        if cfg.model.compile:
+            for layer in self.model.model.layers.values():
+                layer.compile()
+        self.tokens_per_step = self.global_batch * cfg.tokens.sequence_length
+        self.flops_per_step = flops_per_token(self.shape, cfg.tokens.sequence_length) * self.tokens_per_step
+        self.peak = peak_tflops(ctx.device, cfg.model.dtype, cfg.logging.peak_tflops)
+        self.writer = MetricsWriter(run_dir, cfg, {}) if self.is_writer else None
+
+    # -- one optimizer step -------------------------------------------------------------
+    def forward_step(self, micro_batch, hidden_states):
+        """One micro-batch through this stage; the last stage returns its share of the step loss."""
+        ctx = self.ctx
+        with self.autocast:
+            out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if ctx.is_first_stage else None,
+                             hidden_states=hidden_states,
+                             labels=micro_batch["labels"].to(ctx.device) if ctx.is_last_stage else None)
+        return out / self.accumulation if ctx.is_last_stage else out
+
+    def sync_special_grads(self) -> None:
+        """Sum gradients that live twice in one replica: sequence-parallel norm weights (each tp
+        rank saw part of the sequence) and tied embeddings split over the first and last stage."""
+        ctx = self.ctx
+        if ctx.tp > 1:
+            sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+            if sp_params:
+                all_reduce_grads(sp_params, ctx.tp_group)
+        if self.shape.tie_word_embeddings and ctx.pp > 1 and (ctx.is_first_stage or ctx.is_last_stage):
+            tied = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
+            all_reduce_grads([tied], ctx.embedding_group)
+
+    def step_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean token loss of the global batch, identical on every rank."""
+        ctx = self.ctx
+        loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=ctx.device)
+        if ctx.pp > 1:   # only the last stage has it: summing over the pipeline broadcasts it
+            dist.all_reduce(loss, group=ctx.pp_group)
+        if ctx.dp > 1:
+            dist.all_reduce(loss, group=ctx.dp_group)
+            loss /= ctx.dp
+        return loss.item()
+
+    def compute_gradients(self, micro_batches: list[dict]) -> float:
+        """Forward and backward of one global batch; leaves the final gradients in .grad."""
+        losses = self.engine.run(self.forward_step, micro_batches, self.activation_shape, torch.float32,
+                                 on_last_backward=self.grad_sync.arm)
+        self.grad_sync.finish()
+        self.sync_special_grads()
+        return self.step_loss(losses)
+
+    def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
+        set_lr(self.optimizer, lr)
+        loss = self.compute_gradients(micro_batches)
+        grad_norm = clip_gradients(self.params, self.cfg.optimizer.clip_grad, self.ctx)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the held-out batches (forward only through the pipeline)."""
+        self.model.eval()
+        batches = list(eval_batches(self.val_set, self.cfg.tokens.micro_batch_size,
+                                    self.cfg.tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp))
+        saved, self.accumulation = self.accumulation, len(batches)
+        losses = self.engine.forward_only(self.forward_step, batches, self.activation_shape, torch.float32)
+        self.accumulation = saved
+        self.model.train()
+        return self.step_loss(losses)
+
+    # -- the loop ------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        summary = {"status": "failed", "world_size": self.ctx.world_size, "layout": self.ctx.layout,
+                   "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
+        step_times, record, eval_loss = [], {}, None
+        log.info("model: %s parameters, layout %s, global batch %d = dp %d x micro-batch %d x accumulation %d",
+                 f"{summary['num_parameters']:,}", self.ctx.layout, self.global_batch, self.ctx.dp,
+                 cfg.tokens.micro_batch_size, self.accumulation)
+        try:
+            for step in range(1, cfg.tokens.train_steps + 1):
+                start = time.perf_counter()
+                micro_batches = self.batches.next_step()
+                data_wait = self.batches.last_wait_sec
+                lr = lr_at(step, cfg)
+                loss, grad_norm = self.train_step(micro_batches, lr)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss} at step {step}")
+                step_time = time.perf_counter() - start
+                step_times.append(step_time)
+                record = self.step_record(step, loss, lr, grad_norm, step_time, data_wait)
+                if step % cfg.logging.iteration_step_info_interval == 0 or step == cfg.tokens.train_steps:
+                    self.log_record(record)
+                interval = cfg.tokens.val_check_interval
+                if (interval and step % interval == 0) or step == cfg.tokens.train_steps:
+                    eval_loss = self.evaluate()
+                    self.log_record({"step": step, "eval_loss": eval_loss})
+            summary["status"] = "completed"
+        except Exception as error:
+            summary["error"] = f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            self.batches.close()
+            timed = step_times[2:] or step_times
+            summary.update(final_loss=record.get("loss"), eval_loss=eval_loss, train_steps=record.get("step", 0),
+                           tokens_per_sec=self.tokens_per_step / statistics.mean(timed) if timed else None,
+                           mfu=record.get("mfu"), peak_memory_mb=peak_memory_mb(self.ctx.device),
+                           wall_seconds=time.perf_counter() - t0)
+            self.finish(summary)
+        return summary
+
+    def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
+        tflops = self.flops_per_step / step_time / 1e12
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_sec": self.tokens_per_step / step_time,
+                "consumed_tokens": step * self.tokens_per_step, "step_time_sec": step_time,
+                "data_wait_sec": data_wait, "peak_memory_mb": peak_memory_mb(self.ctx.device),
+                "model_tflops_per_sec": tflops,
+                "mfu": tflops / (self.peak * self.ctx.world_size) if self.peak else None}
+
+    def log_record(self, record: dict) -> None:
+        if not self.is_writer:
+            return
+        self.writer.write(record)
+        if "eval_loss" in record:
+            log.info("step %d | eval_loss %.4f", record["step"], record["eval_loss"])
+        else:
+            log.info("step %d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | %.0f MB",
+                     record["step"], record["loss"], record["lr"], record["grad_norm"],
+                     record["tokens_per_sec"], record["peak_memory_mb"])
+
+    def finish(self, summary: dict) -> None:
+        if self.is_writer:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.writer.close()

@@ -1,0 +1,40 @@
+"""Shared test helpers: compose the real config from conf/ and run training in-process."""
+from __future__ import annotations
+
+import json
+import os
+
+from hydra import compose, initialize_config_dir
+
+from nanoexp.config import register_configs
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+register_configs()
+
+# A model and run small enough for many runs per test session on 2 cores.
+FAST = ["model.model_config.hidden_size=64", "model.model_config.intermediate_size=128",
+        "model.model_config.num_hidden_layers=4", "model.model_config.num_attention_heads=4",
+        "model.model_config.num_key_value_heads=2", "tokens.sequence_length=32",
+        "tokens.global_batch_size=8", "tokens.micro_batch_size=2", "tokens.limit_val_batches=2",
+        "logging.tensorboard=false", "logging.iteration_step_info_interval=1", "data.prefetch=false"]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def train(run_dir: str, overrides: list[str]) -> list[dict]:
+    """Compose, validate and train (spawning local workers when dp*tp*pp > 1); return metrics.jsonl."""
+    from nanoexp.run import run
+    run(compose_config(overrides), str(run_dir))
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records if "loss" in r]

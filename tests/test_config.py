@@ -1,0 +1,90 @@
+"""The schema rejects unknown keys; validate() names the key and the fix for each bad value."""
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from nanoexp import config as C
+from tests.helpers import compose_config
+
+
+def test_defaults_compose_and_validate():
+    cfg = compose_config([])
+    C.validate(cfg, world_size=1, tokenizer_vocab_size=257)
+    assert C.global_batch_size(cfg) == 32 and C.batch_accumulation(cfg) == 8
+
+
+@pytest.mark.parametrize("layout", ["dp1tp1pp1", "dp2tp1pp1", "dp1tp2pp1", "dp1tp1pp2", "dp2tp2pp1", "dp2tp1pp2",
+                                    "dp1tp2pp2", "dp2tp2pp2", "dp4tp1pp1", "dp1tp1pp4", "dp8tp1pp1"])
+def test_every_shipped_layout_keeps_the_global_batch(layout):
+    cfg = compose_config([f"parallelism={layout}"])
+    p = cfg.parallelism
+    C.validate(cfg, world_size=p.dp * p.tp * p.pp, tokenizer_vocab_size=257)
+    assert C.global_batch_size(cfg) == 32
+
+
+def test_unknown_key_is_rejected_with_its_name():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["model.model_config.hiden_size=64"])
+    assert "hiden_size" in str(info.value.__cause__ or info.value)
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(ConfigCompositionException):
+        compose_config(["tokens.micro_batch_size=four"])
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.model_config.num_attention_heads=5"], "hidden_size"),
+    (["model.model_config.num_key_value_heads=3"], "num_key_value_heads"),
+    (["tokens.sequence_length=4096"], "max_position_embeddings"),
+    (["parallelism.tp=3"], "parallelism.tp=3"),
+    (["parallelism.pp=8"], "num_hidden_layers"),
+    (["parallelism.pp_engine=gpipe"], "parallelism.pp_engine"),
+    (["parallelism.tp_mode=ring"], "parallelism.tp_mode"),
+    (["tokens.global_batch_size=30"], "tokens.global_batch_size"),
+    (["tokens.micro_batch_size=0"], "tokens.micro_batch_size"),
+    (["optimizer.learning_rate_scheduler.lr_decay_style=exp"], "lr_decay_style"),
+    (["optimizer.learning_rate_scheduler.lr_warmup_steps=5000"], "lr_warmup_steps"),
+    (["optimizer.optimizer_factory.name=sgd"], "optimizer.optimizer_factory.name"),
+    (["model.dtype=float16"], "model.dtype"),
+])
+def test_invalid_values_name_the_key(overrides, key):
+    cfg = compose_config(overrides)
+    with pytest.raises(C.ConfigError) as info:
+        C.validate(cfg, world_size=cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp,
+                   tokenizer_vocab_size=257)
+    assert key in str(info.value)
+
+
+def test_world_size_mismatch_and_small_vocab():
+    cfg = compose_config(["parallelism=dp2tp1pp1"])
+    with pytest.raises(C.ConfigError, match="world size is 4"):
+        C.validate(cfg, world_size=4)
+    cfg = compose_config(["model.model_config.vocab_size=200"])
+    with pytest.raises(C.ConfigError, match="vocab_size=200"):
+        C.validate(cfg, world_size=1, tokenizer_vocab_size=257)
+
+
+def test_upper_case_enums_are_accepted():
+    cfg = compose_config(["parallelism.tp_mode=REDUCE_SCATTER", "parallelism.pp_engine=1F1B"])
+    C.validate(cfg, world_size=1, tokenizer_vocab_size=257)
+    assert cfg.parallelism.tp_mode == "reduce_scatter" and cfg.parallelism.pp_engine == "1f1b"
+
+
+def test_explicit_accumulation_wins():
+    cfg = compose_config(["tokens.batch_accumulation_per_replica=2", "parallelism.dp=2"])
+    assert C.global_batch_size(cfg) == 2 * 4 * 2
+
+
+def test_command_line_errors_are_short(tmp_path):
+    """train.py prints one readable message and exits non-zero, with no traceback."""
+    root = __file__.rsplit("/tests/", 1)[0]
+    for override, needle in [("model.model_config.hiden_size=64", "hiden_size"),
+                             ("parallelism.tp=3", "parallelism.tp=3")]:
+        proc = subprocess.run([sys.executable, "train.py", override, f"hydra.run.dir={tmp_path}/run"],
+                              cwd=root, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr

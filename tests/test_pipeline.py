@@ -1,0 +1,221 @@
+"""Pipeline engines (nanoexp/parallel/pipeline.py) on a toy model over forked gloo ranks.
+
+The toy model is NUM_LAYERS blocks of Linear + tanh; the last stage's loss is the MSE of a
+micro-batch scaled by 1/num_micro_batches, so summing over micro-batches gives the step loss.
+Gradients are compared with a single-process run of the whole model over the same
+micro-batches. In float32 only the summation order can differ, hence atol/rtol 1e-6.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+# Imported here, not in the workers: forked ranks inherit it instead of each paying the import.
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.pipeline import (AllForwardAllBackward, OneForwardOneBackward,
+                                       build_engine, split_layers)
+from tests.distributed import run_distributed
+
+HIDDEN, MB_SIZE, NUM_LAYERS = 8, 4, 8
+TOL = dict(atol=1e-6, rtol=1e-6)  # float32, only the summation order differs
+
+
+def make_blocks() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(NUM_LAYERS)]
+
+
+def make_micro_batches(num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(MB_SIZE, HIDDEN, generator=g), torch.randn(MB_SIZE, HIDDEN, generator=g))
+            for _ in range(num)]
+
+
+def grads_by_layer(blocks, layers) -> dict[int, list[torch.Tensor]]:
+    return {i: [p.grad.clone() for p in block.parameters()] for i, block in zip(layers, blocks)}
+
+
+def reference(num_micro: int):
+    """One process, whole model, plain gradient accumulation: (grads by layer, losses)."""
+    blocks = make_blocks()
+    model = nn.Sequential(*blocks)
+    losses = []
+    for x, target in make_micro_batches(num_micro):
+        loss = F.mse_loss(model(x), target) / num_micro
+        loss.backward()
+        losses.append(loss.detach())
+    return grads_by_layer(blocks, range(NUM_LAYERS)), losses
+
+
+def make_forward_step(ctx, stage, num_micro):
+    def forward_step(micro_batch, input_tensor):
+        x, target = micro_batch
+        out = stage(x if input_tensor is None else input_tensor)
+        return F.mse_loss(out, target) / num_micro if ctx.is_last_stage else out
+    return forward_step
+
+
+def run_engine(ctx, name, num_micro):
+    """Run one engine on this rank's stage; returns grads, losses, max_in_flight and the
+    order of events (one 'grad' per backward through the stage, 'hook' for on_last_backward)."""
+    layers = split_layers(NUM_LAYERS, ctx.pp)[ctx.pp_rank]
+    blocks = [make_blocks()[i] for i in layers]
+    stage = nn.Sequential(*blocks)
+    events = []
+    stage[0][0].weight.register_hook(lambda g: events.append("grad"))
+    engine = build_engine(name, ctx)
+    losses = engine.run(make_forward_step(ctx, stage, num_micro), make_micro_batches(num_micro),
+                        (MB_SIZE, HIDDEN), torch.float32, on_last_backward=lambda: events.append("hook"))
+    return dict(grads=grads_by_layer(blocks, layers), losses=losses,
+                max_in_flight=engine.max_in_flight, events=events)
+
+
+def run_torch_1f1b(ctx, num_micro):
+    """The same stage and micro-batches under torch.distributed.pipelining's Schedule1F1B."""
+    layers = split_layers(NUM_LAYERS, ctx.pp)[ctx.pp_rank]
+    blocks = [make_blocks()[i] for i in layers]
+    stage = PipelineStage(nn.Sequential(*blocks), ctx.pp_rank, ctx.pp, torch.device("cpu"),
+                          group=ctx.pp_group)
+    # Its loss_fn gets one micro-batch and is NOT scaled by the caller; with scale_grads=True
+    # (the default) it divides the gradients by n_microbatches after the step instead. So an
+    # unscaled MSE here equals our MSE / num_micro, and its losses are ours * num_micro.
+    schedule = Schedule1F1B(stage, num_micro, loss_fn=F.mse_loss, scale_grads=True)
+    mbs = make_micro_batches(num_micro)
+    # It splits the full batch along dim 0 into equal chunks: exactly our micro-batches.
+    inputs = torch.cat([x for x, _ in mbs])
+    targets = torch.cat([t for _, t in mbs])
+    losses = []
+    if ctx.is_first_stage:
+        schedule.step(inputs)
+    elif ctx.is_last_stage:
+        schedule.step(target=targets, losses=losses)
+    else:
+        schedule.step()
+    return dict(grads=grads_by_layer(blocks, layers), losses=[l.detach() / num_micro for l in losses])
+
+
+def portable(obj):
+    """Tensors -> numpy arrays and back, recursively. Tensors put on the result queue as-is
+    travel through shared memory that dies with the worker, so ship plain copies."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy().copy()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v) for v in obj)
+    return obj
+
+
+def _pipeline_worker(rank, world_size, pp, dp, num_micro, with_torch):
+    ctx = ParallelContext(dp=dp, pp=pp)
+    out = {name: run_engine(ctx, name, num_micro) for name in ("afab", "1f1b")}
+    if with_torch:
+        out["torch"] = run_torch_1f1b(ctx, num_micro)
+    out["pp_rank"] = ctx.pp_rank
+    return portable(out)
+
+
+def assert_grads_close(got, expected, **tol):
+    for layer, grads in got.items():
+        for g, ref in zip(grads, expected[layer]):
+            torch.testing.assert_close(g, ref, **tol)
+
+
+# (2, 2, 3): two data-parallel replicas, so stage neighbours are not rank +- 1.
+@pytest.mark.parametrize("pp,dp,num_micro", [(2, 1, 4), (4, 1, 6), (2, 2, 3)])
+def test_engines_match_single_process_and_torch(pp, dp, num_micro):
+    ref_grads, ref_losses = reference(num_micro)
+    results = portable(run_distributed(_pipeline_worker, pp * dp, pp, dp, num_micro, True))
+    covered = set()
+    for res in results:
+        r, afab, ofob, torch_ref = res["pp_rank"], res["afab"], res["1f1b"], res["torch"]
+        covered |= set(afab["grads"])
+        # 1. both engines reproduce single-process gradient accumulation
+        assert_grads_close(afab["grads"], ref_grads, **TOL)
+        assert_grads_close(ofob["grads"], ref_grads, **TOL)
+        # 2. AFAB and 1F1B run the same per-micro-batch ops in the same backward order
+        assert_grads_close(ofob["grads"], afab["grads"], atol=0, rtol=0)
+        assert afab["max_in_flight"] == num_micro
+        assert 1 <= ofob["max_in_flight"] <= pp - r
+        # 3. torch.distributed.pipelining's Schedule1F1B agrees
+        assert_grads_close(torch_ref["grads"], ofob["grads"], **TOL)
+        # 4. on_last_backward fires once, right before the last backward through the stage
+        for engine in (afab, ofob):
+            assert engine["events"] == ["grad"] * (num_micro - 1) + ["hook", "grad"]
+        # losses: per micro-batch, only on the last stage
+        if r == pp - 1:
+            for losses in (afab["losses"], ofob["losses"], torch_ref["losses"]):
+                torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), **TOL)
+                assert not losses[0].requires_grad
+        else:
+            assert afab["losses"] == [] and ofob["losses"] == []
+    assert covered == set(range(NUM_LAYERS))
+
+
+def _few_micro_batches_worker(rank, world_size, counts):
+    ctx = ParallelContext(pp=world_size)
+    return portable((ctx.pp_rank, [run_engine(ctx, "1f1b", m) for m in counts]))
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages():
+    # pp=4 with 1 and 3 micro-batches: the warm-up is capped, the schedule only has more bubble.
+    counts = [1, 3]
+    results = portable(run_distributed(_few_micro_batches_worker, 4, counts))
+    for m, i in zip(counts, range(len(counts))):
+        ref_grads, ref_losses = reference(m)
+        for r, runs in results:
+            res = runs[i]
+            assert_grads_close(res["grads"], ref_grads, **TOL)
+            assert res["max_in_flight"] <= min(m, 4 - r)
+            assert res["events"] == ["grad"] * (m - 1) + ["hook", "grad"]
+            if r == 3:
+                torch.testing.assert_close(torch.stack(res["losses"]), torch.stack(ref_losses), **TOL)
+
+
+@pytest.mark.parametrize("name", ["afab", "1f1b"])
+def test_pp1_is_plain_gradient_accumulation(name):
+    ctx = ParallelContext()  # one process, no process group
+    res = run_engine(ctx, name, 3)
+    ref_grads, ref_losses = reference(3)
+    assert_grads_close(res["grads"], ref_grads, atol=0, rtol=0)  # identical ops and order
+    torch.testing.assert_close(torch.stack(res["losses"]), torch.stack(ref_losses), atol=0, rtol=0)
+    assert res["max_in_flight"] == 1
+    assert res["events"] == ["grad", "grad", "hook", "grad"]
+
+
+def test_split_layers():
+    assert split_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_layers(5, 1) == [range(0, 5)]
+    for n, pp in [(7, 3), (13, 5), (4, 4)]:
+        sizes = [len(r) for r in split_layers(n, pp)]
+        assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+        assert sizes == sorted(sizes, reverse=True)  # earlier stages get the extra layers
+    with pytest.raises(ValueError):
+        split_layers(3, 4)
+    with pytest.raises(ValueError):
+        split_layers(3, 0)
+
+
+def test_build_engine():
+    ctx = ParallelContext()
+    assert isinstance(build_engine("afab", ctx), AllForwardAllBackward)
+    assert isinstance(build_engine("1F1B", ctx), OneForwardOneBackward)
+    assert isinstance(build_engine("AFAB", ctx), AllForwardAllBackward)
+    with pytest.raises(ValueError, match="parallelism.pp_engine"):
+        build_engine("gpipe", ctx)
+
+
+def test_wrong_activation_shape_is_reported():
+    ctx = ParallelContext(pp=1)
+    engine = build_engine("1f1b", ctx)
+    # With pp == 1 the stage is also the last stage, so use a fake 2-stage view of it.
+    ctx.pp, ctx.pp_rank = 2, 0
+    with pytest.raises(ValueError, match="tensor_shape"):
+        engine.run(lambda mb, x: torch.zeros(3, requires_grad=True), [None], (2,), torch.float32)

@@ -1,0 +1,35 @@
+"""nanoexp's entry point: Hydra composes conf/ into one config, nanoexp validates and launches it.
+
+    python train.py                                  # tiny Llama, built-in corpus, one process
+    python train.py parallelism=dp2tp2pp2            # 8 local processes (or under torchrun/SLURM)
+    python train.py -m parallelism=dp2tp1pp1,dp1tp2pp1 optimizer.learning_rate_scheduler.learning_rate=1e-3,3e-4
+"""
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from nanoexp.config import register_configs
+from nanoexp.launch import launcher_env
+
+register_configs()
+
+
+def quiet_nonzero_ranks() -> None:
+    """Under torchrun every rank composes the config; only rank 0 may make a run folder (Hydra
+    names it by the clock, so ranks would disagree). The others learn rank 0's folder later."""
+    env = launcher_env()
+    if env and env["rank"] != 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null",
+                     "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg) -> None:
+    from nanoexp.run import main as run_main
+    run_main(cfg, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    quiet_nonzero_ranks()
+    main()
