@@ -27,9 +27,9 @@ TIED = ["model.model_config.tie_word_embeddings=true"]
 
 # First step: identical weights and samples, only reduction order differs -> float32 rounding.
 FIRST_STEP_ATOL = 1e-5
-# Later steps: AdamW's normalised update turns ~1e-7 gradient differences into ~1e-5 weight
-# differences per step (lr 1e-3); measured drift after 10 steps stays below 1e-4 in loss.
-LATER_STEP_ATOL = 5e-4
+# Later steps: AdamW amplifies the rounding differences step by step; measured drift after 10
+# steps at lr 1e-3 is ~1e-6 in loss, so 1e-4 leaves room while catching any real bug.
+LATER_STEP_ATOL = 1e-4
 
 # The parity matrix: all eight layouts with dp, tp, pp in {1, 2}, plus pp4 and dp4, each
 # engine where pp > 1, each tp mode where tp > 1, ZeRO-1 and tied embeddings across stages.
