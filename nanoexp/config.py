@@ -129,7 +129,6 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_tflops: Optional[float] = None   # null: look the device up in the known-peak table
-    progress_bar: bool = True
 
 
 @dataclass

@@ -94,15 +94,19 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, poll_s: float = 0.2)
         if failure is not None or any(p.is_alive() for p in procs):
             _stop(procs)
     if failure is not None:
-        rank, code = failure
-        message, trace = f"exited with code {code}", ""
-        time.sleep(0.1)   # let the failing rank's report reach the queue
+        time.sleep(0.2)   # let a failing rank's report reach the queue
+        reports = []
         while not errors.empty():
-            first_rank, first_message, first_trace = errors.get()
-            if first_rank == rank or not trace:
-                message, trace = first_message, first_trace
-                if first_rank == rank:
-                    break
+            reports.append(errors.get())
+        # Root cause: the first rank seen dead, if a signal killed it (it could not report);
+        # else the first report. Other ranks usually fail only because their peer went away.
+        first_rank, code = failure
+        if code < 0 and first_rank not in {report[0] for report in reports}:
+            rank, message, trace = first_rank, f"killed by signal {-code}", ""
+        elif reports:
+            rank, message, trace = reports[0]
+        else:
+            rank, message, trace = first_rank, f"exited with code {code}", ""
         log.error("rank %d failed: %s\n%s", rank, message, trace)
         raise WorkerFailed(f"rank {rank} failed: {message}")
 
