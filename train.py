@@ -4,10 +4,12 @@
     python train.py parallelism=dp2tp2pp2            # 8 local processes (or under torchrun/SLURM)
     python train.py -m parallelism=dp2tp1pp1,dp1tp2pp1 optimizer.learning_rate_scheduler.learning_rate=1e-3,3e-4
 """
+import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
 from nanoexp.config import register_configs
 from nanoexp.launch import launcher_env
@@ -24,10 +26,12 @@ def quiet_nonzero_ranks() -> None:
                      "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"),
+            config_name="config")
 def main(cfg) -> None:
     from nanoexp.run import main as run_main
-    run_main(cfg, HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_main(cfg, hydra_cfg.runtime.output_dir, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""Bad configurations and command lines: each is rejected at start-up, before any process group
+or training work, with a non-zero exit and a short message that names the key.
+
+The table drives `train.py`'s real entry point in-process (Hydra parses the command line exactly as
+in a shell), which keeps ~30 cases fast. README.md's "What is guarded" table lists the same cases.
+"""
+import os
+import sys
+from unittest import mock
+
+import pytest
+
+import train
+
+T = "optimizer.learning_rate_scheduler."
+M = "model.model_config."
+# (id, command-line overrides, extra environment, text the message must contain)
+CASES = [
+    ("unknown key", [M + "hiden_size=64"], {}, "hiden_size"),
+    ("unknown section", ["trainer.steps=3"], {}, "trainer"),
+    ("wrong type int", ["tokens.micro_batch_size=four"], {}, "micro_batch_size"),
+    ("wrong type float", [T + "learning_rate=fast"], {}, "learning_rate"),
+    ("zero micro batch", ["tokens.micro_batch_size=0"], {}, "tokens.micro_batch_size=0"),
+    ("negative steps", ["tokens.train_steps=-5"], {}, "tokens.train_steps=-5"),
+    ("zero sequence", ["tokens.sequence_length=0"], {}, "tokens.sequence_length=0"),
+    ("zero dp", ["parallelism.dp=0"], {}, "parallelism.dp=0"),
+    ("heads do not divide hidden", [M + "num_attention_heads=5", M + "num_key_value_heads=5"], {},
+     "hidden_size=128 is not divisible by num_attention_heads=5"),
+    ("kv heads do not divide heads", [M + "num_key_value_heads=3"], {}, "num_key_value_heads=3"),
+    ("odd head dim", [M + "hidden_size=120"], {}, "head dimension must be even"),
+    ("dp*tp*pp != world size", [], {"RANK": "0", "WORLD_SIZE": "3"}, "world size is 3"),
+    ("heads not divisible by tp", ["parallelism.tp=3"], {}, "num_attention_heads=8 is not divisible by parallelism.tp=3"),
+    ("kv heads not divisible by tp", [M + "num_key_value_heads=2", "parallelism.tp=4"], {},
+     "num_key_value_heads=2 is not divisible by parallelism.tp=4"),
+    ("vocab not divisible by tp", ["model.make_vocab_size_divisible_by=1", "parallelism.tp=2"], {},
+     "model.make_vocab_size_divisible_by"),
+    ("more stages than layers", ["parallelism.pp=8"], {}, "num_hidden_layers=4"),
+    ("sequence beyond positions", ["tokens.sequence_length=4096"], {}, "max_position_embeddings"),
+    ("sequence not divisible by tp under SP", ["tokens.sequence_length=127", "parallelism.tp=2",
+                                              "parallelism.tp_mode=reduce_scatter"], {}, "tokens.sequence_length=127"),
+    ("unknown engine", ["parallelism.pp_engine=gpipe"], {}, "parallelism.pp_engine=gpipe"),
+    ("unknown tp mode", ["parallelism.tp_mode=ring"], {}, "parallelism.tp_mode=ring"),
+    ("unknown optimizer", ["optimizer.optimizer_factory.name=sgd"], {}, "optimizer.optimizer_factory.name=sgd"),
+    ("unknown decay style", [T + "lr_decay_style=exp"], {}, "lr_decay_style=exp"),
+    ("unknown warmup style", [T + "lr_warmup_style=cubic"], {}, "lr_warmup_style=cubic"),
+    ("warm-up longer than training", ["tokens.train_steps=10", T + "lr_warmup_steps=20"], {}, "lr_warmup_steps=20"),
+    ("min lr above peak", [T + "min_decay_lr=1.0"], {}, "min_decay_lr"),
+    ("negative clip", ["optimizer.clip_grad=-1"], {}, "optimizer.clip_grad=-1"),
+    ("unknown zero stage", ["optimizer.zero_stage=3"], {}, "optimizer.zero_stage=3"),
+    ("global batch not divisible", ["tokens.global_batch_size=30"], {}, "tokens.global_batch_size=30"),
+    ("tokenizer vocab above model vocab", [M + "vocab_size=200"], {}, "vocab_size=200"),
+    ("tokenizer path missing", ["tokenizer.tokenizer_name_or_path=/no/such/tokenizer"], {},
+     "tokenizer.tokenizer_name_or_path"),
+    ("unknown dtype", ["model.dtype=float16"], {}, "model.dtype=float16"),
+    ("unknown wandb mode", ["logging.wandb.mode=cloud"], {}, "logging.wandb.mode=cloud"),
+]
+
+
+def run_cli(overrides, env, run_dir):
+    """Run train.py's entry point with these overrides; return (exit code, stderr text)."""
+    argv = ["train.py", *overrides, f"hydra.run.dir={run_dir}"]
+    with mock.patch.object(sys, "argv", argv), mock.patch.dict(os.environ, env), \
+            pytest.raises(SystemExit) as exit_info:
+        train.main()
+    return exit_info.value.code
+
+
+@pytest.mark.parametrize("name, overrides, env, needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_rejected_before_work(name, overrides, env, needle, tmp_path, capsys):
+    code = run_cli(overrides, env, tmp_path / "run")
+    err = capsys.readouterr().err
+    assert code not in (0, None)
+    assert needle in err, err
+    assert "Traceback" not in err and len(err.splitlines()) <= 12   # one short message, no stack
+    # Nothing was trained: no metrics, no summary, no process group.
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_at_least_25_cases():
+    assert len(CASES) >= 25
