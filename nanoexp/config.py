@@ -5,8 +5,9 @@ at composition time; `validate` holds every cross-field check and runs before an
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -32,7 +33,7 @@ class TokensConfig:
     global_batch_size: int = 32
     train_steps: int = 1000
     val_check_interval: int = 250
-    limit_val_batches: int = 16
+    limit_val_batches: int = 4    # global batches of held-out data per evaluation (0: all)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     clip_grad: Optional[float] = 1.0
     zero_stage: int = 0
+    skip_nonfinite_steps: bool = False   # true: skip an update whose loss or gradient is NaN/Inf
     learning_rate_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
 
 
@@ -97,16 +99,25 @@ class ParallelismConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    pp_engine: str = "1f1b"        # afab | 1f1b
+    pp_engine: str = "1f1b"        # afab | 1f1b | interleaved_1f1b
+    pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b only)
     tp_mode: str = "all_reduce"    # all_reduce | reduce_scatter (sequence parallel)
     recompute_layer: bool = False
+    collective_timeout_s: float = 600.0   # a rank stuck this long in a collective is an error
 
 
 @dataclass
 class DataConfig:
-    name: str = "builtin"          # the built-in Shakespeare corpus
+    name: str = "builtin"          # builtin (Shakespeare) | nanoset | hf
     validation_fraction: float = 0.05
     prefetch: bool = True
+    dataset_folder: List[str] = field(default_factory=list)   # nanoset: one folder per dataset
+    dataset_weights: Optional[List[float]] = None             # nanoset: blend weights (null: equal)
+    hf_dataset_or_datasets: Optional[str] = None              # hf: local path or Hub name
+    hf_dataset_config_name: Optional[str] = None
+    hf_dataset_splits: str = "train"
+    text_column_name: str = "text"
+    streaming: bool = False
 
 
 @dataclass
@@ -114,6 +125,11 @@ class CheckpointConfig:
     checkpoint_interval: int = 0               # 0: only at the end
     checkpoints_path: Optional[str] = None     # null: <run folder>/checkpoints
     save_final_state: bool = True
+    resume: str = "auto"                       # auto: continue from the newest checkpoint in checkpoints_path | never
+    resume_checkpoint_path: Optional[str] = None   # a checkpoint folder to resume from (wins over resume)
+    keep_last_n: Optional[int] = None          # null: keep every checkpoint
+    load_optimizer: bool = True                # false: fresh AdamW state (fine-tuning from weights)
+    load_lr_scheduler: bool = True             # false: the LR schedule restarts at the resumed step
 
 
 @dataclass
@@ -124,11 +140,31 @@ class WandbConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    """torch.profiler trace of a few steps into <run>/profiler/ (nanoexp/profiling.py)."""
+    enabled: bool = False
+    wait: int = 1          # steps skipped first
+    warmup: int = 1        # steps traced but dropped (the profiler's own start-up)
+    active: int = 2        # steps recorded
+    record_shapes: bool = False
+
+
+@dataclass
 class LoggingConfig:
     iteration_step_info_interval: int = 10
     tensorboard: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_tflops: Optional[float] = None   # null: look the device up in the known-peak table
+    pipeline_trace: bool = False          # per-rank pipeline timeline in <run>/pipeline_trace/
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Deliberate faults, for the robustness tests (all off by default)."""
+    nonfinite_loss_at_step: Optional[int] = None   # the loss of this step becomes NaN
+    hang_at_step: Optional[int] = None             # rank `hang_rank` sleeps before this step
+    hang_rank: int = 0
 
 
 @dataclass
@@ -142,7 +178,7 @@ class NanoexpConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    run_dir: Optional[str] = None   # filled in by train.py: the run folder every rank writes into
+    fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
 def register_configs() -> None:
@@ -153,12 +189,13 @@ class ConfigError(ValueError):
     """An invalid configuration: one line per problem, each naming the key and the fix."""
 
 
-PP_ENGINES = ("afab", "1f1b")
+PP_ENGINES = ("afab", "1f1b", "interleaved_1f1b")
 TP_MODES = ("all_reduce", "reduce_scatter")
 DTYPES = ("float32", "bfloat16")
 DECAY_STYLES = ("linear", "cosine", "constant")
 WARMUP_STYLES = ("linear", "constant")
 OPTIMIZERS = ("adamw",)
+DATA_SOURCES = ("builtin", "nanoset", "hf")
 
 
 def normalize(cfg: Any) -> None:
@@ -218,6 +255,7 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
         "tokens.global_batch_size": t.global_batch_size,
         "tokens.train_steps": t.train_steps,
         "parallelism.dp": p.dp, "parallelism.tp": p.tp, "parallelism.pp": p.pp,
+        "parallelism.pp_virtual_stages": p.pp_virtual_stages,
     }
     for key, value in positive.items():
         check(value > 0, f"{key}={value}: must be a positive integer")
@@ -278,6 +316,23 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
               f"tokens.micro_batch_size = {p.dp * t.micro_batch_size}: change one, or set "
               "tokens.batch_accumulation_per_replica explicitly")
     # Fewer micro-batches than stages is allowed: the pipeline stays correct, only the bubble grows.
+    if p.pp_engine == "interleaved_1f1b":
+        v, micro = p.pp_virtual_stages, batch_accumulation(cfg)
+        check(p.pp >= 2, f"parallelism.pp_engine=interleaved_1f1b needs parallelism.pp >= 2 (got {p.pp})")
+        check(v >= 2, f"parallelism.pp_virtual_stages={v}: interleaved_1f1b needs at least 2 chunks per rank "
+              "(with 1 use parallelism.pp_engine=1f1b)")
+        check(m.num_hidden_layers >= p.pp * v,
+              f"model.model_config.num_hidden_layers={m.num_hidden_layers} is smaller than parallelism.pp * "
+              f"pp_virtual_stages = {p.pp * v}: every virtual stage needs at least one layer")
+        check(micro % p.pp == 0,
+              f"micro-batches per step (tokens.batch_accumulation_per_replica = {micro}) is not a multiple of "
+              f"parallelism.pp={p.pp}: interleaved_1f1b sends micro-batches in groups of pp; change "
+              "tokens.global_batch_size or tokens.micro_batch_size")
+    else:
+        check(p.pp_virtual_stages == 1, f"parallelism.pp_virtual_stages={p.pp_virtual_stages} needs "
+              f"parallelism.pp_engine=interleaved_1f1b (got {p.pp_engine})")
+    check(p.collective_timeout_s > 0,
+          f"parallelism.collective_timeout_s={p.collective_timeout_s}: must be positive (seconds)")
     check(t.val_check_interval >= 0, f"tokens.val_check_interval={t.val_check_interval}: must be >= 0 (0: only at the end)")
 
     # Optimizer and schedule.
@@ -299,14 +354,47 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
     if cfg.optimizer.clip_grad is not None:
         check(cfg.optimizer.clip_grad > 0, f"optimizer.clip_grad={cfg.optimizer.clip_grad}: must be positive or null")
 
+    # Checkpoints and initial weights.
+    ck = cfg.checkpoint
+    check(ck.checkpoint_interval >= 0,
+          f"checkpoint.checkpoint_interval={ck.checkpoint_interval}: must be >= 0 (0: only at the end)")
+    check(ck.resume in ("auto", "never"), f"checkpoint.resume={ck.resume}: allowed values are auto, never")
+    check(ck.keep_last_n is None or ck.keep_last_n >= 1,
+          f"checkpoint.keep_last_n={ck.keep_last_n}: must be >= 1 or null (keep all)")
+    if ck.resume_checkpoint_path:
+        check(os.path.isfile(os.path.join(ck.resume_checkpoint_path, "meta.json")),
+              f"checkpoint.resume_checkpoint_path={ck.resume_checkpoint_path}: no such checkpoint "
+              "(a folder <checkpoints_path>/<step> holding meta.json)")
+    if cfg.model.init_method.path:
+        check(os.path.isfile(os.path.join(cfg.model.init_method.path, "config.json")),
+              f"model.init_method.path={cfg.model.init_method.path}: not a Hugging Face model folder "
+              "(no config.json there)")
+
     # Data and logging.
-    check(cfg.data.name == "builtin", f"data.name={cfg.data.name}: allowed values are builtin")
+    d = cfg.data
+    check(d.name in DATA_SOURCES, f"data.name={d.name}: allowed values are {', '.join(DATA_SOURCES)}")
+    if d.name == "nanoset":
+        check(len(d.dataset_folder) > 0, "data.dataset_folder is empty: give one or more Nanoset folders, "
+              "e.g. data.dataset_folder=[data/nanoset/web]")
+        if d.dataset_weights is not None:
+            check(len(d.dataset_weights) == len(d.dataset_folder),
+                  f"data.dataset_weights has {len(d.dataset_weights)} values for {len(d.dataset_folder)} "
+                  "data.dataset_folder entries: give one weight per folder (or null for equal weights)")
+            check(all(w > 0 for w in d.dataset_weights),
+                  f"data.dataset_weights={list(d.dataset_weights)}: every weight must be positive")
+    if d.name == "hf":
+        check(bool(d.hf_dataset_or_datasets), "data.hf_dataset_or_datasets is not set: give a local path or a Hub name")
+        check(bool(d.text_column_name), "data.text_column_name is empty: name the column holding the text")
     check(0 < cfg.data.validation_fraction < 1,
           f"data.validation_fraction={cfg.data.validation_fraction}: must be between 0 and 1")
     check(cfg.logging.iteration_step_info_interval > 0,
           f"logging.iteration_step_info_interval={cfg.logging.iteration_step_info_interval}: must be positive")
     check(cfg.logging.wandb.mode in ("disabled", "offline", "online"),
           f"logging.wandb.mode={cfg.logging.wandb.mode}: allowed values are disabled, offline, online")
+    prof = cfg.logging.profiler
+    check(prof.wait >= 0 and prof.warmup >= 0 and prof.active >= 1,
+          f"logging.profiler.wait={prof.wait}, warmup={prof.warmup}, active={prof.active}: wait and warmup must "
+          "be >= 0 and active >= 1")
 
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -38,6 +38,20 @@ def launcher_env() -> dict | None:
     return None
 
 
+def export_slurm_rendezvous() -> None:
+    """Under SLURM tasks (not torchrun), point torch's env:// rendezvous at the allocation: MASTER_ADDR is
+    the first node of SLURM_JOB_NODELIST, MASTER_PORT derives from the job id (every task computes the
+    same, concurrent jobs differ), LOCAL_WORLD_SIZE is the tasks per node. Values already set win."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    from submitit.slurm.slurm import SlurmJobEnvironment   # parses compressed node lists like gpu[01-04]
+    job = SlurmJobEnvironment()
+    env.setdefault("MASTER_ADDR", job.hostnames[0])
+    env.setdefault("MASTER_PORT", str(20000 + int(job.raw_job_id) % 40000))
+    env.setdefault("LOCAL_WORLD_SIZE", str(job.num_tasks // job.num_nodes))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,12 +73,13 @@ def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s
                             device_id=device if device.type == "cuda" else None)
 
 
-def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
+                  timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         device = setup_device(rank, world_size)
-        init_distributed(rank, world_size, device)
+        init_distributed(rank, world_size, device, timeout_s)
         fn(rank, world_size, device, *args)
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - any failure must reach the parent
@@ -72,17 +87,18 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
         raise SystemExit(1)
 
 
-def spawn_local(world_size: int, fn: Callable, args: tuple, poll_s: float = 0.2) -> None:
+def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
     """Run fn(rank, world_size, device, *args) in world_size local processes and watch them."""
     method = "spawn" if torch.cuda.is_available() else "fork"   # CUDA cannot be forked
     context = mp.get_context(method)
     errors = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_local_worker, args=(r, world_size, port, fn, args, errors), daemon=False)
+    procs = [context.Process(target=_local_worker, args=(r, world_size, port, fn, args, errors, timeout_s),
+                             daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
-    failure = None
+    failure, killed = None, []
     try:
         while any(p.is_alive() for p in procs) and failure is None:
             time.sleep(poll_s)
@@ -90,23 +106,24 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, poll_s: float = 0.2)
                 if p.exitcode not in (None, 0):
                     failure = (rank, p.exitcode)
                     break
+        if failure is not None:
+            time.sleep(0.5)   # let the peers of a dead rank notice, and the reports arrive
+            killed = [(r, -p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
     finally:
         if failure is not None or any(p.is_alive() for p in procs):
             _stop(procs)
     if failure is not None:
-        time.sleep(0.2)   # let a failing rank's report reach the queue
         reports = []
         while not errors.empty():
             reports.append(errors.get())
-        # Root cause: the first rank seen dead, if a signal killed it (it could not report);
-        # else the first report. Other ranks usually fail only because their peer went away.
-        first_rank, code = failure
-        if code < 0 and first_rank not in {report[0] for report in reports}:
-            rank, message, trace = first_rank, f"killed by signal {-code}", ""
+        # Root cause: a rank killed by a signal (it could not report; its peers then fail with
+        # connection errors), else the first report.
+        if killed:
+            rank, message, trace = killed[0][0], f"killed by signal {killed[0][1]}", ""
         elif reports:
             rank, message, trace = reports[0]
         else:
-            rank, message, trace = first_rank, f"exited with code {code}", ""
+            rank, message, trace = failure[0], f"exited with code {failure[1]}", ""
         log.error("rank %d failed: %s\n%s", rank, message, trace)
         raise WorkerFailed(f"rank {rank} failed: {message}")
 

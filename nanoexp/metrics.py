@@ -12,24 +12,48 @@ import torch
 
 from nanoexp.model.llama import LlamaShape
 
-# Dense peak FLOP/s per device, from the vendors' datasheets (without sparsity).
-# bf16: NVIDIA H100 SXM / H200 SXM 989 TFLOP/s, A100 SXM 312 TFLOP/s; float32 (non-tensor-core)
-# H100/H200 67, A100 19.5. CPUs have no entry: set logging.peak_tflops to get an MFU there.
-PEAK_TFLOPS = {
-    ("H200", "bfloat16"): 989.0, ("H100", "bfloat16"): 989.0, ("A100", "bfloat16"): 312.0,
-    ("H200", "float32"): 67.0, ("H100", "float32"): 67.0, ("A100", "float32"): 19.5,
-}
+# Dense (no 2:4 sparsity) peak TFLOP/s per GPU and model.dtype, matched against
+# torch.cuda.get_device_name in this order (so "H100 PCIe" wins over "H100").
+# Sources, NVIDIA datasheets: "H200 Tensor Core GPU" (H200 SXM), "H100 Tensor Core GPU" (H100 SXM
+# and PCIe), "A100 Tensor Core GPU" (A100 SXM/PCIe). bfloat16 is the tensor-core BF16 figure (the
+# datasheets print it with sparsity: 1979 / 1513 / 624, halved here); float32 is the plain FP32
+# (non-tensor-core) figure, since PyTorch does not use TF32 for matmuls by default. CPUs have no
+# entry: set logging.peak_tflops to get an MFU there.
+PEAK_TFLOPS = [
+    ("H200", "bfloat16", 989.0), ("H200", "float32", 67.0),
+    ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "float32", 51.0),
+    ("H100", "bfloat16", 989.0), ("H100", "float32", 67.0),
+    ("A100", "bfloat16", 312.0), ("A100", "float32", 19.5),
+]
 
 
 def flops_per_token(shape: LlamaShape, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), as in PaLM (Chowdhery et al.
-    2022, appendix B): 6 * (matmul parameters) + 12 * layers * hidden * seq for attention scores
-    and values. The attention term counts the full s x s matrix (not the causal half), and the
-    embedding lookup is not a matmul so its parameters are left out; the LM head is counted."""
-    h, i, v, L = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_hidden_layers
-    kv = shape.num_key_value_heads * shape.head_dim
-    matmul_params = L * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h
-    return 6.0 * matmul_params + 12.0 * L * h * seq_len
+    """Model FLOPs per training token (forward + backward = 3x forward), as in PaLM (Chowdhery
+    et al. 2022, appendix B): 6 * (matmul parameters) + 12 * layers * hidden * seq for attention
+    scores and values. The attention term counts the full s x s matrix (not the causal half),
+    and the embedding lookup is not a matmul so its parameters are left out; the LM head is
+    counted. Recomputed work is not model work: `mfu` and `model_tflops_per_sec` use this."""
+    h, L = shape.hidden_size, shape.num_hidden_layers
+    return 6.0 * (L * layer_matmul_params(shape) + shape.vocab_size * h) + 12.0 * L * h * seq_len
+
+
+def layer_matmul_params(shape: LlamaShape) -> int:
+    """Weights of one decoder block that enter matmuls: q, o (h x h), k, v (h x kv), gate, up, down."""
+    h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    return 2 * h * h + 2 * h * kv + 3 * h * shape.intermediate_size
+
+
+def hardware_flops_per_token(shape: LlamaShape, seq_len: int, recompute_layer: bool) -> float:
+    """FLOPs the hardware executes per training token: the model FLOPs plus, with activation
+    recomputation, the forward of every decoder block rerun during backward (per layer
+    2 * block matmul parameters + 4 * hidden * seq for attention) minus its down projection:
+    torch's non-reentrant checkpoint stops recomputing once every saved tensor is back, and
+    nothing saves down_proj's output. Behind `hardware_tflops_per_sec`."""
+    extra = 0.0
+    if recompute_layer:
+        rerun = layer_matmul_params(shape) - shape.hidden_size * shape.intermediate_size
+        extra = shape.num_hidden_layers * (2.0 * rerun + 4.0 * shape.hidden_size * seq_len)
+    return flops_per_token(shape, seq_len) + extra
 
 
 def peak_tflops(device: torch.device, dtype: str, override: float | None) -> float | None:
@@ -38,7 +62,7 @@ def peak_tflops(device: torch.device, dtype: str, override: float | None) -> flo
         return float(override)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for (gpu, table_dtype), value in PEAK_TFLOPS.items():
+        for gpu, table_dtype, value in PEAK_TFLOPS:
             if gpu in name and table_dtype == dtype:
                 return value
     return None

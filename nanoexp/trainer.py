@@ -18,14 +18,18 @@ import torch
 import torch.distributed as dist
 
 from nanoexp import config as C
+from nanoexp.checkpoint import CheckpointManager
 from nanoexp.data import build_datasets
 from nanoexp.data.loader import TrainBatches, eval_batches
-from nanoexp.metrics import MetricsWriter, flops_per_token, peak_memory_mb, peak_tflops
+from nanoexp.hf import load_hf_weights
+from nanoexp.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token, peak_memory_mb, peak_tflops
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, count_parameters, init_weights
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
 from nanoexp.parallel.pipeline import build_engine, split_layers
+from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
+from nanoexp.profiling import StepProfiler
 
 log = logging.getLogger("nanoexp")
 
@@ -40,12 +44,18 @@ def model_shape(cfg) -> LlamaShape:
 
 
 def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
-    """This rank's shard of the model: its pipeline stage's layers, its tensor-parallel slices."""
+    """This rank's shard of the model: its pipeline stage's layers, its tensor-parallel slices.
+    With v = parallelism.pp_virtual_stages > 1 the layers form pp·v stages and this rank holds
+    v chunks of them: chunk c is stage c·pp + pp_rank (interleaved 1F1B)."""
     shape = model_shape(cfg)
-    layer_ids = split_layers(shape.num_hidden_layers, ctx.pp)[ctx.pp_rank]
+    v = cfg.parallelism.pp_virtual_stages
+    stages = split_layers(shape.num_hidden_layers, ctx.pp * v)
+    layer_ids = [stages[c * ctx.pp + ctx.pp_rank] for c in range(v)] if v > 1 else stages[ctx.pp_rank]
     model = LlamaForCausalLM(shape, ctx, layer_ids, sequence_parallel=cfg.parallelism.tp_mode == "reduce_scatter",
                              recompute_layer=cfg.parallelism.recompute_layer)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed)
+    if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
+        load_hf_weights(model, cfg.model.init_method.path, ctx)
     if model.lm_head is not None and shape.tie_word_embeddings and not ctx.is_first_stage:
         model.lm_head.weight.tied_copy = True   # twin of the first stage's embedding
     return model.to(ctx.device)
@@ -55,20 +65,27 @@ class Trainer:
     def __init__(self, cfg, ctx: ParallelContext, run_dir: str):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.is_writer = ctx.rank == 0
+        self.step, self.skipped_steps = 0, 0   # the optimizer step being run; updates skipped as non-finite
         torch.manual_seed(cfg.general.seed)
         self.shape = model_shape(cfg)
         self.model = build_model(cfg, ctx)
-        self.raw_model = self.model
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(cfg, self.model, ctx)
-        self.grad_sync = GradientBuckets(self.params, ctx.dp_group, ctx.dp)
-        self.engine = build_engine(cfg.parallelism.pp_engine, ctx)
+        self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
+        self.resume = self.checkpoints.restore(self.model, self.optimizer)
+        p = cfg.parallelism
+        self.trace = (PipelineTrace.for_run(run_dir, ctx, p.pp_engine, p.pp_virtual_stages)
+                      if cfg.logging.pipeline_trace else NO_TRACE)
+        # One set of buckets per chunk: a chunk's gradients are final after its own last backward.
+        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_group, ctx.dp,
+                                           trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
+        self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
         self.global_batch = C.global_batch_size(cfg)
-        train_set, self.val_set, _ = build_datasets(cfg.tokenizer.tokenizer_name_or_path, cfg.tokens.sequence_length,
-                                                    cfg.data.validation_fraction)
+        train_set, self.val_set, _ = build_datasets(cfg)
         self.batches = TrainBatches(train_set, self.global_batch, cfg.tokens.micro_batch_size,
-                                    ctx.dp_rank, ctx.dp, cfg.general.seed, prefetch=cfg.data.prefetch)
+                                    ctx.dp_rank, ctx.dp, cfg.general.seed, prefetch=cfg.data.prefetch,
+                                    consumed_samples=self.resume.consumed_samples)
         sp = cfg.parallelism.tp_mode == "reduce_scatter"
         seq = cfg.tokens.sequence_length // (ctx.tp if sp else 1)
         self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)
@@ -79,18 +96,31 @@ class Trainer:
                 layer.compile()
         self.tokens_per_step = self.global_batch * cfg.tokens.sequence_length
         self.flops_per_step = flops_per_token(self.shape, cfg.tokens.sequence_length) * self.tokens_per_step
+        self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards
+            self.shape, cfg.tokens.sequence_length, cfg.parallelism.recompute_layer)
+        self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
         self.peak = peak_tflops(ctx.device, cfg.model.dtype, cfg.logging.peak_tflops)
         self.writer = MetricsWriter(run_dir, cfg, {}) if self.is_writer else None
 
     # -- one optimizer step -------------------------------------------------------------
-    def forward_step(self, micro_batch, hidden_states):
-        """One micro-batch through this stage; the last stage returns its share of the step loss."""
-        ctx = self.ctx
+    def forward_step(self, micro_batch, hidden_states, chunk=0):
+        """One micro-batch through this stage (its chunk `chunk` with virtual stages); the last
+        stage returns its share of the step loss."""
+        ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
         with self.autocast:
-            out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if ctx.is_first_stage else None,
+            out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
-                             labels=micro_batch["labels"].to(ctx.device) if ctx.is_last_stage else None)
-        return out / self.accumulation if ctx.is_last_stage else out
+                             labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
+        if last and self.step == self.cfg.fault_injection.nonfinite_loss_at_step:
+            out = out * float("nan")
+        return out / self.accumulation if last else out
+
+    def inject_hang(self, step: int) -> None:
+        """fault_injection.hang_at_step: one rank stops answering, as a stuck GPU or host would."""
+        fault = self.cfg.fault_injection
+        if step == fault.hang_at_step and self.ctx.rank == fault.hang_rank:
+            log.warning("fault injection: rank %d hangs at step %d", self.ctx.rank, step)
+            time.sleep(3600)
 
     def sync_special_grads(self) -> None:
         """Sum gradients that live twice in one replica: sequence-parallel norm weights (each tp
@@ -118,8 +148,10 @@ class Trainer:
     def compute_gradients(self, micro_batches: list[dict]) -> float:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""
         losses = self.engine.run(self.forward_step, micro_batches, self.activation_shape, torch.float32,
-                                 on_last_backward=self.grad_sync.arm)
-        self.grad_sync.finish()
+                                 on_last_backward=lambda chunk: self.grad_syncs[chunk].arm())
+        for grad_sync in self.grad_syncs:
+            grad_sync.finish()
+        self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
         self.sync_special_grads()
         return self.step_loss(losses)
 
@@ -127,6 +159,15 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss = self.compute_gradients(micro_batches)
         grad_norm = clip_gradients(self.params, self.cfg.optimizer.clip_grad, self.ctx)
+        # Loss and norm are identical on every rank, so every rank takes the same branch.
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            if not self.cfg.optimizer.skip_nonfinite_steps:
+                raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
+                                         "(set optimizer.skip_nonfinite_steps=true to skip such steps)")
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
+            return loss, grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
@@ -135,8 +176,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean token loss over the held-out batches (forward only through the pipeline)."""
         self.model.eval()
-        batches = list(eval_batches(self.val_set, self.cfg.tokens.micro_batch_size,
-                                    self.cfg.tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp))
+        batches = eval_batches(self.val_set, self.global_batch, self.cfg.tokens.micro_batch_size,
+                               self.cfg.tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp)
         saved, self.accumulation = self.accumulation, len(batches)
         losses = self.engine.forward_only(self.forward_step, batches, self.activation_shape, torch.float32)
         self.accumulation = saved
@@ -153,14 +194,16 @@ class Trainer:
                  f"{summary['num_parameters']:,}", self.ctx.layout, self.global_batch, self.ctx.dp,
                  cfg.tokens.micro_batch_size, self.accumulation)
         try:
-            for step in range(1, cfg.tokens.train_steps + 1):
+            stopped = False
+            for step in range(self.resume.step + 1, cfg.tokens.train_steps + 1):
                 start = time.perf_counter()
                 micro_batches = self.batches.next_step()
                 data_wait = self.batches.last_wait_sec
-                lr = lr_at(step, cfg)
+                lr = lr_at(step - self.resume.lr_step_offset, cfg)
+                self.step = step
+                self.inject_hang(step)
                 loss, grad_norm = self.train_step(micro_batches, lr)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss} at step {step}")
+                self.profiler.step()
                 step_time = time.perf_counter() - start
                 step_times.append(step_time)
                 record = self.step_record(step, loss, lr, grad_norm, step_time, data_wait)
@@ -170,12 +213,17 @@ class Trainer:
                 if (interval and step % interval == 0) or step == cfg.tokens.train_steps:
                     eval_loss = self.evaluate()
                     self.log_record({"step": step, "eval_loss": eval_loss})
-            summary["status"] = "completed"
+                stopped = self.checkpoints.after_step(step, step == cfg.tokens.train_steps, self.model,
+                                                      self.optimizer, self.batches.consumed_samples)
+                if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
+                    break
+            summary["status"] = "stopped" if stopped else "completed"
         except Exception as error:
             summary["error"] = f"{type(error).__name__}: {error}"
             raise
         finally:
             self.batches.close()
+            self.profiler.close()
             timed = step_times[2:] or step_times
             summary.update(final_loss=record.get("loss"), eval_loss=eval_loss, train_steps=record.get("step", 0),
                            tokens_per_sec=self.tokens_per_step / statistics.mean(timed) if timed else None,
@@ -190,7 +238,8 @@ class Trainer:
                 "tokens_per_sec": self.tokens_per_step / step_time,
                 "consumed_tokens": step * self.tokens_per_step, "step_time_sec": step_time,
                 "data_wait_sec": data_wait, "peak_memory_mb": peak_memory_mb(self.ctx.device),
-                "model_tflops_per_sec": tflops,
+                "skipped_steps": self.skipped_steps, "model_tflops_per_sec": tflops,
+                "hardware_tflops_per_sec": self.hardware_flops_per_step / step_time / 1e12,
                 "mfu": tflops / (self.peak * self.ctx.world_size) if self.peak else None}
 
     def log_record(self, record: dict) -> None:
@@ -205,6 +254,7 @@ class Trainer:
                      record["tokens_per_sec"], record["peak_memory_mb"])
 
     def finish(self, summary: dict) -> None:
+        self.trace.close()
         if self.is_writer:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)

@@ -16,7 +16,8 @@ FAST = ["model.model_config.hidden_size=64", "model.model_config.intermediate_si
         "model.model_config.num_hidden_layers=4", "model.model_config.num_attention_heads=4",
         "model.model_config.num_key_value_heads=2", "tokens.sequence_length=32",
         "tokens.global_batch_size=8", "tokens.micro_batch_size=2", "tokens.limit_val_batches=2",
-        "logging.tensorboard=false", "logging.iteration_step_info_interval=1", "data.prefetch=false"]
+        "logging.tensorboard=false", "logging.iteration_step_info_interval=1", "data.prefetch=false",
+        "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
 
 
 def compose_config(overrides: list[str]):

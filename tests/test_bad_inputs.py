@@ -79,3 +79,30 @@ def test_bad_input_is_rejected_before_work(name, overrides, env, needle, tmp_pat
 
 def test_at_least_25_cases():
     assert len(CASES) >= 25
+
+
+def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
+    """The cases that need files: a missing or incompatible resume checkpoint, a dataset folder
+    without metadata, data smaller than one batch."""
+    from tests.helpers import FAST, train
+    from tests.test_nanoset import write_nanoset
+
+    train(tmp_path / "saved", FAST + ["tokens.train_steps=1", "tokens.val_check_interval=0",
+                                      "optimizer.learning_rate_scheduler.lr_warmup_steps=0"])
+    checkpoint = tmp_path / "saved" / "checkpoints" / "1"
+    (tmp_path / "no_metadata").mkdir()
+    small = write_nanoset(tmp_path / "small", ["to be or not to be"] * 12)
+    capsys.readouterr()   # drop what the set-up run printed (stale handlers of earlier Hydra runs)
+    cases = [
+        (["checkpoint.resume_checkpoint_path=/no/such/checkpoint"], "checkpoint.resume_checkpoint_path"),
+        (FAST + [f"checkpoint.resume_checkpoint_path={checkpoint}", M + "hidden_size=96"],
+         "model.embed_tokens.weight"),
+        (["data=nanoset", f"data.dataset_folder=[{tmp_path / 'no_metadata'}]"], "metadata.json"),
+        (FAST + ["data=nanoset", f"data.dataset_folder=[{small}]", "data.validation_fraction=0.3"],
+         "fewer than one global batch"),
+    ]
+    for overrides, needle in cases:
+        code = run_cli(overrides, {}, tmp_path / "run")
+        err = capsys.readouterr().err
+        assert code not in (0, None) and needle in err, (overrides, err)
+        assert "Traceback" not in err and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoexp.data import (
-    ByteTokenizer, GlobalBatchSampler, HFTokenizer, PackedDataset, TrainBatches, build_datasets,
+    ByteTokenizer, GlobalBatchSampler, HFTokenizer, PackedDataset, TrainBatches, build_builtin_datasets,
     build_tokenizer, eval_batches, load_builtin_documents, shard_for_dp, split_micro_batches,
     split_train_val,
 )
@@ -147,7 +147,7 @@ def test_packing_overlaps_by_one_and_covers_all_tokens(small_docs, small_ds):
 
 
 def test_build_datasets_from_config_values():
-    train, val, tok = build_datasets("byte", 64, 0.05)
+    train, val, tok = build_builtin_datasets("byte", 64, 0.05)
     assert tok.name == "byte" and len(train) > 10 * len(val) > 0
     assert train[0].shape == (65,)
 
@@ -244,14 +244,15 @@ def test_unclosed_loader_is_collected(small_ds):
     assert not thread.is_alive()
 
 
-def test_eval_batches(small_ds):
-    mbs, dp = 2, 2
-    per_rank = [list(eval_batches(small_ds, mbs, 3, r, dp)) for r in range(dp)]
-    assert [len(b) for b in per_rank] == [3, 3]
-    seen = sorted(tuple(row.tolist()) for b in per_rank for mb in b for row in mb["input_ids"])
-    expected = sorted(tuple(small_ds[i][:-1].tolist()) for i in range(3 * mbs * dp))
-    assert seen == expected
-    assert [torch.equal(a["input_ids"], b["input_ids"])
-            for a, b in zip(per_rank[0], eval_batches(small_ds, mbs, 3, 0, dp))] == [True] * 3
-    full = list(eval_batches(small_ds, mbs, None, 0, dp))
-    assert len(full) == len(small_ds) // (mbs * dp) == len(list(eval_batches(small_ds, mbs, 0, 1, dp)))
+def test_eval_batches_do_not_depend_on_the_layout(small_ds):
+    G = 8
+    reference = [mb["input_ids"] for mb in eval_batches(small_ds, G, 8, 3, 0, 1)]
+    for dp, mbs in [(2, 2), (4, 1), (2, 4), (1, 2)]:
+        per_rank = [eval_batches(small_ds, G, mbs, 3, r, dp) for r in range(dp)]
+        assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == 3 * G // (dp * mbs)
+        seen = sorted(tuple(row.tolist()) for b in per_rank for mb in b for row in mb["input_ids"])
+        assert seen == sorted(tuple(row.tolist()) for batch in reference for row in batch)
+    expected = sorted(tuple(small_ds[i][:-1].tolist()) for i in range(3 * G))
+    assert sorted(tuple(row.tolist()) for batch in reference for row in batch) == expected
+    full = eval_batches(small_ds, G, 2, None, 0, 2)
+    assert len(full) == (len(small_ds) // G) * G // 4 == len(eval_batches(small_ds, G, 2, 0, 1, 2))

@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["tokens.train_steps=10", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
          "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
 TIED = ["model.model_config.tie_word_embeddings=true"]
+# Two chunks per pp rank: with FAST's 4 layers and pp=2, each chunk holds one layer.
+INTERLEAVED = ["parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2"]
 
 # First step: identical weights and samples, only reduction order differs -> float32 rounding.
 FIRST_STEP_ATOL = 1e-5
@@ -45,34 +47,43 @@ CASES = {
     "dp2tp2pp2-1f1b-reduce_scatter": ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
     "dp1tp1pp4-1f1b": ["parallelism=dp1tp1pp4"],
     "dp4tp1pp1-zero1": ["parallelism=dp4tp1pp1", "optimizer.zero_stage=1"],
+    "dp1tp1pp2-interleaved": ["parallelism=dp1tp1pp2"] + INTERLEAVED,
+    "dp2tp1pp2-interleaved": ["parallelism=dp2tp1pp2"] + INTERLEAVED,
 }
 TIED_CASES = {
     "tied-dp1tp2pp2-afab": ["parallelism=dp1tp2pp2", "parallelism.pp_engine=afab"],
     "tied-dp2tp1pp2-1f1b": ["parallelism=dp2tp1pp2"],
+    "tied-dp1tp2pp2-interleaved": ["parallelism=dp1tp2pp2"] + INTERLEAVED,
 }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
-    return {"untied": train_losses(train(root / "untied", FAST + STEPS)),
-            "tied": train_losses(train(root / "tied", FAST + STEPS + TIED))}
+    return {"untied": train(root / "untied", FAST + STEPS), "tied": train(root / "tied", FAST + STEPS + TIED)}
 
 
-def assert_same_curve(losses, expected):
+def eval_losses(records) -> list[float]:
+    return [r["eval_loss"] for r in records if "eval_loss" in r]
+
+
+def assert_same_curve(records, expected_records):
+    """Training losses step by step, and the final eval loss (evaluated on the same samples)."""
+    losses, expected = train_losses(records), train_losses(expected_records)
     assert len(losses) == len(expected) == 10
+    np.testing.assert_allclose(eval_losses(records), eval_losses(expected_records), atol=LATER_STEP_ATOL, rtol=0)
     assert abs(losses[0] - expected[0]) < FIRST_STEP_ATOL, (losses[0], expected[0])
     np.testing.assert_allclose(losses, expected, atol=LATER_STEP_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_reproduces_single_process_losses(name, reference, tmp_path):
-    assert_same_curve(train_losses(train(tmp_path, FAST + STEPS + CASES[name])), reference["untied"])
+    assert_same_curve(train(tmp_path, FAST + STEPS + CASES[name]), reference["untied"])
 
 
 @pytest.mark.parametrize("name", list(TIED_CASES))
 def test_tied_embeddings_across_stages(name, reference, tmp_path):
-    assert_same_curve(train_losses(train(tmp_path, FAST + STEPS + TIED + TIED_CASES[name])), reference["tied"])
+    assert_same_curve(train(tmp_path, FAST + STEPS + TIED + TIED_CASES[name]), reference["tied"])
 
 
 def _first_step(rank, world_size, overrides):
@@ -103,7 +114,8 @@ def full_gradients(results) -> dict:
     ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
     ["parallelism=dp2tp2pp2", "parallelism.pp_engine=afab"] + TIED,
     ["parallelism=dp1tp1pp4"],
-], ids=["dp2tp2pp2-sp", "dp2tp2pp2-afab-tied", "dp1tp1pp4"])
+    ["parallelism=dp2tp1pp2"] + INTERLEAVED + TIED,
+], ids=["dp2tp2pp2-sp", "dp2tp2pp2-afab-tied", "dp1tp1pp4", "dp2tp1pp2-interleaved-tied"])
 def test_first_step_gradients_match_single_process(overrides):
     tied = TIED if TIED[0] in overrides else []
     (expected,) = run_distributed(_first_step, 1, ["parallelism=dp1tp1pp1"] + tied)

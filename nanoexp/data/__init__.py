@@ -1,23 +1,31 @@
-"""Data pipeline: built-in corpus, tokenizers, packing, the global sample order and loaders.
+"""Data pipeline: tokenizers, the built-in corpus, Nanosets, Hugging Face datasets, blending,
+the global sample order and loaders.
 
-Typical use from config values::
+Typical use from a config::
 
-    train_ds, val_ds, tok = build_datasets(cfg.tokenizer.tokenizer_name_or_path,
-                                           cfg.tokens.sequence_length, cfg.data.validation_fraction)
+    train_ds, val_ds, tok = build_datasets(cfg)        # cfg.data.name: builtin | nanoset | hf
     batches = TrainBatches(train_ds, global_batch_size, micro_batch_size, dp_rank, dp_size,
                            seed=cfg.general.seed, consumed_samples=0, prefetch=cfg.data.prefetch)
 """
 
+from .blend import BlendedOrder, ConcatDataset
 from .corpus import load_builtin_documents, load_builtin_titles, split_train_val
+from .hf_dataset import TokenStream, build_hf_datasets, load_hf_dataset
 from .loader import TrainBatches, collate, eval_batches
-from .packed import PackedDataset, build_datasets
-from .sampler import GlobalBatchSampler, shard_for_dp, split_micro_batches
+from .nanoset import Nanoset, NanosetError, NanosetWriter, open_nanoset
+from .packed import PackedDataset, TokenWindows, build_builtin_datasets
+from .sampler import GlobalBatchSampler, SequentialOrder, sample_order_for, shard_for_dp, split_micro_batches
+from .sources import DataError, build_datasets, check_data
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "build_tokenizer",
     "load_builtin_documents", "load_builtin_titles", "split_train_val",
-    "PackedDataset", "build_datasets",
-    "GlobalBatchSampler", "shard_for_dp", "split_micro_batches",
+    "TokenWindows", "PackedDataset", "build_builtin_datasets",
+    "Nanoset", "NanosetWriter", "NanosetError", "open_nanoset",
+    "ConcatDataset", "BlendedOrder",
+    "TokenStream", "load_hf_dataset", "build_hf_datasets",
+    "GlobalBatchSampler", "SequentialOrder", "sample_order_for", "shard_for_dp", "split_micro_batches",
     "TrainBatches", "collate", "eval_batches",
+    "DataError", "build_datasets", "check_data",
 ]

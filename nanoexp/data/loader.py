@@ -9,31 +9,30 @@ from typing import Iterator, Optional
 
 import torch
 
-from .packed import PackedDataset
-from .sampler import GlobalBatchSampler, shard_for_dp, split_micro_batches
+from .sampler import sample_order_for, shard_for_dp, split_micro_batches
 
 Batch = dict[str, torch.Tensor]
 
 
-def collate(dataset: PackedDataset, indices: list[int]) -> Batch:
+def collate(dataset, indices: list[int]) -> Batch:
     """Stack samples into ``{"input_ids", "labels"}``, each LongTensor[len(indices), sequence_length]."""
     samples = torch.stack([dataset[i] for i in indices])
     return {"input_ids": samples[:, :-1].contiguous(), "labels": samples[:, 1:].contiguous()}
 
 
-def _build_step(dataset: PackedDataset, sampler: GlobalBatchSampler, start: int,
+def _build_step(dataset, order, start: int, global_batch_size: int,
                 dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
-    global_indices = sampler.indices(start, sampler.global_batch_size)
+    global_indices = order.indices(start, global_batch_size)
     mine = shard_for_dp(global_indices, dp_rank, dp_size)
     return [collate(dataset, mb) for mb in split_micro_batches(mine, micro_batch_size)]
 
 
-def _produce(out: queue.Queue, stop: threading.Event, dataset: PackedDataset, sampler: GlobalBatchSampler,
-             start: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
+def _produce(out: queue.Queue, stop: threading.Event, dataset, order, start: int, global_batch_size: int,
+             dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
     """Prefetch loop: put ("ok", step batches) for successive steps until ``stop`` is set."""
     while not stop.is_set():
         try:
-            item = ("ok", _build_step(dataset, sampler, start, dp_rank, dp_size, micro_batch_size))
+            item = ("ok", _build_step(dataset, order, start, global_batch_size, dp_rank, dp_size, micro_batch_size))
         except Exception as exc:  # hand the error to the training thread instead of dying silently
             item = ("error", exc)
         while not stop.is_set():
@@ -44,20 +43,22 @@ def _produce(out: queue.Queue, stop: threading.Event, dataset: PackedDataset, sa
                 continue
         if item[0] == "error":
             return
-        start += sampler.global_batch_size
+        start += global_batch_size
 
 
 class TrainBatches:
     """The training micro-batches of one data-parallel rank, one optimizer step at a time.
 
-    Every rank builds the same global batch from :class:`GlobalBatchSampler` and keeps its own
-    contiguous share, so the data seen by a step does not depend on the dp/micro-batch layout.
-    With ``prefetch`` a daemon thread prepares upcoming steps while the current one trains.
+    Every rank builds the same global batch from the dataset's sample order (see
+    :func:`sample_order_for`) and keeps its own contiguous share, so the data seen by a step does
+    not depend on the dp/micro-batch layout; tp/pp peers (same dp rank) get the same micro-batches.
+    With ``prefetch`` a daemon thread prepares upcoming steps while the current one trains; it is
+    then the only reader of ``dataset`` (a stream is read by one thread).
     """
 
     _QUEUE_SIZE = 2
 
-    def __init__(self, dataset: PackedDataset, global_batch_size: int, micro_batch_size: int,
+    def __init__(self, dataset, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0, prefetch: bool = True):
         if global_batch_size % (micro_batch_size * dp_size) != 0:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
@@ -66,7 +67,7 @@ class TrainBatches:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.sampler = GlobalBatchSampler(len(dataset), global_batch_size, seed)
+        self.sampler = sample_order_for(dataset, global_batch_size, seed)
         self.consumed_samples = consumed_samples
         self.last_wait_sec = 0.0  # seconds the last next_step() spent waiting for data
         self._queue: Optional[queue.Queue] = None
@@ -75,9 +76,10 @@ class TrainBatches:
         if prefetch:
             self._queue = queue.Queue(maxsize=self._QUEUE_SIZE)
             # The thread gets no reference to self, so an unclosed loader can still be collected
-            # (__del__ then stops the thread). It also gets its own sampler: no shared cache.
-            sampler = GlobalBatchSampler(len(dataset), global_batch_size, seed)
-            args = (self._queue, self._stop, dataset, sampler, consumed_samples, dp_rank, dp_size, micro_batch_size)
+            # (__del__ then stops the thread). It also gets its own order: no shared cache.
+            order = sample_order_for(dataset, global_batch_size, seed)
+            args = (self._queue, self._stop, dataset, order, consumed_samples, global_batch_size,
+                    dp_rank, dp_size, micro_batch_size)
             self._thread = threading.Thread(target=_produce, args=args, name="nanoexp-prefetch", daemon=True)
             self._thread.start()
 
@@ -88,7 +90,7 @@ class TrainBatches:
             raise RuntimeError("TrainBatches is closed")
         t0 = time.perf_counter()
         if self._queue is None:
-            batches = _build_step(self.dataset, self.sampler, self.consumed_samples,
+            batches = _build_step(self.dataset, self.sampler, self.consumed_samples, self.global_batch_size,
                                   self.dp_rank, self.dp_size, self.micro_batch_size)
         else:
             kind, payload = self._queue.get()
@@ -128,19 +130,21 @@ class TrainBatches:
             pass
 
 
-def eval_batches(dataset: PackedDataset, micro_batch_size: int, limit_batches: Optional[int],
-                 dp_rank: int, dp_size: int) -> Iterator[Batch]:
-    """Yield this rank's validation micro-batches, in a fixed order (no shuffling).
+def eval_batches(dataset, global_batch_size: int, micro_batch_size: int, limit_batches: Optional[int],
+                 dp_rank: int, dp_size: int) -> list[Batch]:
+    """This rank's validation micro-batches, in a fixed order (no shuffling).
 
-    Together, all ranks cover the first ``limit_batches * micro_batch_size * dp_size`` samples
-    (or every full round of ``micro_batch_size * dp_size`` samples if ``limit_batches`` is
-    None or 0); round ``b`` gives rank ``r`` samples ``(b*dp + r)*mbs ..``. Every rank yields
-    the same number of batches, which may be zero for a tiny validation set.
+    The held-out set is read in global batches of the training size, so the samples evaluated
+    (the first ``limit_batches * global_batch_size``, or every full global batch when
+    ``limit_batches`` is None or 0) do not depend on the layout: round ``b`` covers samples
+    ``b*G .. (b+1)*G`` and rank ``r`` takes its contiguous ``G/dp`` share, as in training.
+    Every rank gets the same number of micro-batches, which may be zero for a tiny set.
     """
-    per_round = micro_batch_size * dp_size
-    rounds = len(dataset) // per_round
+    rounds = len(dataset) // global_batch_size
     if limit_batches:
         rounds = min(rounds, limit_batches)
+    batches = []
     for b in range(rounds):
-        start = (b * dp_size + dp_rank) * micro_batch_size
-        yield collate(dataset, list(range(start, start + micro_batch_size)))
+        mine = shard_for_dp(list(range(b * global_batch_size, (b + 1) * global_batch_size)), dp_rank, dp_size)
+        batches += [collate(dataset, indices) for indices in split_micro_batches(mine, micro_batch_size)]
+    return batches

@@ -1,4 +1,4 @@
-"""Packing documents into fixed-length training samples."""
+"""Fixed-length training samples cut from one token stream (in memory or memory-mapped)."""
 
 from __future__ import annotations
 
@@ -11,35 +11,31 @@ from .corpus import load_builtin_documents, split_train_val
 from .tokenizer import Tokenizer, build_tokenizer
 
 
-class PackedDataset:
-    """All documents tokenized, each followed by ``eod_id``, concatenated into one token stream.
+class TokenWindows:
+    """Sample ``i`` of a token stream is ``tokens[i*L : i*L + L + 1]`` with ``L = sequence_length``.
 
-    Sample ``i`` is ``tokens[i*L : i*L + L + 1]`` with ``L = sequence_length``: the model reads
-    the first ``L`` tokens and predicts the last ``L``. Consecutive samples share one token, so
-    every token after the first is a prediction target exactly once. The tail that does not fill
-    a whole sample is dropped.
+    The model reads the first ``L`` tokens and predicts the last ``L``. Consecutive samples share
+    one token, so every token after the first is a prediction target exactly once. The tail that
+    does not fill a whole sample is dropped. ``tokens`` may be any 1-D array, including a
+    ``np.memmap`` (only the touched pages are read). ``source`` names the data in error messages.
     """
 
-    def __init__(self, documents: Sequence[str], tokenizer: Tokenizer, sequence_length: int):
+    def __init__(self, tokens: np.ndarray, sequence_length: int, source: str = "dataset"):
         if sequence_length < 1:
             raise ValueError(f"sequence_length={sequence_length}: must be >= 1")
+        self.tokens = tokens
         self.sequence_length = sequence_length
-        self.eod_id = tokenizer.eod_id
-        eod = np.array([tokenizer.eod_id], dtype=np.int32)
-        pieces = []
-        for doc in documents:
-            pieces += [tokenizer.encode_array(doc), eod]
-        self.tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-        self.num_samples = max(0, (len(self.tokens) - 1) // sequence_length)
+        self.source = source
+        self.num_samples = max(0, (len(tokens) - 1) // sequence_length)
         if self.num_samples == 0:
             raise ValueError(
-                f"{len(self.tokens)} tokens are too few for one sample of tokens.sequence_length="
+                f"{source}: {len(tokens)} tokens are too few for one sample of tokens.sequence_length="
                 f"{sequence_length} (needs {sequence_length + 1}): lower sequence_length or use more text"
             )
 
     @property
     def num_tokens(self) -> int:
-        """Number of tokens in the packed stream (including end-of-document tokens)."""
+        """Number of tokens in the stream (including end-of-document tokens)."""
         return len(self.tokens)
 
     def __len__(self) -> int:
@@ -53,7 +49,26 @@ class PackedDataset:
         return torch.from_numpy(self.tokens[start:start + self.sequence_length + 1].astype(np.int64))
 
 
-def build_datasets(
+def pack_documents(documents: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
+    """Every document tokenized and followed by ``tokenizer.eod_id``, concatenated (int32)."""
+    eod = np.array([tokenizer.eod_id], dtype=np.int32)
+    pieces = []
+    for doc in documents:
+        pieces += [tokenizer.encode_array(doc), eod]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+class PackedDataset(TokenWindows):
+    """All documents tokenized, each followed by ``eod_id``, concatenated in memory; samples as
+    in :class:`TokenWindows`."""
+
+    def __init__(self, documents: Sequence[str], tokenizer: Tokenizer, sequence_length: int,
+                 source: str = "documents"):
+        self.eod_id = tokenizer.eod_id
+        super().__init__(pack_documents(documents, tokenizer), sequence_length, source)
+
+
+def build_builtin_datasets(
     tokenizer_name_or_path: str,
     sequence_length: int,
     val_fraction: float,
@@ -67,6 +82,6 @@ def build_datasets(
     tokenizer = build_tokenizer(tokenizer_name_or_path)
     docs = load_builtin_documents() if documents is None else list(documents)
     train_docs, val_docs = split_train_val(docs, val_fraction)
-    train = PackedDataset(train_docs, tokenizer, sequence_length)
-    val = PackedDataset(val_docs, tokenizer, sequence_length)
+    train = PackedDataset(train_docs, tokenizer, sequence_length, "built-in corpus (train)")
+    val = PackedDataset(val_docs, tokenizer, sequence_length, "built-in corpus (validation)")
     return train, val, tokenizer

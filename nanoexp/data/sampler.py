@@ -50,6 +50,21 @@ class GlobalBatchSampler:
         return self.indices(step_index * self.global_batch_size, self.global_batch_size)
 
 
+class SequentialOrder:
+    """Position ``k`` is sample ``k``: the order of a stream, which can only be read forwards."""
+
+    def indices(self, start: int, count: int) -> list[int]:
+        return list(range(start, start + count))
+
+
+def sample_order_for(dataset, global_batch_size: int, seed: int):
+    """The training order of ``dataset``: its own ``sample_order(seed)`` when it defines one (a blend
+    of Nanosets, a stream), else a :class:`GlobalBatchSampler` over its samples. Either way it has
+    ``indices(start, count)`` and depends only on the seed and the global position."""
+    own = getattr(dataset, "sample_order", None)
+    return own(seed) if own is not None else GlobalBatchSampler(len(dataset), global_batch_size, seed)
+
+
 def shard_for_dp(global_indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
     """The contiguous chunk of a global batch that belongs to data-parallel rank ``dp_rank``."""
     if len(global_indices) % dp_size != 0 or not 0 <= dp_rank < dp_size:

@@ -2,7 +2,8 @@
 
 Both expose the same small interface used by the data pipeline and the trainer:
 ``name``, ``vocab_size``, ``eod_id``, ``encode(text) -> list[int]``,
-``encode_array(text) -> np.ndarray`` (fast path for packing) and ``decode(ids) -> str``.
+``encode_array(text) -> np.ndarray`` (fast path for packing), ``encode_batch(texts) -> list[np.ndarray]``
+and ``decode(ids) -> str``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class ByteTokenizer:
         """Same ids as :meth:`encode`, as an int32 array, without a Python-level loop."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode_array` of each text."""
+        return [self.encode_array(t) for t in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Turn ids back into text; ids >= 256 (special tokens) are skipped, bad UTF-8 becomes U+FFFD."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -40,16 +45,17 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local folder (never from the network).
+    """A Hugging Face tokenizer loaded from a local folder (from the Hub only with ``local_files_only=False``,
+    which the preprocessing script allows; training never downloads).
 
     The end-of-document id is the tokenizer's ``eos_token_id``; a tokenizer without one is rejected.
     """
 
-    def __init__(self, path: Union[str, Path]):
+    def __init__(self, path: Union[str, Path], local_files_only: bool = True):
         from transformers import AutoTokenizer  # lazy: transformers is an optional dependency
 
         self.name = str(path)
-        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=local_files_only)
         # Packing encodes whole documents; silence the "longer than model_max_length" warning.
         self._tok.model_max_length = sys.maxsize
         if self._tok.eos_token_id is None:
@@ -67,6 +73,11 @@ class HFTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         """Same ids as :meth:`encode`, as an int32 array."""
         return np.asarray(self.encode(text), dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode_array` of each text, in one call to the batched (Rust) tokenizer."""
+        ids = self._tok(list(texts), add_special_tokens=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int32) for x in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Turn ids back into text with the wrapped tokenizer's own decoding rules."""

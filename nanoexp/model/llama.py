@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                              shard_tensor, vocab_parallel_cross_entropy)
+                                              column_input, shard_tensor, vocab_parallel_cross_entropy)
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_func
@@ -91,6 +91,7 @@ class Attention(nn.Module):
         self.heads = shape.num_attention_heads // ctx.tp          # heads on this tp rank
         self.kv_heads = shape.num_key_value_heads // ctx.tp
         self.head_dim = d
+        self.ctx, self.sequence_parallel = ctx, sequence_parallel
         sp = dict(sequence_parallel=sequence_parallel)
         self.q_proj = ColumnParallelLinear(shape.hidden_size, shape.num_attention_heads * d, ctx, **sp)
         self.k_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
@@ -98,11 +99,12 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(shape.num_attention_heads * d, shape.hidden_size, ctx, **sp)
 
     def forward(self, x, cos, sin):
-        q = self.q_proj(x)                                   # [b, s, heads*d] (full s even under SP)
+        x = column_input(x, self.ctx, self.sequence_parallel)   # one tp communication for q, k and v
+        q = self.q_proj(x, input_is_ready=True)              # [b, s, heads*d] (full s even under SP)
         b, s, _ = q.shape
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = causal_attention(q, k, v)                      # [b, heads, s, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
@@ -111,13 +113,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
         super().__init__()
+        self.ctx, self.sequence_parallel = ctx, sequence_parallel
         sp = dict(sequence_parallel=sequence_parallel)
         self.gate_proj = ColumnParallelLinear(shape.hidden_size, shape.intermediate_size, ctx, **sp)
         self.up_proj = ColumnParallelLinear(shape.hidden_size, shape.intermediate_size, ctx, **sp)
         self.down_proj = RowParallelLinear(shape.intermediate_size, shape.hidden_size, ctx, **sp)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))   # SwiGLU
+        x = column_input(x, self.ctx, self.sequence_parallel)   # one tp communication for gate and up
+        gate, up = self.gate_proj(x, input_is_ready=True), self.up_proj(x, input_is_ready=True)
+        return self.down_proj(F.silu(gate) * up)              # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -146,15 +151,21 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """One pipeline stage of a Llama (the whole model when pp == 1)."""
+    """One pipeline stage of a Llama (the whole model when pp == 1).
 
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range | None = None,
+    ``layer_ids`` is a range of global layer indices, or, with virtual pipeline stages, a list
+    of ranges: this rank's chunks, run one at a time by ``forward(chunk=c)``. The embedding
+    belongs to chunk 0 of the first stage, the final norm and LM head to the last chunk of the
+    last stage. Parameter names do not depend on the chunking."""
+
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range | list[range] | None = None,
                  sequence_parallel: bool = False, recompute_layer: bool = False):
         super().__init__()
         self.shape, self.ctx = shape, ctx
         self.sequence_parallel, self.recompute_layer = sequence_parallel, recompute_layer
         layer_ids = range(shape.num_hidden_layers) if layer_ids is None else layer_ids
-        self.model = LlamaBody(shape, ctx, layer_ids, sequence_parallel)
+        self.chunks = list(layer_ids) if isinstance(layer_ids, list) else [layer_ids]
+        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk], sequence_parallel)
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ColumnParallelLinear(shape.hidden_size, shape.vocab_size, ctx,
@@ -166,19 +177,34 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.weight.sequence_parallel = sequence_parallel
 
-    def forward(self, input_ids=None, hidden_states=None, labels=None):
-        """First stage: input_ids [b, s]. Other stages: hidden_states from the previous stage.
-        Last stage returns the mean token loss when labels are given, else this rank's logits shard;
-        other stages return hidden states."""
-        x = self.model.embed_tokens(input_ids) if self.ctx.is_first_stage else hidden_states
+    def has_embedding(self, chunk: int = 0) -> bool:
+        return self.ctx.is_first_stage and chunk == 0
+
+    def has_head(self, chunk: int = 0) -> bool:
+        return self.ctx.is_last_stage and chunk == len(self.chunks) - 1
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters that forward(chunk=chunk) uses (a tied weight may appear twice)."""
+        modules = [self.model.layers[str(i)] for i in self.chunks[chunk]]
+        if self.has_embedding(chunk):
+            modules.insert(0, self.model.embed_tokens)
+        if self.has_head(chunk):
+            modules += [self.model.norm, self.lm_head]
+        return [p for module in modules for p in module.parameters()]
+
+    def forward(self, input_ids=None, hidden_states=None, labels=None, chunk: int = 0):
+        """First stage (chunk 0): input_ids [b, s]. Otherwise: hidden_states from the previous stage.
+        The last stage's last chunk returns the mean token loss when labels are given, else this
+        rank's logits shard; other stages and chunks return hidden states."""
+        x = self.model.embed_tokens(input_ids) if self.has_embedding(chunk) else hidden_states
         seq_len = x.shape[1] * (self.ctx.tp if self.sequence_parallel else 1)   # SP: x holds s/tp
         cos, sin = rotary_tables(self.shape, seq_len, x.device)
-        for layer in self.model.layers.values():
+        for layer in (self.model.layers[str(i)] for i in self.chunks[chunk]):
             if self.recompute_layer and self.training:
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
-        if not self.ctx.is_last_stage:
+        if not self.has_head(chunk):
             return x
         logits = self.lm_head(self.model.norm(x))           # [b, s, vocab/tp]
         if labels is None:

@@ -11,6 +11,7 @@ process groups. With one process no group is created and every collective is ski
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ class ParallelContext:
     tp: int = 1
     pp: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    collective_timeout_s: float = 600.0   # groups made here do not inherit the world's timeout
 
     def __post_init__(self):
         self.world_size = self.dp * self.tp * self.pp
@@ -67,7 +69,7 @@ class ParallelContext:
                 self._maybe_keep("embedding_group", ends)
 
     def _maybe_keep(self, name: str, ranks: list[int]):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
         if self.rank in ranks:
             setattr(self, name, group)
             setattr(self, name + "_ranks", ranks)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoexp.parallel.trace import NO_TRACE
+
 
 def _unique(params) -> list[nn.Parameter]:
     """Parameters in order of first appearance, each once (tied weights appear twice)."""
@@ -62,14 +64,17 @@ class GradientBuckets:
       * With `group is None` or `group_size == 1` nothing is registered and `arm`/`finish`
         do nothing, so a single process pays nothing.
 
+    With a `trace` (trace.py), each launch is recorded as an "allreduce_launch" instant and
+    each wait in `finish()` as an "allreduce_wait" span, so the timeline shows the overlap.
+
     Diagnostics of the last step: `launch_order` (bucket ids in launch order),
     `launched_in_backward` / `launched_in_finish` (how many buckets started from inside
     backward's hooks vs from `finish()`), `num_launches` (all-reduces ever started).
     """
 
     def __init__(self, params: list[nn.Parameter], group, group_size: int,
-                 bucket_cap_mb: float = 25.0):
-        self.group, self.group_size = group, group_size
+                 bucket_cap_mb: float = 25.0, trace=NO_TRACE):
+        self.group, self.group_size, self.trace = group, group_size, trace
         self.enabled = group is not None and group_size > 1
         self.armed = False
         self.buckets: list[_Bucket] = []
@@ -148,6 +153,7 @@ class GradientBuckets:
             bucket.handle = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM,
                                             group=self.group, async_op=True)
             self.launch_order.append(bucket.index)
+            self.trace.mark("allreduce_launch", bucket=bucket.index, in_backward=from_hook)
             self.num_launches += 1
             if from_hook:
                 self.launched_in_backward += 1
@@ -170,7 +176,8 @@ class GradientBuckets:
                     self._fill(p)
         self._launch_ready(from_hook=False)
         for bucket in self.buckets:
-            bucket.handle.wait()
+            with self.trace.span("allreduce_wait", bucket=bucket.index):
+                bucket.handle.wait()
             bucket.handle = None
             bucket.flat.div_(self.group_size)
             for i, p in enumerate(bucket.params):

@@ -161,6 +161,16 @@ def scatter_to_sequence_parallel(x: torch.Tensor, pc: ParallelContext) -> torch.
     return x if pc.tp == 1 else _ScatterSeq.apply(x, pc)
 
 
+def column_input(x: torch.Tensor, pc: ParallelContext, sequence_parallel: bool) -> torch.Tensor:
+    """The input every column-parallel layer needs: replicated (backward: all-reduce of the
+    gradient) or, under sequence parallelism, the whole sequence gathered (backward:
+    reduce-scatter). Layers that read the same input (q, k, v; gate, up) share one call, so a
+    block communicates once per input instead of once per layer."""
+    if pc.tp == 1:
+        return x
+    return _GatherSeqReduceScatterGrad.apply(x, pc) if sequence_parallel else _CopyToTP.apply(x, pc)
+
+
 # -- layers ----------------------------------------------------------------------------------
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp != 0:
@@ -189,12 +199,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(local_out, in_features, split_dim=0)
         self.bias = _param(local_out, split_dim=0) if bias else None
 
-    def forward(self, x):
-        if self.ctx.tp > 1:
-            if self.sequence_parallel:
-                x = _GatherSeqReduceScatterGrad.apply(x, self.ctx)
-            else:
-                x = _CopyToTP.apply(x, self.ctx)
+    def forward(self, x, input_is_ready: bool = False):
+        """input_is_ready: x already went through column_input (shared by several layers)."""
+        if not input_is_ready:
+            x = column_input(x, self.ctx, self.sequence_parallel)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):

@@ -1,0 +1,40 @@
+"""nanoexp's Hydra launchers: `hydra/launcher=slurm` and `hydra/launcher=local` (conf/hydra/launcher/).
+
+Hydra only loads launchers from the `hydra_plugins` namespace, hence this file (no __init__.py here:
+the folder must merge with the installed hydra_plugins). They are hydra-submitit-launcher's launchers
+plus, before submission:
+- both: this checkout goes first on PYTHONPATH (jobs inherit the environment), so the jobs import the
+  same nanoexp and these launchers whatever folder the sweep was started from;
+- SLURM: every job of the sweep is composed and `tasks_per_node` set (or checked) so that
+  tasks_per_node x nodes == dp*tp*pp (see nanoexp/sweep.py).
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from hydra.core.utils import JobReturn
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+
+from nanoexp.sweep import slurm_tasks_per_node, world_size
+
+
+def use_this_checkout() -> None:
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH")) if p)
+
+
+class NanoexpSlurmLauncher(SlurmLauncher):
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        loader = self.hydra_context.config_loader
+        sizes = [world_size(loader.load_sweep_config(self.config, list(overrides))) for overrides in job_overrides]
+        self.params["tasks_per_node"] = slurm_tasks_per_node(
+            sizes, self.params["nodes"], self.params.get("tasks_per_node"), first_job=initial_job_idx)
+        use_this_checkout()
+        return super().launch(job_overrides, initial_job_idx)
+
+
+class NanoexpLocalLauncher(LocalLauncher):
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        use_this_checkout()
+        return super().launch(job_overrides, initial_job_idx)

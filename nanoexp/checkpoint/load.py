@@ -1,0 +1,209 @@
+"""Reading a checkpoint on any layout: stitch full tensors from the saved pieces, slice for this rank.
+
+Loading never runs pickled code: tensors come from safetensors, everything else from JSON.
+Every shard is checked against meta.json (present, size, CRC-32) before it is read, so a missing,
+truncated or corrupt file is an error naming it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import zlib
+from collections import defaultdict
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from nanoexp.checkpoint.save import FORMAT_VERSION, STATE_KINDS, CheckpointError, rank_file
+from nanoexp.hf import parameter_shapes
+from nanoexp.parallel.tensor_parallel import shard_tensor
+from nanoexp.parallel.zero import ZeroAdamW
+
+log = logging.getLogger("nanoexp")
+
+
+def file_crc32(path: str, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+class CheckpointReader:
+    """One checkpoint folder: its metadata, and full (unsharded) tensors by (parameter name, kind)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        meta_path = os.path.join(folder, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise CheckpointError(f"{folder} is not a complete nanoexp checkpoint: {meta_path} is missing")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{meta_path}: format version {self.meta.get('format_version')}, "
+                                  f"this nanoexp reads version {FORMAT_VERSION}")
+        self.pieces = defaultdict(list)   # (name, kind) -> [(file, key, entry)]
+        for file, entries in self.meta["index"].items():
+            for key, entry in entries.items():
+                self.pieces[entry["name"], entry["kind"]].append((file, key, entry))
+        self._handles = {}
+
+    def open(self, file: str):
+        """A verified safetensors handle on one shard."""
+        if file in self._handles:
+            return self._handles[file]
+        path, expected = os.path.join(self.folder, file), self.meta["files"].get(file)
+        if expected is None:
+            raise CheckpointError(f"{path} is not listed in {self.folder}/meta.json")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"missing shard {path}: written by rank {expected['rank']}, "
+                                  f"expected {expected['bytes']} bytes")
+        size = os.path.getsize(path)
+        if size != expected["bytes"]:
+            raise CheckpointError(f"truncated or mismatched shard {path}: {size} bytes, expected {expected['bytes']}")
+        if file_crc32(path) != expected["crc32"]:
+            raise CheckpointError(f"corrupt shard {path}: its CRC-32 differs from the one in meta.json")
+        try:
+            handle = safe_open(path, "pt")
+        except Exception as error:
+            raise CheckpointError(f"unreadable shard {path}: {error}") from error
+        self._handles[file] = handle
+        return handle
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self.pieces
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every saved parameter, from the index alone."""
+        shapes = {}
+        for (name, kind), pieces in self.pieces.items():
+            if kind == "param":
+                entry = pieces[0][2]
+                shape = list(entry["local_shape"])
+                if entry["split_dim"] is not None:
+                    shape[entry["split_dim"]] *= entry["tp"]
+                shapes[name] = tuple(shape)
+        return shapes
+
+    def full_tensor(self, name: str, kind: str = "param") -> torch.Tensor:
+        """The whole tensor: each tp slice assembled from its flat ranges, slices joined on the split dim."""
+        pieces = self.pieces.get((name, kind))
+        if not pieces:
+            raise CheckpointError(f"{self.folder} holds no {kind} for parameter {name}")
+        entry = pieces[0][2]
+        if len(pieces) == 1 and entry["flat_range"] == [0, int(np.prod(entry["local_shape"]))]:
+            file, key, _ = pieces[0]   # the whole tensor in one piece: no assembly copy
+            value = self.open(file).get_tensor(key)
+            if value.numel() != int(np.prod(entry["local_shape"])):
+                raise CheckpointError(f"mismatched shard {os.path.join(self.folder, file)}: {key} has shape "
+                                      f"{list(value.shape)}, meta.json expects {entry['local_shape']}")
+            return value.view(entry["local_shape"])   # ZeRO-1 pieces are stored flat
+        by_tp = defaultdict(list)
+        for piece in pieces:
+            by_tp[piece[2]["tp_rank"]].append(piece)
+        slices = []
+        for t in range(entry["tp"] if entry["split_dim"] is not None else 1):
+            shape = entry["local_shape"]
+            flat, covered = torch.empty(int(np.prod(shape))), 0
+            for file, key, e in by_tp.get(t, []):
+                a, b = e["flat_range"]
+                value = self.open(file).get_tensor(key)
+                if value.numel() != b - a:
+                    raise CheckpointError(f"mismatched shard {os.path.join(self.folder, file)}: {key} has "
+                                          f"{value.numel()} elements, meta.json expects {b - a}")
+                flat[a:b] = value.reshape(-1)
+                covered += b - a
+            if covered != flat.numel():
+                raise CheckpointError(f"{self.folder}: the {kind} of {name} (tp slice {t}) is incomplete: "
+                                      f"{covered} of {flat.numel()} elements present")
+            slices.append(flat.view(shape))
+        return torch.cat(slices, dim=entry["split_dim"]) if len(slices) > 1 else slices[0]
+
+
+def check_compatible(reader: CheckpointReader, shape) -> None:
+    """Raise naming the first parameter (in model order) whose full shape differs or is missing."""
+    saved = reader.full_shapes()
+    tie = reader.meta["config"]["model"]["model_config"]["tie_word_embeddings"]
+    if tie != shape.tie_word_embeddings:
+        raise CheckpointError(f"{reader.folder} was saved with tie_word_embeddings={tie}, this model has "
+                              f"{shape.tie_word_embeddings}: set model.model_config.tie_word_embeddings={tie}")
+    for name, expected in parameter_shapes(shape).items():
+        if saved.get(name) != expected:
+            found = "is missing" if name not in saved else f"has shape {saved[name]}"
+            raise CheckpointError(f"{reader.folder} does not fit this model: parameter {name} {found}, "
+                                  f"the model expects {expected} (different model_config?)")
+
+
+def source_name(name: str, param) -> str:
+    """The saved name holding `param`'s values: a pipeline's tied LM-head copy reads the embedding."""
+    return "model.embed_tokens.weight" if getattr(param, "tied_copy", False) else name
+
+
+@torch.no_grad()
+def load_model(reader: CheckpointReader, model, ctx) -> None:
+    for name, param in model.named_parameters():
+        full = reader.full_tensor(source_name(name, param))
+        param.copy_(shard_tensor(full, param, ctx))
+
+
+@torch.no_grad()
+def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
+    """Re-slice AdamW moments into `optimizer` (torch AdamW or ZeRO-1, any dp); False if none saved."""
+    steps = reader.meta.get("optimizer_steps", 0)
+    if steps == 0 or not reader.has("model.embed_tokens.weight", "exp_avg"):
+        return False
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def local_state(p, kind):
+        return shard_tensor(reader.full_tensor(source_name(names[id(p)], p), kind), p, ctx).to(p.device)
+
+    if isinstance(optimizer, ZeroAdamW):
+        optimizer.num_steps = steps
+        for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+            flat.zero_()
+            for p, a, b, s in optimizer._pieces:   # this dp rank's slice of the flat layout
+                flat[s:s + b - a] = local_state(p, kind).reshape(-1)[a:b]
+        return True
+    step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = {kind: local_state(p, kind).contiguous() for kind in STATE_KINDS}   # fresh tensors
+            state["step"] = torch.tensor(float(steps), dtype=torch.float32, device=step_device or p.device)
+            optimizer.state[p] = state
+    return True
+
+
+def load_rng(reader: CheckpointReader, ctx) -> None:
+    """Restore this rank's generators (meaningful only on the layout that saved them)."""
+    handle = reader.open(rank_file(ctx.rank))
+    info = json.loads(handle.metadata()["rng"])
+    torch.set_rng_state(handle.get_tensor("rng:torch_cpu"))
+    if ctx.device.type == "cuda" and "rng:torch_cuda" in handle.keys():
+        torch.cuda.set_rng_state(handle.get_tensor("rng:torch_cuda"), ctx.device)
+    kind, pos, has_gauss, cached = info["numpy"]
+    np.random.set_state((kind, handle.get_tensor("rng:numpy_keys").numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, state, gauss = info["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+def load_single_process(folder: str):
+    """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode."""
+    from omegaconf import OmegaConf
+
+    from nanoexp.parallel.context import ParallelContext
+    from nanoexp.trainer import build_model   # here, not at the top: the trainer imports this package
+
+    reader = CheckpointReader(folder)
+    cfg = OmegaConf.create(reader.meta["config"])
+    for key in ("dp", "tp", "pp"):
+        cfg.parallelism[key] = 1
+    cfg.model.init_method.path = None
+    ctx = ParallelContext()
+    model = build_model(cfg, ctx)
+    check_compatible(reader, model.shape)
+    load_model(reader, model, ctx)
+    return model.eval(), cfg

@@ -1,0 +1,194 @@
+"""Writing a sharded checkpoint, atomically.
+
+Layout of `<checkpoints_path>/<step>/`:
+  rank_<r>.safetensors   what global rank r owns: its parameter slices and optimizer state, keyed by
+                         HF parameter name, plus its RNG states. Every value is stored once: model
+                         weights and plain AdamW state by dp rank 0, tp-replicated ones by tp rank 0,
+                         a pipeline's tied LM-head copy not at all (it equals the embedding); ZeRO-1
+                         state by the dp rank that owns it, as flat ranges of each parameter.
+  meta.json              step, data position, layout, the composed config, format version, and an
+                         index: which file holds which piece of which tensor (enough to re-slice).
+The folder is written as `.tmp-<step>/` and renamed into place by rank 0 only after every rank
+reported success; `latest.txt` moves last. A crash or a failed write leaves earlier checkpoints
+as they were.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save as serialize
+
+from nanoexp.parallel.zero import ZeroAdamW
+
+log = logging.getLogger("nanoexp")
+
+FORMAT_VERSION = 1
+STATE_KINDS = ("exp_avg", "exp_avg_sq")   # AdamW state per parameter ("param" is the weight itself)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the folder or file."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def stored_once_here(param, ctx) -> bool:
+    """Whether this tp rank stores `param` (split parameters: every tp rank; replicated: tp rank 0;
+    the last stage's copy of a tied embedding: never)."""
+    if getattr(param, "tied_copy", False):
+        return False
+    return getattr(param, "tp_split_dim", None) is not None or ctx.tp_rank == 0
+
+
+def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
+    """This rank's tensors to store and their index entries (name, kind, slice metadata)."""
+    tensors, index = {}, {}
+
+    def add(key, tensor, name, kind, param, flat_range=None):
+        tensors[key] = tensor.detach().to("cpu").contiguous()
+        index[key] = {"name": name, "kind": kind, "tp_rank": ctx.tp_rank, "tp": ctx.tp,
+                      "split_dim": getattr(param, "tp_split_dim", None), "local_shape": list(param.shape),
+                      "flat_range": flat_range or [0, param.numel()]}
+
+    zero = isinstance(optimizer, ZeroAdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    if ctx.dp_rank == 0:
+        for name, p in model.named_parameters():
+            if not stored_once_here(p, ctx):
+                continue
+            add(name, p, name, "param", p)
+            state = {} if zero else optimizer.state.get(p, {})
+            for kind in STATE_KINDS:
+                if kind in state:
+                    add(f"{name}:{kind}", state[kind], name, kind, p)
+    if zero and optimizer.num_steps > 0:
+        # ZeroAdamW's (param, start, end, shard offset) pieces: this dp rank's part of each parameter.
+        for p, a, b, s in optimizer._pieces:
+            if stored_once_here(p, ctx):
+                for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+                    add(f"{names[id(p)]}:{kind}@{a}", flat[s:s + b - a], names[id(p)], kind, p, [a, b])
+    return tensors, index
+
+
+def rng_states(ctx) -> tuple[dict, str]:
+    """Every generator's state: tensors for torch and NumPy's key, JSON for the rest."""
+    tensors = {"rng:torch_cpu": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        tensors["rng:torch_cuda"] = torch.cuda.get_rng_state(ctx.device)
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["rng:numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    version, py_state, gauss = random.getstate()
+    info = {"python": [version, list(py_state), gauss], "numpy": [kind, int(pos), int(has_gauss), float(cached)]}
+    return tensors, json.dumps(info)
+
+
+def write_file(path: str, tensors: dict, metadata: dict) -> dict:
+    """Serialize, write and fsync one shard; return its size and CRC-32 for meta.json."""
+    data = serialize(tensors, metadata=metadata)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _gather(obj, ctx) -> list:
+    if ctx.world_size == 1:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj, ctx):
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, keep_last_n: int | None) -> str:
+    """Write checkpoint `<root>/<step>` from every rank (a collective) and return its path.
+    Raises CheckpointError on every rank if any rank failed; earlier checkpoints are untouched."""
+    final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
+        os.makedirs(tmp)
+    if ctx.world_size > 1:
+        dist.barrier()
+    try:
+        tensors, index = shard_contents(model, optimizer, ctx)
+        rng_tensors, rng_json = rng_states(ctx)
+        info = write_file(os.path.join(tmp, rank_file(ctx.rank)), {**tensors, **rng_tensors}, {"rng": rng_json})
+        report = {"ok": True, "file": {**info, "rank": ctx.rank}, "index": index}
+    except Exception as error:   # reported to every rank below: all raise together, none hangs
+        report = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    reports = _gather(report, ctx)
+    error = None
+    if ctx.rank == 0:
+        failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if not rep["ok"]]
+        try:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = "; ".join(failed)
+            else:
+                commit(root, tmp, final, step, meta, reports, keep_last_n)
+        except Exception as commit_error:
+            error = f"{type(commit_error).__name__}: {commit_error}"
+    error = _broadcast(error, ctx)
+    if error:
+        raise CheckpointError(f"could not save checkpoint {final} ({error}); earlier checkpoints are intact")
+    return final
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(root: str, tmp: str, final: str, step: int, meta: dict, reports: list, keep_last_n: int | None) -> None:
+    """Rank 0, once every shard is on disk: meta.json, rename into place, latest.txt, pruning."""
+    meta = {**meta, "format_version": FORMAT_VERSION, "step": step,
+            "files": {rank_file(rep["file"]["rank"]): rep["file"] for rep in reports},
+            "index": {rank_file(r): rep["index"] for r, rep in enumerate(reports) if rep["index"]}}
+    _write_json(os.path.join(tmp, "meta.json"), meta)
+    if os.path.exists(final):   # re-saving a step (a run resumed from an earlier checkpoint)
+        old = os.path.join(root, f".old-{step}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    latest_tmp = os.path.join(root, ".latest.txt.tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(root, "latest.txt"))
+    if keep_last_n:
+        for old_step in complete_steps(root)[:-keep_last_n]:
+            if old_step != step:
+                shutil.rmtree(os.path.join(root, str(old_step)))
+    log.info("saved checkpoint %s", final)
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints under root (renamed into place, with meta.json), ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(d) for d in os.listdir(root)
+                  if d.isdigit() and os.path.isfile(os.path.join(root, d, "meta.json")))

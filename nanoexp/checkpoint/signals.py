@@ -1,0 +1,65 @@
+"""Stop signals: SIGTERM or SIGUSR2 ask the run to finish its step, checkpoint and exit cleanly.
+
+Who handles what:
+  * `handle_stop_signals()` wraps a whole run in the process that starts it (nanoexp.run). Its
+    handler only records the signal; when that process launched local workers it also forwards
+    the signal to them (they inherit the handler through fork and record it themselves).
+  * Every rank's trainer asks `stop_agreed(ctx)` after each optimizer step: one all-reduce, so
+    all ranks stop after the same step even when the signal reached only some of them.
+  * When the run has ended (checkpoint written), the handler that was installed before ours is
+    called with the signal we received. Under submitit that is its SIGUSR2 handler, which
+    requeues the job; its SIGTERM handler only logs. A plain shell had no handler: nothing more.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+_received: dict = {"signum": None, "owner_pid": None}
+
+
+def _on_signal(signum, frame) -> None:
+    _received["signum"] = signum
+    if os.getpid() == _received["owner_pid"]:   # the launcher: pass it on to local workers
+        for child in mp.active_children():
+            os.kill(child.pid, signum)
+
+
+def stop_requested() -> bool:
+    """Whether this process has received a stop signal since the run started."""
+    return _received["signum"] is not None
+
+
+def stop_agreed(ctx) -> bool:
+    """True on every rank if any rank has received a stop signal (a collective: call it on all)."""
+    flag = torch.tensor([1.0 if stop_requested() else 0.0], device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+@contextlib.contextmanager
+def handle_stop_signals():
+    """Record SIGTERM/SIGUSR2 during the block; afterwards restore and chain to the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():   # signal.signal would refuse
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    _received.update(signum=None, owner_pid=os.getpid())
+    for s in STOP_SIGNALS:
+        signal.signal(s, _on_signal)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signum, _received["signum"] = _received["signum"], None
+        if signum is not None and callable(previous[signum]):
+            previous[signum](signum, None)

@@ -1,0 +1,174 @@
+"""Hugging Face transformers interop: parameter names and shapes, config.json, tokenizer files, weights.
+
+nanoexp's parameter names already equal LlamaForCausalLM's, so the mapping is the identity;
+what this module adds is the full (unsharded) shape of every parameter, the translation between
+`model.model_config` and HF's LlamaConfig, and the tokenizer files for the built-in byte tokenizer.
+
+Vocabulary: HF's `vocab_size` is nanoexp's padded vocabulary (`model.make_vocab_size_divisible_by`),
+so the weights and logits keep their shape. The padding ids are never in the data; evaluate.py and
+generate.py never predict them.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from nanoexp.model.llama import LlamaShape
+from nanoexp.parallel.tensor_parallel import shard_tensor
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model, in the model's order, with its full shape (a tied LM
+    head is the embedding and is not listed)."""
+    h, i, v, d = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.head_dim
+    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for n in range(shape.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
+    shapes["model.norm.weight"] = (h,)
+    if not shape.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def hf_config(shape: LlamaShape, eod_id: int) -> dict:
+    """config.json of a transformers LlamaForCausalLM with this shape (vocab_size = padded vocabulary)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+            "num_hidden_layers": shape.num_hidden_layers, "num_attention_heads": shape.num_attention_heads,
+            "num_key_value_heads": shape.num_key_value_heads, "head_dim": shape.head_dim,
+            "vocab_size": shape.vocab_size, "max_position_embeddings": shape.max_position_embeddings,
+            "rope_theta": shape.rope_theta, "rope_scaling": None, "rms_norm_eps": shape.rms_norm_eps,
+            "tie_word_embeddings": shape.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": eod_id, "eos_token_id": eod_id,
+            "torch_dtype": "float32", "initializer_range": 0.02}
+
+
+# The model_config keys an HF config must match, and the HF key each one is read from.
+MATCHED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+
+
+def read_hf_config(folder: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: {path} is missing")
+    with open(path) as f:
+        config = json.load(f)
+    unsupported = [f"{k}={config[k]}" for k, ok in (("model_type", "llama"), ("hidden_act", "silu"))
+                   if config.get(k, ok) != ok]
+    unsupported += [k for k in ("rope_scaling", "attention_bias", "mlp_bias") if config.get(k)]
+    if unsupported:
+        raise ValueError(f"{path}: nanoexp's Llama does not support {', '.join(unsupported)}")
+    rope = config.get("rope_parameters") or {}   # transformers >= 5 nests rope_theta here
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{path}: nanoexp's Llama does not support rope_type={rope['rope_type']}")
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config.setdefault("tie_word_embeddings", False)
+    return config
+
+
+def check_hf_matches(config: dict, shape: LlamaShape, folder: str) -> None:
+    """Raise naming the first model.model_config key whose value differs from the HF config."""
+    for key in MATCHED_KEYS:
+        ours = getattr(shape, key)
+        if key in config and config[key] != ours:
+            raise ValueError(f"model.init_method.path={folder}: its config.json has {key}={config[key]} but "
+                             f"model.model_config.{key}={ours}; set model.model_config.{key}={config[key]}")
+    if config["vocab_size"] > shape.vocab_size:
+        raise ValueError(f"model.init_method.path={folder}: vocab_size={config['vocab_size']} is larger than "
+                         f"the padded vocabulary {shape.vocab_size}; raise model.model_config.vocab_size")
+
+
+def hf_weight_files(folder: str) -> list[str]:
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors weights (only safetensors are read, "
+                                "never pickled .bin files)")
+    return [os.path.join(folder, f) for f in files]
+
+
+@torch.no_grad()
+def load_hf_weights(model, folder: str, ctx) -> None:
+    """Fill this rank's shard of `model` from a local HF Llama folder (any layout). Vocabulary rows
+    beyond the HF vocabulary (nanoexp's padding) keep their initial values."""
+    config = read_hf_config(folder)
+    check_hf_matches(config, model.shape, folder)
+    where = {}
+    for path in hf_weight_files(folder):
+        with safe_open(path, "pt") as f:
+            where.update({key: path for key in f.keys()})
+    for name, param in model.named_parameters():
+        source = name
+        if name == "lm_head.weight" and model.shape.tie_word_embeddings:
+            source = "model.embed_tokens.weight"
+        if source not in where:
+            raise KeyError(f"{folder} has no tensor {source}")
+        with safe_open(where[source], "pt") as f:
+            hf_tensor = f.get_tensor(source).float()
+        if source in ("model.embed_tokens.weight", "lm_head.weight"):   # [vocab, h], split over rows
+            if hf_tensor.shape[1] != param.shape[1]:
+                raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected "
+                                 f"[<= {model.shape.vocab_size}, {param.shape[1]}]")
+            rows = hf_tensor[ctx.tp_rank * param.shape[0]:(ctx.tp_rank + 1) * param.shape[0]]
+            param[:rows.shape[0]].copy_(rows)   # rows past the HF vocabulary (padding) keep their init
+            continue
+        full = parameter_shapes(model.shape)[source]
+        if tuple(hf_tensor.shape) != full:
+            raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected {full}")
+        param.copy_(shard_tensor(hf_tensor, param, ctx))
+
+
+def write_byte_tokenizer(folder: str) -> None:
+    """tokenizer.json + tokenizer_config.json that make AutoTokenizer encode text to nanoexp's byte
+    ids (UTF-8 byte b -> id b, no special tokens added) and <|endoftext|> to 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # ByteLevel maps each byte to one printable character; a BPE with no merges keeps one token per byte.
+    byte_to_char = _gpt2_byte_chars()
+    assert set(byte_to_char.values()) == set(ByteLevel.alphabet())
+    vocab = {char: b for b, char in byte_to_char.items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOD_TOKEN])
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN, "bos_token": EOD_TOKEN,
+                   "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}, f, indent=2)
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """The byte -> printable character table of GPT-2's byte-level BPE (Radford et al. 2019):
+    printable Latin-1 bytes map to themselves, the others to code points from 256 upwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def write_tokenizer(name_or_path: str, folder: str) -> None:
+    """Tokenizer files for `tokenizer.tokenizer_name_or_path`: generated for "byte", copied otherwise."""
+    if name_or_path == "byte":
+        write_byte_tokenizer(folder)
+        return
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(name_or_path, local_files_only=True).save_pretrained(folder)

@@ -1,0 +1,139 @@
+"""Count the bytes every process group moves, by wrapping torch.distributed's calls.
+
+    with CommCounter({"dp": ctx.dp_group, "tp": ctx.tp_group, "pp": ctx.pp_group}) as comm:
+        trainer.train_step(micro_batches, lr)
+    comm.totals()   # {"dp": {"calls": 3, "payload_bytes": ..., "sent_bytes": ...}, ...}
+
+While the block runs, `torch.distributed.{all_reduce, all_gather, all_gather_into_tensor,
+reduce_scatter, reduce_scatter_tensor, broadcast, send, recv, isend, irecv, batch_isend_irecv}`
+are replaced by wrappers that record each call and then call the original; everything is
+restored on exit. A call is attributed to the name of the group object it was given (None is
+the default group, "world"; an unnamed group is "other").
+
+Two numbers per call, for THIS rank:
+  * payload_bytes: the bytes of this rank's tensor argument (its input for a reduction or a
+    gather, its own chunk for a reduce-scatter, the buffer for send/recv);
+  * sent_bytes: the bytes this rank puts on the wire with the bandwidth-optimal (ring)
+    algorithm, for a group of n: all-reduce 2(n-1)/n x tensor, all-gather (n-1) x chunk,
+    reduce-scatter (n-1) x chunk, broadcast (n-1)/n x tensor, send/isend the tensor, recv 0.
+Backends may use other algorithms; sent_bytes is the standard yardstick, comparable with the
+analytic minimum of a layout. Only the outermost call counts (a wrapped function that calls
+another wrapped one is not counted twice).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+           "broadcast", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _call_bytes(name: str, args: tuple, kwargs: dict) -> list[tuple[object, int, int]]:
+    """[(group, payload_bytes, sent_bytes)] of one call, from its arguments."""
+    def arg(i, key):
+        return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
+
+    if name == "batch_isend_irecv":
+        out = []
+        for op in args[0] if args else kwargs["p2p_op_list"]:
+            sending = getattr(op.op, "__name__", "") == "isend"
+            out.append((op.group, _nbytes(op.tensor), _nbytes(op.tensor) if sending else 0))
+        return out
+    if name in ("send", "isend", "recv", "irecv"):
+        tensor = arg(0, "tensor")
+        return [(arg(2, "group"), _nbytes(tensor), _nbytes(tensor) if name in ("send", "isend") else 0)]
+    if name == "all_reduce":
+        tensor, group = arg(0, "tensor"), arg(2, "group")
+        n = _group_size(group)
+        return [(group, _nbytes(tensor), 2 * (n - 1) * _nbytes(tensor) // n)]
+    if name == "broadcast":
+        tensor, group = arg(0, "tensor"), arg(2, "group")
+        n = _group_size(group)
+        return [(group, _nbytes(tensor), (n - 1) * _nbytes(tensor) // n)]
+    if name in ("all_gather", "all_gather_into_tensor"):
+        chunk, group = arg(1, "tensor" if name == "all_gather" else "input_tensor"), arg(2, "group")
+        n = _group_size(group)
+        return [(group, _nbytes(chunk), (n - 1) * _nbytes(chunk))]
+    if name in ("reduce_scatter", "reduce_scatter_tensor"):
+        out_chunk, group = arg(0, "output"), arg(3, "group")
+        n = _group_size(group)
+        return [(group, _nbytes(out_chunk), (n - 1) * _nbytes(out_chunk))]
+    raise ValueError(f"no byte rule for {name}")
+
+
+class CommCounter:
+    """A context manager that records every wrapped torch.distributed call per named group.
+
+    `records` holds (group name, op name, payload_bytes, sent_bytes) per call, in call order;
+    `totals()` sums them per group name. `reset()` empties the records (e.g. after warm-up).
+    Not reentrant: one CommCounter active per process at a time.
+    """
+
+    def __init__(self, groups: dict[str, object]):
+        self.names = {id(group): name for name, group in groups.items() if group is not None}
+        self.records: list[tuple[str, str, int, int]] = []
+        self._originals: dict[str, object] = {}
+        self._depth = threading.local()
+
+    def _name(self, group) -> str:
+        if group is None or group is c10d.GroupMember.WORLD:
+            return self.names.get(id(group), "world")
+        return self.names.get(id(group), "other")
+
+    def _wrap(self, name: str, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            depth = getattr(self._depth, "value", 0)
+            if depth == 0:
+                for group, payload, sent in _call_bytes(name, args, kwargs):
+                    self.records.append((self._name(group), name, payload, sent))
+            self._depth.value = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth.value = depth
+        return wrapper
+
+    def __enter__(self) -> "CommCounter":
+        for name in WRAPPED:
+            original = getattr(c10d, name)
+            self._originals[name] = original
+            wrapper = self._wrap(name, original)
+            # Both namespaces: P2POp checks (and batch_isend_irecv compares) `op` against
+            # c10d's own isend/irecv, so those must be the same wrapper callers pass in.
+            setattr(c10d, name, wrapper)
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(c10d, name, original)
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """{group name: {"calls", "payload_bytes", "sent_bytes"}} over the records."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
+        for group, _, payload, sent in self.records:
+            out[group]["calls"] += 1
+            out[group]["payload_bytes"] += payload
+            out[group]["sent_bytes"] += sent
+        return dict(out)
+

@@ -1,0 +1,191 @@
+"""Tokens/s and bytes moved per process group, for a few layouts on local CPU/gloo workers.
+
+    python scripts/bench_parallel.py dp2tp1pp1 dp1tp2pp1 dp1tp2pp1:parallelism.tp_mode=reduce_scatter \
+        dp1tp1pp2 dp2tp2pp2 [--model tiny] [--steps 3] [--warmup 1] [--set KEY=VALUE ...]
+
+Each layout ("dpXtpYppZ", optionally ":" and comma-separated overrides for that layout) runs
+dp*tp*pp forked gloo workers with the real Trainer; after warm-up steps, `--steps` optimizer
+steps run inside a `CommCounter` (nanoexp/parallel/comm_counter.py), which records every
+collective and point-to-point call per process group (dp, tp, pp, model-parallel, embedding).
+
+Reported per group: calls and bytes SENT per rank per optimizer step (ring algorithms; mean
+over the ranks), next to the analytic minimum for the layout, each rank's own count averaged
+the same way (m micro-batches per step, A = micro_batch x seq x hidden activation bytes):
+  dp  ring all-reduce of this rank's float32 gradients: 2(dp-1)/dp x 4 x local parameters,
+      plus the step loss (4 bytes);
+  tp  Megatron's minimum, per micro-batch: 2 all-reduces forward + 2 backward per layer
+      (sequence parallel: 4 all-gathers + 4 reduce-scatters, the same bytes), one for the
+      embedding (first stage) and one for the LM head's input (last stage), each 2(tp-1)/tp x A;
+      the vocab-parallel cross-entropy's 3 all-reduces of micro_batch x seq floats; under SP the
+      norm-weight gradients;
+  pp  per micro-batch the activation to the next stage and its gradient to the previous one
+      (float32, s/tp long under SP), plus the step loss;
+  model_parallel  the squared gradient norm (4 bytes).
+tokens/s is the global batch's tokens over rank 0's median step time (workers share the CPUs,
+so on a small machine it measures process overhead more than scaling).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanoexp import config as C  # noqa: E402
+from nanoexp.launch import free_port  # noqa: E402
+from nanoexp.parallel.comm_counter import CommCounter  # noqa: E402
+from nanoexp.parallel.context import ParallelContext  # noqa: E402
+
+GROUPS = ("dp", "tp", "pp", "model_parallel", "embedding")
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    C.register_configs()
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    p = cfg.parallelism
+    C.validate(cfg, world_size=p.dp * p.tp * p.pp)
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
+    """This rank's minimum bytes sent per optimizer step, per group (see the module docstring)."""
+    m, mb, s = trainer.accumulation, cfg.tokens.micro_batch_size, cfg.tokens.sequence_length
+    h = trainer.shape.hidden_size
+    sp = cfg.parallelism.tp_mode == "reduce_scatter"
+    act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4   # TP collectives run in the autocast dtype
+    activation = mb * s * h * act_bytes
+    ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
+    out = {name: 0.0 for name in GROUPS}
+    if ctx.dp > 1:
+        local = sum(p.numel() for p in {id(p): p for p in trainer.params}.values())
+        out["dp"] = ring(ctx.dp) * 4 * (local + 1)
+    if ctx.tp > 1:
+        layers = len(trainer.model.model.layers)
+        first, last = ctx.is_first_stage, ctx.is_last_stage
+        per_micro = (4 * layers + first + last) * ring(ctx.tp) * activation
+        if last:
+            per_micro += 3 * ring(ctx.tp) * mb * s * 4
+        out["tp"] = m * per_micro
+        if sp:
+            norms = [p for p in trainer.params if getattr(p, "sequence_parallel", False)]
+            out["tp"] += ring(ctx.tp) * 4 * sum(p.numel() for p in norms)
+    if ctx.pp > 1:
+        boundary = mb * (s // ctx.tp if sp else s) * h * 4
+        out["pp"] = m * boundary * ((not ctx.is_last_stage) + (not ctx.is_first_stage)) + ring(ctx.pp) * 4
+    if ctx.tp * ctx.pp > 1:
+        out["model_parallel"] = ring(ctx.tp * ctx.pp) * 4
+    return out
+
+
+def worker(rank, world_size, port, cfg, args, queue):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        from nanoexp.trainer import Trainer
+        p = cfg.parallelism
+        ctx = ParallelContext(p.dp, p.tp, p.pp)
+        with tempfile.TemporaryDirectory() as run_dir:
+            trainer = Trainer(cfg, ctx, run_dir)
+            steps = [trainer.batches.next_step() for _ in range(args.warmup + args.steps)]
+            trainer.batches.close()
+            lr = cfg.optimizer.learning_rate_scheduler.learning_rate
+            for micro_batches in steps[:args.warmup]:
+                trainer.train_step(micro_batches, lr)
+            times = []
+            with CommCounter({name: getattr(ctx, f"{name}_group") for name in GROUPS}) as comm:
+                for micro_batches in steps[args.warmup:]:
+                    dist.barrier()
+                    start = time.perf_counter()
+                    trainer.train_step(micro_batches, lr)
+                    times.append(time.perf_counter() - start)
+            result = {"times": times, "totals": comm.totals(), "analytic": analytic_sent(cfg, ctx, trainer),
+                      "tokens": trainer.tokens_per_step}
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - hand any failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_layout(cfg, args) -> list[dict]:
+    p = cfg.parallelism
+    world = p.dp * p.tp * p.pp
+    context = mp.get_context("fork")
+    queue, port = context.Queue(), free_port()
+    procs = [context.Process(target=worker, args=(r, world, port, cfg, args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=args.timeout)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world)]
+
+
+def report(name: str, results: list[dict], steps: int) -> None:
+    tokens_per_sec = results[0]["tokens"] / statistics.median(results[0]["times"])
+    print(f"\n{name}: {tokens_per_sec:,.0f} tokens/s ({len(results)} ranks); per rank and optimizer step, mean over ranks:")
+    print(f"  {'group':<15} {'calls':>7} {'sent MB':>10} {'analytic min MB':>16} {'sent/min':>9}")
+    for group in GROUPS:
+        calls = statistics.mean(r["totals"].get(group, {}).get("calls", 0) for r in results) / steps
+        sent = statistics.mean(r["totals"].get(group, {}).get("sent_bytes", 0) for r in results) / steps
+        analytic = statistics.mean(r["analytic"][group] for r in results)
+        if calls == 0 and analytic == 0:
+            continue
+        ratio = f"{sent / analytic:9.2f}" if analytic else f"{'-':>9}"
+        print(f"  {group:<15} {calls:>7.1f} {sent / 1e6:>10.3f} {analytic / 1e6:>16.3f} {ratio}")
+    others = {g for r in results for g in r["totals"] if g not in GROUPS}
+    for group in sorted(others):
+        sent = statistics.mean(r["totals"].get(group, {}).get("sent_bytes", 0) for r in results) / steps
+        print(f"  {group:<15} {'':>7} {sent / 1e6:>10.3f}   (not a named group)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("layouts", nargs="+", help="dpXtpYppZ[:key=value,...]")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=3, help="counted optimizer steps")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted steps first")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a layout's ranks")
+    parser.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every layout")
+    args = parser.parse_args()
+    print(f"model={args.model}, {args.warmup} warm-up + {args.steps} counted steps, gloo on "
+          f"{os.cpu_count()} CPUs; bytes are what each rank sends (ring algorithms)")
+    for spec in args.layouts:
+        layout, _, extra = spec.partition(":")
+        match = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout)
+        if match is None:
+            parser.error(f"layout {layout!r} is not of the form dpXtpYppZ")
+        dp, tp, pp = match.groups()
+        overrides = [f"model={args.model}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+                     "logging.tensorboard=false", "data.prefetch=false", *args.set,
+                     *[o for o in extra.split(",") if o]]
+        report(spec, run_layout(compose(overrides), args), args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Turn a local Hugging Face Llama folder into a nanoexp checkpoint (step 0, no optimizer state).
+
+    python scripts/convert_from_hf.py hf_llama/ ckpt_out/ [config overrides ...]
+    python train.py checkpoint.resume_checkpoint_path=ckpt_out/0 <the overrides printed> ...   # any layout
+
+The model shape is read from the HF config.json; the tokenizer is the HF folder when it holds one,
+else the built-in byte tokenizer. Training can also start from the HF folder directly with
+`model.init_method.path=hf_llama/`.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanoexp.checkpoint import CheckpointManager  # noqa: E402
+from nanoexp.hf import read_hf_config  # noqa: E402
+from nanoexp.optim import build_optimizer  # noqa: E402
+from nanoexp.parallel.context import ParallelContext  # noqa: E402
+from nanoexp.run import check_config  # noqa: E402
+from nanoexp.trainer import build_model  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from nanoexp.config import register_configs  # noqa: E402
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_config(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def model_overrides(hf_dir: str) -> list[str]:
+    """The config overrides that give nanoexp the HF model's shape and tokenizer."""
+    c = read_hf_config(hf_dir)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+    out = [f"model.model_config.{k}={str(c[k]).lower() if isinstance(c[k], bool) else c[k]}" for k in keys]
+    has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return out + [f"tokenizer.tokenizer_name_or_path={os.path.abspath(hf_dir) if has_tokenizer else 'byte'}"]
+
+
+def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
+    overrides = model_overrides(hf_dir) + overrides
+    cfg = compose_config(overrides + [f"model.init_method.path={os.path.abspath(hf_dir)}",
+                                      "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"])
+    check_config(cfg, world_size=1)
+    cfg.checkpoint.checkpoints_path = out
+    ctx = ParallelContext()
+    model = build_model(cfg, ctx)
+    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model, ctx), consumed_samples=0)
+    return overrides
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("hf_dir")
+    parser.add_argument("out", help="checkpoints folder: the checkpoint is written to OUT/0")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. make_vocab_size_divisible_by)")
+    args = parser.parse_args()
+    overrides = convert_from_hf(args.hf_dir, args.out, args.overrides)
+    print(f"wrote {os.path.join(args.out, '0')}; train from it with:\n  python train.py "
+          f"checkpoint.resume_checkpoint_path={os.path.join(args.out, '0')} " + " ".join(overrides))
+
+
+if __name__ == "__main__":
+    main()

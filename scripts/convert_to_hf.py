@@ -1,0 +1,49 @@
+"""Export a checkpoint of any layout to a Hugging Face transformers Llama folder.
+
+    python scripts/convert_to_hf.py outputs/.../checkpoints/100 hf_out/
+    # then: transformers.LlamaForCausalLM.from_pretrained("hf_out"), AutoTokenizer.from_pretrained("hf_out")
+
+Writes config.json (vocab_size = nanoexp's padded vocabulary), model.safetensors (float32) and the
+tokenizer files (generated for the built-in byte tokenizer, copied for an HF tokenizer folder).
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from omegaconf import OmegaConf  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from nanoexp.checkpoint.load import CheckpointReader, check_compatible  # noqa: E402
+from nanoexp.data.tokenizer import build_tokenizer  # noqa: E402
+from nanoexp.hf import hf_config, parameter_shapes, write_tokenizer  # noqa: E402
+from nanoexp.trainer import model_shape  # noqa: E402
+
+
+def convert_to_hf(checkpoint: str, out: str) -> None:
+    reader = CheckpointReader(checkpoint)
+    cfg = OmegaConf.create(reader.meta["config"])
+    shape = model_shape(cfg)
+    check_compatible(reader, shape)
+    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
+    os.makedirs(out, exist_ok=True)
+    tensors = {name: reader.full_tensor(name).contiguous() for name in parameter_shapes(shape)}
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(shape, tokenizer.eod_id), f, indent=2)
+    write_tokenizer(cfg.tokenizer.tokenizer_name_or_path, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint folder <checkpoints_path>/<step>")
+    parser.add_argument("out", help="the Hugging Face folder to write")
+    args = parser.parse_args()
+    convert_to_hf(args.checkpoint, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Write a starter config for a model and a GPU count, with a layout that fits in memory.
+
+    python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80
+    python scripts/make_config.py --model llama3_8b --gpus 64 --gpu-memory-gb 80 --experiment llama3_8b_64gpu
+
+Promises:
+- Every dp x tp x pp layout of --gpus processes is checked with nanoexp's own `validate` (heads, KV heads,
+  vocabulary and MLP width divisible by tp, no more stages than layers, global batch divisible by dp x
+  micro-batch) and with tp <= --gpus-per-node (tensor parallelism stays inside a node).
+- For each valid layout it prints the estimated memory of the busiest GPU, split into parameters,
+  gradients, optimizer state and activations, and picks the fitting layout (estimate <= 90% of
+  --gpu-memory-gb) with the least model parallelism: the smallest tp*pp, then the smallest pp (a pipeline
+  adds a bubble, tensor parallelism inside a node does not). ZeRO-1 is used whenever dp > 1.
+- Writes the fully composed config as YAML (--out, default <model>_<gpus>gpu.yaml) and prints the command
+  that runs it (the same overrides); or with --experiment NAME writes the overrides as
+  conf/experiment/NAME.yaml (run: python train.py +experiment=NAME).
+
+The estimate (bytes per GPU), for the busiest pipeline stage:
+- parameters 4 B, gradients 4 B (float32 master weights and gradients, also under bf16 autocast), AdamW
+  state 8 B (two float32 moments, divided by dp with ZeRO-1), per parameter held by the rank;
+- activations per layer and micro-batch s*b*h*(10 + 24/tp) bytes in 16-bit (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", table 2, tensor parallel without
+  sequence parallelism; their 5*a*s/h attention-score term is left out because flash/SDPA attention does
+  not store the scores), doubled for float32; the first stage of 1F1B holds min(pp, micro-batches) of them;
+- float32 logits and their gradient on the last stage: 2 * s * b * vocab/tp * 4 B.
+It leaves out the CUDA context, allocator fragmentation and communication buffers: hence the 10% margin.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, register_configs, validate  # noqa: E402,E501
+
+GIB = 1024 ** 3
+HEADROOM = 0.9
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def estimate(cfg) -> dict[str, float]:
+    """Bytes on the busiest GPU of this layout, by kind (see the module docstring)."""
+    m, p, t = cfg.model.model_config, cfg.parallelism, cfg.tokens
+    h, L, vocab = m.hidden_size, m.num_hidden_layers, padded_vocab_size(cfg)
+    kv_dim = num_kv_heads(cfg) * (h // m.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * m.intermediate_size + 2 * h
+    layers = math.ceil(L / p.pp)
+    embedding = vocab * h
+    first = layers * per_layer + embedding + (embedding + h if p.pp == 1 and not m.tie_word_embeddings else 0)
+    last = layers * per_layer + (embedding if not m.tie_word_embeddings or p.pp > 1 else 0) + h
+    params = max(first, last) / p.tp
+    dp_shards = p.dp if cfg.optimizer.zero_stage == 1 else 1
+    activation_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    s, b = t.sequence_length, t.micro_batch_size
+    per_layer_activation = s * b * h * (10 + 24 / p.tp) * activation_bytes / 2
+    if p.recompute_layer:   # only each layer's input is kept
+        per_layer_activation = s * b * h * activation_bytes
+    in_flight = min(p.pp, batch_accumulation(cfg))
+    return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / dp_shards,
+            "activations": per_layer_activation * layers * in_flight + 2 * s * b * vocab / p.tp * 4}
+
+
+def candidates(base, gpus: int, gpus_per_node: int):
+    """(cfg, problem) for every dp*tp*pp == gpus layout; problem is None for a valid one."""
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            cfg = copy.deepcopy(base)
+            cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp = gpus // (tp * pp), tp, pp
+            cfg.optimizer.zero_stage = 1 if cfg.parallelism.dp > 1 else 0
+            problem = None
+            if tp > gpus_per_node:
+                problem = f"tp={tp} > {gpus_per_node} GPUs per node"
+            else:
+                try:
+                    validate(cfg, world_size=gpus)
+                except ConfigError as error:
+                    problem = str(error).splitlines()[1].strip(" -")
+            yield cfg, problem
+
+
+def layout(cfg) -> str:
+    p = cfg.parallelism
+    return f"dp{p.dp}tp{p.tp}pp{p.pp}"
+
+
+def choose(base, gpus: int, gpus_per_node: int, memory_gb: float):
+    """Print the estimate of every layout; return the chosen config (or None when nothing fits)."""
+    budget = HEADROOM * memory_gb * GIB
+    print(f"{'layout':<12}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}  (GiB per GPU)")
+    fitting = []
+    for cfg, problem in candidates(base, gpus, gpus_per_node):
+        if problem:
+            print(f"{layout(cfg):<12}invalid: {problem}")
+            continue
+        parts = estimate(cfg)
+        total = sum(parts.values())
+        fits = total <= budget
+        print(f"{layout(cfg):<12}" + "".join(f"{v / GIB:9.1f}" for v in parts.values())
+              + f"{total / GIB:9.1f}  {'fits' if fits else 'too big'}")
+        if fits:
+            fitting.append(cfg)
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: (c.parallelism.tp * c.parallelism.pp, c.parallelism.pp, c.parallelism.tp))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a file of conf/model/ (tiny, small, llama_1b, llama3_8b, ...)")
+    parser.add_argument("--gpus", type=int, required=True, help="processes in all (nodes x GPUs per node)")
+    parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--sequence-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=256, help="sequences per optimizer step")
+    parser.add_argument("--out", help="the composed YAML to write (default <model>_<gpus>gpu.yaml)")
+    parser.add_argument("--experiment", help="write conf/experiment/<NAME>.yaml (overrides only) instead")
+    args = parser.parse_args(argv)
+
+    register_configs()
+    overrides = [f"model={args.model}", f"tokens.sequence_length={args.sequence_length}",
+                 f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.global_batch_size={args.global_batch_size}"]
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        base = compose(config_name="config", overrides=overrides)
+    m = base.model.model_config
+    if args.sequence_length > m.max_position_embeddings:
+        parser.error(f"--sequence-length {args.sequence_length} > max_position_embeddings {m.max_position_embeddings}")
+    print(f"model {args.model}: hidden {m.hidden_size}, {m.num_hidden_layers} layers, {m.num_attention_heads} heads "
+          f"({num_kv_heads(base)} KV), vocabulary {padded_vocab_size(base)}, {base.model.dtype}; sequence "
+          f"{args.sequence_length}, micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}; "
+          f"{args.gpus} GPUs of {args.gpu_memory_gb:g} GB")
+    cfg = choose(base, args.gpus, args.gpus_per_node, args.gpu_memory_gb)
+    if cfg is None:
+        print(f"no layout fits in {HEADROOM:.0%} of {args.gpu_memory_gb:g} GB: use more GPUs, a smaller micro-batch "
+              "or sequence, or parallelism.recompute_layer=true", file=sys.stderr)
+        return 1
+    p = cfg.parallelism
+    print(f"chosen: {layout(cfg)} with ZeRO-{cfg.optimizer.zero_stage} (the fitting layout with the least model "
+          f"parallelism), {batch_accumulation(cfg)} micro-batches per step and replica")
+    chosen = overrides + [f"parallelism.dp={p.dp}", f"parallelism.tp={p.tp}", f"parallelism.pp={p.pp}",
+                          f"optimizer.zero_stage={cfg.optimizer.zero_stage}"]
+    nodes = math.ceil(args.gpus / args.gpus_per_node)
+    if args.experiment:
+        path = os.path.join(ROOT, "conf", "experiment", f"{args.experiment}.yaml")
+        lines = ["# @package _global_", f"# scripts/make_config.py {' '.join(argv or sys.argv[1:])}",
+                 "defaults:", f"  - override /model: {args.model}"]
+        body = OmegaConf.from_dotlist([o for o in chosen if not o.startswith("model=")])
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n" + OmegaConf.to_yaml(body))
+        run = f"+experiment={args.experiment}"
+    else:
+        path = args.out or f"{args.model}_{args.gpus}gpu.yaml"
+        OmegaConf.save(cfg, path)   # the complete record; the same run from the overrides:
+        run = " ".join(chosen)
+    print(f"wrote {path}\nrun it: python train.py -m {run} hydra/launcher=slurm hydra.launcher.nodes={nodes} "
+          f"hydra.launcher.gpus_per_node={min(args.gpus, args.gpus_per_node)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Checkpoints: exact resume, resume on other layouts, atomicity, damaged shards, stop signals.
+
+References: the uninterrupted run of the same config (bit for bit on the same layout) and the
+single-process run (within the parity tolerance of tests/test_parallel.py on other layouts).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import nanoexp.checkpoint.save as save_module
+from nanoexp.checkpoint import CheckpointError, CheckpointReader
+from nanoexp.checkpoint.load import check_compatible
+from nanoexp.config import ConfigError
+from nanoexp.launch import WorkerFailed
+from nanoexp.trainer import model_shape
+from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
+from tests.test_parallel import LATER_STEP_ATOL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = FAST + ["tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
+              "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
+# A constant LR makes the schedule independent of train_steps, so one run can be continued in pieces.
+CONSTANT_LR = FAST + ["tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
+                      "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
+                      "optimizer.learning_rate_scheduler.lr_decay_style=constant"]
+
+
+def last_by_step(records):
+    """metrics.jsonl of a resumed run repeats steps; later lines win."""
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_exact_resume_same_layout_zero1(tmp_path):
+    layout = ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1", "tokens.train_steps=6",
+              "checkpoint.checkpoint_interval=3"]
+    full = train_losses(train(tmp_path / "full", RUN + layout))
+    ckpt = tmp_path / "full" / "checkpoints"
+    assert sorted(os.listdir(ckpt)) == ["3", "6", "latest.txt"]
+    assert (ckpt / "latest.txt").read_text().strip() == "6"
+    assert len([f for f in os.listdir(ckpt / "3") if f.endswith(".safetensors")]) == 4   # one shard per rank
+    resumed = train_losses(train(tmp_path / "resumed", RUN + layout + [f"checkpoint.resume_checkpoint_path={ckpt}/3"]))
+    assert resumed == full[3:]   # bit for bit
+
+
+def test_resume_across_layouts_both_directions(tmp_path):
+    tied = CONSTANT_LR + ["model.model_config.tie_word_embeddings=true"]
+    reference = train_losses(train(tmp_path / "ref", tied + ["tokens.train_steps=9"]))
+    a = train_losses(train(tmp_path / "a", tied + ["parallelism=dp2tp2pp2", "optimizer.zero_stage=1",
+                                                   "parallelism.tp_mode=reduce_scatter", "tokens.train_steps=3"]))
+    b = train_losses(train(tmp_path / "b", tied + ["tokens.train_steps=6",
+                                                   f"checkpoint.resume_checkpoint_path={tmp_path}/a/checkpoints/3"]))
+    c = train_losses(train(tmp_path / "c", tied + ["parallelism=dp1tp2pp2", "tokens.train_steps=9",
+                                                   f"checkpoint.resume_checkpoint_path={tmp_path}/b/checkpoints/6"]))
+    np.testing.assert_allclose(a + b + c, reference, atol=LATER_STEP_ATOL, rtol=0)
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    run = RUN + ["tokens.train_steps=6", "checkpoint.checkpoint_interval=2", "checkpoint.keep_last_n=2"]
+    real_write = save_module.write_file
+
+    def disk_full_at_step_4(path, tensors, metadata):
+        if ".tmp-4" in path:
+            raise OSError(28, "No space left on device")
+        return real_write(path, tensors, metadata)
+
+    monkeypatch.setattr(save_module, "write_file", disk_full_at_step_4)
+    with pytest.raises(CheckpointError, match=r"checkpoints/4 .*No space left"):
+        train(tmp_path / "run", run)
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ckpt)) == ["2", "latest.txt"]
+    first = last_by_step(read_metrics(tmp_path / "run"))   # steps 1-4 (step 4 ran, its save failed)
+    monkeypatch.setattr(save_module, "write_file", real_write)
+    train(tmp_path / "run", run)   # checkpoint.resume=auto (the default) continues from step 2
+    resumed = last_by_step(read_metrics(tmp_path / "run"))
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and all(resumed[s] == first[s] for s in (3, 4))   # bit for bit
+    assert sorted(os.listdir(ckpt)) == ["4", "6", "latest.txt"]   # keep_last_n=2 pruned step 2
+
+
+def test_rank_killed_during_save_then_resume(tmp_path, monkeypatch):
+    run = RUN + ["parallelism=dp1tp2pp1", "tokens.train_steps=4", "checkpoint.checkpoint_interval=2"]
+    real_write = save_module.write_file
+
+    def die_half_way_at_step_4(path, tensors, metadata):
+        if ".tmp-4" in path and path.endswith("rank_00001.safetensors"):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)
+            os._exit(9)   # a killed process: no exception, no cleanup
+        return real_write(path, tensors, metadata)
+
+    monkeypatch.setattr(save_module, "write_file", die_half_way_at_step_4)   # inherited by forked ranks
+    with pytest.raises(WorkerFailed):
+        train(tmp_path, run)
+    first = last_by_step(read_metrics(tmp_path))
+    assert (tmp_path / "checkpoints" / "latest.txt").read_text().strip() == "2"
+    CheckpointReader(str(tmp_path / "checkpoints" / "2")).full_tensor("model.embed_tokens.weight")
+    monkeypatch.setattr(save_module, "write_file", real_write)
+    train(tmp_path, run)
+    assert last_by_step(read_metrics(tmp_path)) == first   # steps 3-4 redone bit for bit
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    train(root, RUN + ["tokens.train_steps=2"])
+    return root / "checkpoints" / "2"
+
+
+def damaged_copy(saved, tmp_path, damage):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    shard = folder / "rank_00000.safetensors"
+    damage(shard)
+    return folder, shard
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-10]), "truncated"),
+    (lambda f: f.write_bytes(f.read_bytes()[:-10] + b"0123456789"), "corrupt"),
+    (lambda f: f.unlink(), "missing shard"),
+])
+def test_damaged_shard_is_named(saved, tmp_path, damage, message):
+    folder, shard = damaged_copy(saved, tmp_path, damage)
+    with pytest.raises(CheckpointError, match=message) as error:
+        CheckpointReader(str(folder)).full_tensor("model.norm.weight")
+    assert str(shard) in str(error.value)
+
+
+def test_incompatible_model_names_first_mismatching_parameter(saved):
+    cfg = compose_config(RUN + ["model.model_config.num_key_value_heads=4"])
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \(32, 64\)"):
+        check_compatible(CheckpointReader(str(saved)), model_shape(cfg))
+
+
+def test_missing_resume_path_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.resume_checkpoint_path"):
+        train(tmp_path, RUN + [f"checkpoint.resume_checkpoint_path={tmp_path}/nope"])
+
+
+def test_sigterm_checkpoints_exits_cleanly_and_resume_auto_continues(tmp_path):
+    run = CONSTANT_LR + ["parallelism=dp2tp1pp1", "tokens.train_steps=400"]
+    proc = subprocess.Popen([sys.executable, "train.py", *run, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stopped_at = summary["train_steps"]
+    assert summary["status"] == "stopped" and stopped_at < 400
+    assert (tmp_path / "checkpoints" / "latest.txt").read_text().strip() == str(stopped_at)
+    records = train(tmp_path, run[:-1] + [f"tokens.train_steps={stopped_at + 2}"])   # resume=auto
+    assert [r["step"] for r in records if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"

@@ -1,0 +1,62 @@
+"""Faults during a run: non-finite losses, a rank that hangs in a collective. Nothing hangs."""
+import json
+import time
+
+import pytest
+
+from nanoexp.launch import WorkerFailed
+from tests.helpers import FAST, train
+
+RUN = FAST + ["tokens.train_steps=5", "tokens.val_check_interval=0"]
+
+
+def test_nonfinite_loss_stops_with_the_step_number(tmp_path):
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        train(tmp_path, RUN + ["fault_injection.nonfinite_loss_at_step=3"])
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["status"] == "failed" and "step 3" in summary["error"]
+    assert summary["train_steps"] == 2   # the last completed step
+
+
+def test_nonfinite_step_is_skipped_when_asked(tmp_path):
+    records = train(tmp_path, RUN + ["fault_injection.nonfinite_loss_at_step=3", "optimizer.skip_nonfinite_steps=true"])
+    steps = {r["step"]: r for r in records if "loss" in r}
+    assert [steps[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert steps[3]["loss"] != steps[3]["loss"]            # NaN was logged for the skipped step
+    assert all(steps[s]["loss"] < 10 for s in (4, 5))      # the weights were not poisoned
+    reference = {r["step"]: r["loss"] for r in train(tmp_path / "ref", RUN) if "loss" in r}
+    assert steps[2]["loss"] == reference[2] and steps[4]["loss"] != reference[4]
+
+
+def test_nonfinite_loss_on_a_pipeline_stops_every_rank(tmp_path):
+    start = time.time()
+    with pytest.raises(WorkerFailed, match="at step 2"):
+        train(tmp_path, RUN + ["parallelism=dp2tp1pp2", "fault_injection.nonfinite_loss_at_step=2"])
+    assert time.time() - start < 60
+
+
+def test_hung_rank_becomes_an_error_after_the_collective_timeout(tmp_path):
+    start = time.time()
+    with pytest.raises(WorkerFailed) as info:
+        train(tmp_path, RUN + ["parallelism=dp2tp1pp1", "fault_injection.hang_at_step=2", "fault_injection.hang_rank=1",
+                               "parallelism.collective_timeout_s=3"])
+    assert time.time() - start < 60
+    assert "rank 0 failed" in str(info.value)   # the rank left waiting reports the timeout
+
+
+@pytest.mark.parametrize("fault, layout, error", [
+    (["fault_injection.nonfinite_loss_at_step=5"], "dp1tp1pp1", FloatingPointError),
+    (["fault_injection.hang_at_step=5", "fault_injection.hang_rank=1", "parallelism.collective_timeout_s=3"],
+     "dp2tp1pp1", WorkerFailed),
+], ids=["nonfinite", "hang"])
+def test_resume_after_a_fault_reaches_the_unfaulted_loss(fault, layout, error, tmp_path):
+    """Nothing lost: checkpoints every 2 steps, a fault at step 5, then resume=auto in the same
+    run folder continues from checkpoint 4 and ends exactly where an unfaulted run ends."""
+    run = RUN[:] + ["tokens.train_steps=6", "checkpoint.checkpoint_interval=2", f"parallelism={layout}"]
+    expected = [r["loss"] for r in train(tmp_path / "unfaulted", run) if "loss" in r]
+    with pytest.raises(error):
+        train(tmp_path / "faulted", run + fault)
+    assert (tmp_path / "faulted" / "checkpoints" / "latest.txt").read_text().strip() == "4"
+    records = train(tmp_path / "faulted", run + ["checkpoint.resume=auto"])
+    last_loss = {r["step"]: r["loss"] for r in records if "loss" in r}   # later lines win
+    assert [last_loss[s] for s in range(1, 7)] == expected   # bit for bit: same layout, exact resume

@@ -1,0 +1,103 @@
+"""data=hf: local files, save_to_disk folders, streaming; packing, the held-out rule, resume, errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nanoexp.config import ConfigError
+from nanoexp.data import ByteTokenizer, TokenWindows, TrainBatches, build_hf_datasets
+from nanoexp.run import check_config
+from tests.data_files import byte_stream, random_documents, write_jsonl
+from tests.helpers import FAST, compose_config, train
+from tests.test_data import _save_tiny_hf_tokenizer
+
+SEQ = 8
+
+
+@pytest.fixture
+def jsonl_folder(tmp_path):
+    docs = random_documents(90, seed=3)
+    (tmp_path / "docs").mkdir()
+    write_jsonl(tmp_path / "docs" / "part-0.jsonl", docs[:50])
+    write_jsonl(tmp_path / "docs" / "part-1.jsonl", docs[50:])
+    return str(tmp_path / "docs"), docs
+
+
+def build(path, streaming, val_samples=None):
+    return build_hf_datasets(path, "train", None, "text", streaming, ByteTokenizer(), SEQ, 0.1, val_samples)
+
+
+def test_stream_and_table_give_the_reference_samples(jsonl_folder):
+    path, docs = jsonl_folder
+    train_ref = np.array(byte_stream([d for i, d in enumerate(docs) if i % 10 != 9]))
+    val_ref = TokenWindows(np.array(byte_stream(docs[9::10])), SEQ)   # every 10th document is held out
+    table_train, table_val = build(path, streaming=False)
+    stream_train, stream_val = build(path, streaming=True)
+    reference = TokenWindows(train_ref, SEQ)
+    assert len(table_train) == len(reference) and len(table_val) == len(val_ref) == len(stream_val)
+    for i in range(len(reference)):
+        assert torch.equal(table_train[i], reference[i]) and torch.equal(stream_train[i], reference[i])
+    assert all(torch.equal(stream_val[i], val_ref[i]) for i in range(len(val_ref)))
+    # The stream goes on into the next epoch, and reading backwards restarts it.
+    two_epochs = TokenWindows(np.concatenate([train_ref, train_ref]), SEQ)
+    k = len(reference) + 3
+    assert torch.equal(stream_train[k], two_epochs[k]) and torch.equal(stream_train[2], reference[2])
+    # Streaming reads only as much validation as evaluation uses.
+    assert len(build(path, streaming=True, val_samples=2)[1]) < len(val_ref)
+
+
+def test_save_to_disk_folder_matches_jsonl(jsonl_folder, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path, docs = jsonl_folder
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    for streaming in (False, True):
+        saved, _ = build(str(tmp_path / "saved"), streaming)
+        ref, _ = build(path, streaming=False)
+        assert all(torch.equal(saved[i], ref[i]) for i in range(20))
+
+
+def test_stream_batches_are_dp_split_invariant_and_resume(jsonl_folder):
+    path, _ = jsonl_folder
+    G, steps = 8, 5
+    runs = {}
+    for dp, mbs in [(1, 4), (2, 2)]:
+        per_rank = []
+        for rank in range(dp):
+            with TrainBatches(build(path, True)[0], G, mbs, rank, dp, seed=0, prefetch=True) as loader:
+                per_rank.append([torch.cat([mb["input_ids"] for mb in loader.next_step()]) for _ in range(steps)])
+        runs[dp] = [torch.cat([per_rank[r][s] for r in range(dp)]) for s in range(steps)]
+    assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2]))
+    with TrainBatches(build(path, True)[0], G, 4, 0, 1, seed=0, consumed_samples=3 * G) as resumed:
+        assert torch.equal(torch.cat([mb["input_ids"] for mb in resumed.next_step()]), runs[1][3])
+
+
+def hf_cfg(path, *extra):
+    return compose_config(FAST + ["data=hf", f"data.hf_dataset_or_datasets={path}", *extra])
+
+
+def start_error(cfg) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg, None)
+    return str(info.value)
+
+
+def test_bad_hf_data_is_named(jsonl_folder, tmp_path):
+    path, _ = jsonl_folder
+    assert "no column 'body'" in start_error(hf_cfg(path, "data.text_column_name=body"))
+    assert f"{tmp_path}/nope: no such file or folder" in start_error(hf_cfg(tmp_path / "nope"))
+    write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    assert "the dataset is empty" in start_error(hf_cfg(tmp_path / "blank.jsonl"))
+    assert "data.hf_dataset_or_datasets is not set" in start_error(compose_config(FAST + ["data=hf"]))
+
+
+def test_streaming_training_with_a_local_tokenizer(jsonl_folder, tmp_path):
+    path, _ = jsonl_folder
+    _save_tiny_hf_tokenizer(tmp_path / "tok", eos=True)
+    records = train(tmp_path / "run", FAST + [
+        "data=hf", f"data.hf_dataset_or_datasets={path}", "data.streaming=true", "data.prefetch=true",
+        f"tokenizer.tokenizer_name_or_path={tmp_path / 'tok'}", "tokens.sequence_length=8",
+        "tokens.train_steps=3", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.lr_warmup_steps=0"])
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and losses[0] > 5.0   # ~ln(320) at init
+    assert np.isfinite(records[-1]["eval_loss"]) and all(r["data_wait_sec"] >= 0 for r in records if "loss" in r)

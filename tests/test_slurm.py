@@ -1,0 +1,175 @@
+"""Sweeps through `hydra/launcher=slurm` on a real single-node SLURM cluster.
+
+The module starts the cluster with scripts/local_slurm_start.sh (Debian packages, about 25 s the first
+time, 1 s when it is up) and stops what it started. It skips only where Slurm cannot be installed at
+all (not root, no apt-get, or the package download fails). Every job is `+experiment=e2e_small`: the
+tests' FAST model, 2 tasks (one per rank), a handful of steps. References: the same layouts trained
+locally in this process (tests/helpers.train). Same layout, same reductions, so the losses agree to
+rounding noise: measured identical; the 1e-6 tolerance only allows for a BLAS kernel choice.
+"""
+import csv
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import FAST, read_metrics, train, train_losses
+from tests.test_sweep import E2E_STEPS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START, STOP = (os.path.join(ROOT, "scripts", name) for name in ("local_slurm_start.sh", "local_slurm_stop.sh"))
+SAME_LAYOUT_ATOL = 1e-6
+
+
+def cluster_is_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return result.returncode == 0 and any(s in result.stdout for s in ("idle", "mixed", "allocated"))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running cluster with accounting; stopped at the end only if this fixture started it."""
+    if cluster_is_up():
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.skip("a local SLURM cluster needs root (scripts/local_slurm_start.sh installs and starts daemons)")
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        pytest.skip("SLURM is not installed and there is no apt-get to install it")
+    result = subprocess.run(["bash", START], capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and "package installation failed" in result.stderr:
+        pytest.skip(f"SLURM cannot be installed here: {result.stdout[-500:]}{result.stderr[-500:]}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", STOP], capture_output=True, timeout=120)
+
+
+def start_sweep(sweep_dir, *overrides) -> subprocess.Popen:
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "+experiment=e2e_small", "hydra/launcher=slurm",
+               f"hydra.sweep.dir={sweep_dir}", *overrides]
+    return subprocess.Popen(command, cwd=os.path.dirname(sweep_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        _, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err
+
+
+def slurm_job_ids(sweep_dir) -> dict[int, str]:
+    """Sweep job number -> SLURM job id: "<array>_<task>" for task n of a job array, or the plain id of a
+    one-job sweep (submitit submits no array then), from submitit's job folders."""
+    ids = {}
+    for pickle_path in glob.glob(os.path.join(sweep_dir, ".submitit", "*", "*_submitted.pkl")):
+        name = os.path.basename(os.path.dirname(pickle_path))
+        ids[int(name.split("_")[1]) if "_" in name else 0] = name
+    return ids
+
+
+def sacct_states(job_id: str, duplicates: bool = False) -> list[str]:
+    command = ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id] + (["-D"] if duplicates else [])
+    return [line.split()[0] for line in subprocess.run(command, capture_output=True, text=True).stdout.splitlines() if line]
+
+
+def task_pids(job_id: str) -> list[int]:
+    """PIDs of the processes of the job's first step (the srun tasks: our ranks)."""
+    raw_id = subprocess.run(["squeue", "-h", "-o", "%A", "-j", job_id], capture_output=True, text=True).stdout.strip()
+    listing = subprocess.run(["scontrol", "listpids", raw_id], capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in listing.splitlines()[1:]]
+    pids = [int(row[0]) for row in rows if len(row) >= 3 and row[2] == "0"]
+    assert pids, listing
+    return pids
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.5)
+
+
+def local_losses(tmp_path, layout: str, *overrides) -> list[float]:
+    return train_losses(train(tmp_path / f"local_{layout}", FAST + E2E_STEPS + [f"parallelism={layout}", *overrides]))
+
+
+def test_sweep_of_two_layouts_completes_with_the_local_losses(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    process = start_sweep(sweep)   # parallelism=dp2tp1pp1,dp1tp2pp1: both 2 tasks, one job array
+    expected = {layout: local_losses(tmp_path, layout) for layout in ("dp2tp1pp1", "dp1tp2pp1")}   # meanwhile
+    code, err = finish(process, timeout=240)
+    assert code == 0, err[-3000:]
+    ids = slurm_job_ids(sweep)
+    assert sorted(ids) == [0, 1] and len({i.split("_")[0] for i in ids.values()}) == 1   # one job array
+    for job, layout in ((0, "dp2tp1pp1"), (1, "dp1tp2pp1")):
+        wait_until(lambda: sacct_states(ids[job]) == ["COMPLETED"], 60, f"sacct to show job {ids[job]} COMPLETED")
+        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["layout"] == layout and summary["world_size"] == 2
+        np.testing.assert_allclose(train_losses(read_metrics(sweep / str(job))), expected[layout],
+                                   atol=SAME_LAYOUT_ATOL, rtol=0)
+        # Two SLURM tasks, two ranks, one run folder; only rank 0 wrote metrics and summary.
+        assert sorted(os.listdir(sweep / str(job) / "logs")) == ["rank_0.log", "rank_1.log"]
+
+
+def test_job_killed_from_outside_is_reported_failed(slurm, tmp_path):
+    """Job 1 trains 'forever' and its ranks are SIGKILLed (as the OOM killer would): no result is written, yet
+    the sweep ends soon after with an error, and the report lists job 1 as failed next to job 0."""
+    sweep = tmp_path / "sweep"
+    process = start_sweep(sweep, "parallelism=dp2tp1pp1", "tokens.train_steps=6,100000")
+    wait_until(lambda: (sweep / "1" / "metrics.jsonl").exists(), 180, "job 1 to start training")
+    job_id = slurm_job_ids(sweep)[1]
+    for pid in task_pids(job_id):
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    code, err = finish(process, timeout=120)
+    assert code != 0 and "UncompletedJobError" in err and "FAILED" in err, err[-3000:]
+    assert time.time() - killed_at < 60   # measured ~15-20 s: submitit polls sacct
+
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "summarize_sweep.py"), str(sweep),
+                             "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [(r["job"], r["state"]) for r in rows] == [("0", "completed"), ("1", "failed")], result.stdout
+    assert f"SLURM job {job_id} ended FAILED" in rows[1]["reason"]
+
+
+def test_signalled_job_checkpoints_is_requeued_and_ends_with_uninterrupted_losses(slurm, tmp_path):
+    """USR2 is what SLURM sends `signal_delay_s` before the time limit (and what submitit expects for a
+    preemption): every rank checkpoints after its step, submitit requeues the job, and the requeued job
+    resumes from the newest checkpoint in its run folder (checkpoint.resume=auto)."""
+    sweep = tmp_path / "sweep"
+    steps = ["parallelism=dp2tp1pp1", "tokens.train_steps=40"]
+    process = start_sweep(sweep, *steps)
+    expected = local_losses(tmp_path, "dp2tp1pp1", "tokens.train_steps=40")
+    wait_until(lambda: len(read_metrics(sweep / "0")) >= 2 if (sweep / "0" / "metrics.jsonl").exists() else False,
+               180, "training to start")
+    job_id = slurm_job_ids(sweep)[0]
+    subprocess.run(["scancel", f"--signal={signal.SIGUSR2.name[3:]}", job_id], check=True)
+    code, err = finish(process, timeout=240)
+    assert code == 0, err[-3000:]
+
+    wait_until(lambda: sacct_states(job_id) == ["COMPLETED"], 60, f"sacct to show job {job_id} COMPLETED")
+    assert "REQUEUED" in sacct_states(job_id, duplicates=True)
+    log = (sweep / "0" / "train.log").read_text()
+    assert "stop signal received: checkpoint saved after step" in log and "resum" in log.lower()
+    losses = {}
+    for record in read_metrics(sweep / "0"):   # steps after the checkpoint appear twice: the resumed run wins
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    assert sorted(losses) == list(range(1, 41))
+    np.testing.assert_allclose([losses[s] for s in range(1, 41)], expected, atol=SAME_LAYOUT_ATOL, rtol=0)
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"

@@ -1,0 +1,143 @@
+"""Sweeps without a cluster: Hydra's multirun, the SLURM task-count rule, sweep reports, make_config.
+
+The local sweep is the README's command with `+experiment=e2e_small` (the tests' FAST model, 6 steps)
+and one extra layout that cannot work with that model, so the report must show a failed job.
+Reference for the losses: the same training in one process; tolerance from tests/test_parallel.py.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nanoexp.config import ConfigError
+from nanoexp.sweep import slurm_tasks_per_node
+from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
+from tests.test_parallel import LATER_STEP_ATOL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What conf/experiment/e2e_small.yaml adds to FAST: the tests' reference run uses exactly this.
+E2E_STEPS = ["tokens.train_steps=6", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.lr_warmup_steps=2",
+             "general.run=e2e_small"]
+
+
+def run_script(args, cwd, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_e2e_small_experiment_is_fast_plus_a_few_steps():
+    """The experiment the launcher tests run is the tests' FAST model: their references apply to it."""
+    from omegaconf import OmegaConf
+    experiment = compose_config(["+experiment=e2e_small"])
+    reference = compose_config(FAST + E2E_STEPS)
+    assert OmegaConf.to_container(experiment) == OmegaConf.to_container(reference)
+
+
+def test_task_count_is_derived_or_checked_against_the_layout():
+    assert slurm_tasks_per_node([8, 8, 8], nodes=2, tasks_per_node=None) == 4
+    assert slurm_tasks_per_node([4, 4], nodes=1, tasks_per_node=4) == 4
+    with pytest.raises(ConfigError, match=r"hydra.launcher.tasks_per_node=2 x hydra.launcher.nodes=1 = 2 .* dp\*tp\*pp = 4"):
+        slurm_tasks_per_node([4], nodes=1, tasks_per_node=2)
+    with pytest.raises(ConfigError, match=r"hydra.launcher.nodes=3 does not divide the world size dp\*tp\*pp=8"):
+        slurm_tasks_per_node([8], nodes=3, tasks_per_node=None)
+    with pytest.raises(ConfigError, match=r"mixes world sizes .*world size 1: jobs \[5\]; world size 2: jobs \[4, 6\]"):
+        slurm_tasks_per_node([2, 1, 2], nodes=1, tasks_per_node=None, first_job=4)
+
+
+def test_slurm_sweep_mixing_world_sizes_is_refused_before_submission(tmp_path):
+    """No cluster needed: the launcher composes every job and refuses before it builds an executor."""
+    result = run_script([os.path.join(ROOT, "train.py"), "-m", "+experiment=e2e_small", "hydra/launcher=slurm",
+                         "parallelism=dp2tp1pp1,dp1tp1pp1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "mixes world sizes" in result.stderr and "world size 1: jobs [1]" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "sweep" / ".submitit").exists()
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory):
+    """A 3-job multirun with Hydra's default launcher: two layouts that work, one that cannot."""
+    tmp = tmp_path_factory.mktemp("local_sweep")
+    sweep = tmp / "sweep"
+    result = run_script([os.path.join(ROOT, "train.py"), "-m", "+experiment=e2e_small",
+                         "parallelism=dp2tp1pp1,dp1tp2pp1,dp1tp4pp1", f"hydra.sweep.dir={sweep}"], cwd=tmp)
+    return tmp, sweep, result
+
+
+def test_local_multirun_runs_every_job_and_matches_one_process(local_sweep):
+    tmp, sweep, result = local_sweep
+    # Hydra runs all jobs, then reports the failed one (tp=4 does not divide the 2 KV heads).
+    assert result.returncode != 0 and "num_key_value_heads=2 is not divisible by parallelism.tp=4" in result.stderr
+    expected = train_losses(train(tmp / "reference", FAST + E2E_STEPS))
+    for job, layout in ((0, "dp2tp1pp1"), (1, "dp1tp2pp1")):
+        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["layout"] == layout
+        np.testing.assert_allclose(train_losses(read_metrics(sweep / str(job))), expected, atol=LATER_STEP_ATOL, rtol=0)
+    failed = json.loads((sweep / "2" / "summary.json").read_text())
+    assert failed["status"] == "failed" and "ConfigError" in failed["error"]
+
+
+def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
+    tmp, sweep, _ = local_sweep
+    out = tmp / "report"
+    result = run_script([os.path.join(ROOT, "scripts", "summarize_sweep.py"), str(sweep), "--out", str(out)], cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    assert "3 jobs, 1 failed" in result.stdout
+    rows = list(csv.DictReader(open(out / "summary.csv")))
+    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    assert [r["state"] for r in rows] == ["completed", "completed", "failed"]
+    assert [r["layout"] for r in rows] == ["dp2tp1pp1", "dp1tp2pp1", "dp1tp4pp1"]
+    assert "num_key_value_heads=2 is not divisible by parallelism.tp=4" in rows[2]["reason"]
+    for job in (0, 1):
+        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        assert float(rows[job]["final_loss"]) == summary["final_loss"]
+        assert float(rows[job]["tokens_per_sec"]) == summary["tokens_per_sec"]
+        assert float(rows[job]["lr"]) == 3e-3
+    for plot in ("loss_curves.png", "tokens_per_sec.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_make_config_picks_the_least_model_parallel_layout_that_fits(tmp_path):
+    """llama3_8b (8.0B parameters, 16 B each for weights, gradients and AdamW state = 120 GiB before
+    sharding) cannot run data-parallel only on 80 GB GPUs; with 16 GPUs tp=2 halves it."""
+    result = run_script([os.path.join(ROOT, "scripts", "make_config.py"), "--model", "llama3_8b", "--gpus", "16",
+                         "--gpu-memory-gb", "80", "--out", str(tmp_path / "cfg.yaml")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "dp16tp1pp1" in result.stdout and "too big" in result.stdout
+    assert "chosen: dp8tp2pp1 with ZeRO-1" in result.stdout
+    from omegaconf import OmegaConf
+    cfg = OmegaConf.load(tmp_path / "cfg.yaml")
+    assert (cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp, cfg.optimizer.zero_stage) == (8, 2, 1, 1)
+    assert cfg.model.model_config.hidden_size == 4096
+
+
+def test_make_config_estimate_matches_a_hand_count():
+    """tiny on 2 GPUs as dp1tp1pp2: stage 0 holds 2 layers + the embedding, stage 1 2 layers + norm + LM head;
+    counted here by hand from conf/model/tiny.yaml (h 128, MLP 384, 8 heads / 4 KV heads of 16, vocab 320)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from make_config import estimate
+    cfg = compose_config(["parallelism=dp1tp1pp2", "tokens.sequence_length=128", "tokens.micro_batch_size=4"])
+    h, kv, mlp, vocab = 128, 4 * 16, 384, 320
+    layer = 2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h
+    stage_params = 2 * layer + vocab * h + h   # the last stage: layers, LM head, final norm
+    parts = estimate(cfg)
+    assert parts["parameters"] == 4 * stage_params and parts["optimizer"] == 8 * stage_params
+    # float32: 2 layers x min(pp=2, 8 micro-batches) in flight x s*b*h*34 x 2 bytes, plus logits and their grad.
+    assert parts["activations"] == 2 * 2 * 128 * 4 * h * 34 * 2 + 2 * 128 * 4 * vocab * 4
+
+
+def test_local_submitit_launcher_runs_the_job_from_any_folder(local_sweep, tmp_path):
+    """`hydra/launcher=local`: submitit's local executor, started outside the checkout (the job must still
+    import nanoexp and the launcher). Same layout as job 0 of the default launcher's sweep: same losses."""
+    tmp, reference_sweep, _ = local_sweep
+    sweep = tmp_path / "sweep"
+    result = run_script([os.path.join(ROOT, "train.py"), "-m", "+experiment=e2e_small", "hydra/launcher=local",
+                         "parallelism=dp2tp1pp1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((sweep / ".submitit").iterdir())   # it went through submitit
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"
+    np.testing.assert_allclose(train_losses(read_metrics(sweep / "0")),
+                               train_losses(read_metrics(reference_sweep / "0")), atol=1e-6, rtol=0)
