@@ -87,9 +87,14 @@ class MetricsWriter:
             self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if cfg.logging.wandb.mode != "disabled":
             import wandb
+            # A run resumed into the same folder continues the same W&B run: its id is kept here.
+            id_path = os.path.join(run_dir, "wandb_run_id.txt")
+            run_id = open(id_path).read().strip() if os.path.exists(id_path) else wandb.util.generate_id()
+            with open(id_path, "w") as f:
+                f.write(run_id)
             self.wandb = wandb.init(project=cfg.logging.wandb.project or cfg.general.project,
-                                    entity=cfg.logging.wandb.entity, name=cfg.general.run,
-                                    mode=cfg.logging.wandb.mode, dir=run_dir, config=flat_config)
+                                    entity=cfg.logging.wandb.entity, name=cfg.general.run, id=run_id,
+                                    resume="allow", mode=cfg.logging.wandb.mode, dir=run_dir, config=flat_config)
 
     def write(self, record: dict) -> None:
         # json writes floats with repr(), which round-trips exactly: runs compare bit for bit.

@@ -144,7 +144,8 @@ def test_missing_resume_path_is_a_config_error(tmp_path):
         train(tmp_path, RUN + [f"checkpoint.resume_checkpoint_path={tmp_path}/nope"])
 
 
-def test_sigterm_checkpoints_exits_cleanly_and_resume_auto_continues(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_checkpoints_exits_cleanly_and_resume_auto_continues(signum, tmp_path):
     run = CONSTANT_LR + ["parallelism=dp2tp1pp1", "tokens.train_steps=400"]
     proc = subprocess.Popen([sys.executable, "train.py", *run, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -152,7 +153,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resume_auto_continues(tmp_path):
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr.decode()[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,4 +1,5 @@
-"""Stop signals: SIGTERM or SIGUSR2 ask the run to finish its step, checkpoint and exit cleanly.
+"""Stop signals: SIGTERM, SIGUSR2 or SIGINT (Ctrl-C) ask the run to finish its step, checkpoint and
+exit cleanly.
 
 Who handles what:
   * `handle_stop_signals()` wraps a whole run in the process that starts it (nanoexp.run). Its
@@ -9,6 +10,7 @@ Who handles what:
   * When the run has ended (checkpoint written), the handler that was installed before ours is
     called with the signal we received. Under submitit that is its SIGUSR2 handler, which
     requeues the job; its SIGTERM handler only logs. A plain shell had no handler: nothing more.
+    Python's own SIGINT handler (KeyboardInterrupt) is not chained: the run already stopped cleanly.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 _received: dict = {"signum": None, "owner_pid": None}
 
 
@@ -61,5 +63,5 @@ def handle_stop_signals():
         for s, handler in previous.items():
             signal.signal(s, handler)
         signum, _received["signum"] = _received["signum"], None
-        if signum is not None and callable(previous[signum]):
+        if signum is not None and callable(previous[signum]) and previous[signum] is not signal.default_int_handler:
             previous[signum](signum, None)
