@@ -81,7 +81,7 @@ class LRSchedulerConfig:
     lr_warmup_style: str = "linear"       # linear | constant
     lr_decay_style: str = "cosine"        # linear | cosine | constant
     lr_decay_steps: Optional[int] = None  # null: train_steps - lr_warmup_steps
-    min_decay_lr: float = 0.0
+    min_decay_lr: Optional[float] = 0.0   # null: half the peak learning_rate (follows it in LR sweeps)
 
 
 @dataclass
@@ -349,7 +349,7 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
     check(0 <= lr.lr_warmup_steps <= t.train_steps,
           f"optimizer.learning_rate_scheduler.lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
           f"tokens.train_steps={t.train_steps}")
-    check(0 <= lr.min_decay_lr <= lr.learning_rate,
+    check(lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
           f"optimizer.learning_rate_scheduler.min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate")
     if cfg.optimizer.clip_grad is not None:
         check(cfg.optimizer.clip_grad > 0, f"optimizer.clip_grad={cfg.optimizer.clip_grad}: must be positive or null")

@@ -33,6 +33,12 @@ def build_optimizer(cfg, model: nn.Module, ctx: ParallelContext):
                              foreach=None if fused else True)
 
 
+def min_decay_lr(cfg) -> float:
+    """The rate the decay ends at: optimizer.learning_rate_scheduler.min_decay_lr, or half the peak if null."""
+    s = cfg.optimizer.learning_rate_scheduler
+    return s.min_decay_lr if s.min_decay_lr is not None else 0.5 * s.learning_rate
+
+
 def lr_at(step: int, cfg) -> float:
     """The learning rate used by the update of optimizer step `step` (the first step is 1)."""
     s = cfg.optimizer.learning_rate_scheduler
@@ -41,10 +47,11 @@ def lr_at(step: int, cfg) -> float:
         return peak * step / warmup if s.lr_warmup_style == "linear" else peak
     decay_steps = s.lr_decay_steps or max(cfg.tokens.train_steps - warmup, 1)
     progress = min((step - warmup) / decay_steps, 1.0)
+    floor = min_decay_lr(cfg)
     if s.lr_decay_style == "cosine":
-        return s.min_decay_lr + (peak - s.min_decay_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if s.lr_decay_style == "linear":
-        return peak - (peak - s.min_decay_lr) * progress
+        return peak - (peak - floor) * progress
     return peak
 
 

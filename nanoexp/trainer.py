@@ -7,6 +7,7 @@ folder's shared files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -73,6 +74,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model, ctx)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.restore(self.model, self.optimizer)
+        self.skipped_steps = self.resume.skipped_steps
         p = cfg.parallelism
         self.trace = (PipelineTrace.for_run(run_dir, ctx, p.pp_engine, p.pp_virtual_stages)
                       if cfg.logging.pipeline_trace else NO_TRACE)
@@ -103,9 +105,10 @@ class Trainer:
         self.writer = MetricsWriter(run_dir, cfg, {}) if self.is_writer else None
 
     # -- one optimizer step -------------------------------------------------------------
-    def forward_step(self, micro_batch, hidden_states, chunk=0):
+    def forward_step(self, micro_batch, hidden_states, chunk=0, micro_batches=None):
         """One micro-batch through this stage (its chunk `chunk` with virtual stages); the last
-        stage returns its share of the step loss."""
+        stage returns its share of the step loss: its mean token loss / the number of micro-batches
+        (`micro_batches`, default this rank's accumulation)."""
         ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
         with self.autocast:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
@@ -113,7 +116,7 @@ class Trainer:
                              labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
         if last and self.step == self.cfg.fault_injection.nonfinite_loss_at_step:
             out = out * float("nan")
-        return out / self.accumulation if last else out
+        return out / (micro_batches or self.accumulation) if last else out
 
     def inject_hang(self, step: int) -> None:
         """fault_injection.hang_at_step: one rank stops answering, as a stuck GPU or host would."""
@@ -178,9 +181,8 @@ class Trainer:
         self.model.eval()
         batches = eval_batches(self.val_set, self.global_batch, self.cfg.tokens.micro_batch_size,
                                self.cfg.tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp)
-        saved, self.accumulation = self.accumulation, len(batches)
-        losses = self.engine.forward_only(self.forward_step, batches, self.activation_shape, torch.float32)
-        self.accumulation = saved
+        forward_step = functools.partial(self.forward_step, micro_batches=len(batches))
+        losses = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
         self.model.train()
         return self.step_loss(losses)
 
@@ -213,8 +215,8 @@ class Trainer:
                 if (interval and step % interval == 0) or step == cfg.tokens.train_steps:
                     eval_loss = self.evaluate()
                     self.log_record({"step": step, "eval_loss": eval_loss})
-                stopped = self.checkpoints.after_step(step, step == cfg.tokens.train_steps, self.model,
-                                                      self.optimizer, self.batches.consumed_samples)
+                stopped = self.checkpoints.after_step(step, step == cfg.tokens.train_steps, self.model, self.optimizer,
+                                                      self.batches.consumed_samples, self.skipped_steps)
                 if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
                     break
             summary["status"] = "stopped" if stopped else "completed"

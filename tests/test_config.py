@@ -1,4 +1,5 @@
 """The schema rejects unknown keys; validate() names the key and the fix for each bad value."""
+import os
 import subprocess
 import sys
 
@@ -6,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from nanoexp import config as C
-from tests.helpers import compose_config
+from tests.helpers import CONF_DIR, compose_config
 
 
 def test_defaults_compose_and_validate():
@@ -15,8 +16,7 @@ def test_defaults_compose_and_validate():
     assert C.global_batch_size(cfg) == 32 and C.batch_accumulation(cfg) == 8
 
 
-@pytest.mark.parametrize("layout", ["dp1tp1pp1", "dp2tp1pp1", "dp1tp2pp1", "dp1tp1pp2", "dp2tp2pp1", "dp2tp1pp2",
-                                    "dp1tp2pp2", "dp2tp2pp2", "dp4tp1pp1", "dp1tp1pp4", "dp8tp1pp1"])
+@pytest.mark.parametrize("layout", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "parallelism"))))
 def test_every_shipped_layout_keeps_the_global_batch(layout):
     cfg = compose_config([f"parallelism={layout}"])
     p = cfg.parallelism

@@ -26,6 +26,10 @@ def test_nonfinite_step_is_skipped_when_asked(tmp_path):
     assert all(steps[s]["loss"] < 10 for s in (4, 5))      # the weights were not poisoned
     reference = {r["step"]: r["loss"] for r in train(tmp_path / "ref", RUN) if "loss" in r}
     assert steps[2]["loss"] == reference[2] and steps[4]["loss"] != reference[4]
+    # The count survives a resume: continue the same run from its final checkpoint to step 7.
+    resumed = train(tmp_path, RUN + ["fault_injection.nonfinite_loss_at_step=3", "optimizer.skip_nonfinite_steps=true",
+                                     "tokens.train_steps=7", "checkpoint.resume=auto"])
+    assert [r["skipped_steps"] for r in resumed if "loss" in r and r["step"] > 5] == [1, 1]
 
 
 def test_nonfinite_loss_on_a_pipeline_stops_every_rank(tmp_path):

@@ -33,6 +33,14 @@ def test_constant_warmup_and_explicit_decay_steps():
     assert lr_at(30, cfg) == 0.0 and lr_at(90, cfg) == 0.0
 
 
+def test_null_min_decay_lr_is_half_the_peak_and_follows_it():
+    for peak in (3e-3, 1e-4):   # an LR sweep below the default's floor stays valid
+        cfg = compose_config(["tokens.train_steps=100", SCHED + f"learning_rate={peak}", SCHED + "lr_warmup_steps=10",
+                              SCHED + "min_decay_lr=null"])
+        assert math.isclose(lr_at(100, cfg), peak / 2, rel_tol=1e-12)
+        assert math.isclose(lr_at(55, cfg), peak * 0.75, rel_tol=1e-12)   # halfway down the cosine
+
+
 def test_no_weight_decay_on_norms():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=True), torch.nn.LayerNorm(4))
     decay, no_decay = parameter_groups(model, 0.1)

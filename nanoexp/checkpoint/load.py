@@ -165,7 +165,7 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
         optimizer.num_steps = steps
         for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
             flat.zero_()
-            for p, a, b, s in optimizer._pieces:   # this dp rank's slice of the flat layout
+            for p, a, b, s in optimizer.pieces:   # this dp rank's slice of the flat layout
                 flat[s:s + b - a] = local_state(p, kind).reshape(-1)[a:b]
         return True
     step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")

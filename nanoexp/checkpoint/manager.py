@@ -26,6 +26,7 @@ class Resume:
     step: int = 0                 # completed optimizer steps: training continues at step + 1
     consumed_samples: int = 0     # the data position
     lr_step_offset: int = 0       # subtracted from the step for the LR schedule (load_lr_scheduler=false)
+    skipped_steps: int = 0        # updates skipped as non-finite before the checkpoint
 
 
 def newest_checkpoint(root: str) -> str | None:
@@ -86,14 +87,15 @@ class CheckpointManager:
                  meta["consumed_samples"], meta["layout"], "" if loaded_optimizer else ", fresh optimizer state",
                  "" if same_layout else ", re-sliced for this layout")
         self.last_saved = step
-        return Resume(step, meta["consumed_samples"], 0 if c.load_lr_scheduler else step)
+        return Resume(step, meta["consumed_samples"], 0 if c.load_lr_scheduler else step,
+                      meta.get("skipped_steps", 0))
 
     def layout(self) -> dict:
         ctx = self.ctx
         return {"dp": ctx.dp, "tp": ctx.tp, "pp": ctx.pp, "zero_stage": self.cfg.optimizer.zero_stage}
 
-    def save(self, step: int, model, optimizer, consumed_samples: int) -> str:
-        meta = {"consumed_samples": consumed_samples,
+    def save(self, step: int, model, optimizer, consumed_samples: int, skipped_steps: int = 0) -> str:
+        meta = {"consumed_samples": consumed_samples, "skipped_steps": skipped_steps,
                 "consumed_tokens": consumed_samples * self.cfg.tokens.sequence_length,
                 "global_batch_size": C.global_batch_size(self.cfg), "layout": self.layout(),
                 "world_size": self.ctx.world_size, "optimizer_steps": optimizer_steps(optimizer),
@@ -102,13 +104,14 @@ class CheckpointManager:
         self.last_saved = step
         return path
 
-    def after_step(self, step: int, is_last: bool, model, optimizer, consumed_samples: int) -> bool:
+    def after_step(self, step: int, is_last: bool, model, optimizer, consumed_samples: int,
+                   skipped_steps: int = 0) -> bool:
         """Save when the interval, the end of training or a stop signal asks for it; True: stop before the end."""
         c = self.cfg.checkpoint
         stop = stop_agreed(self.ctx)
         due = (c.checkpoint_interval and step % c.checkpoint_interval == 0) or (is_last and c.save_final_state)
         if (due or stop) and self.last_saved != step:
-            self.save(step, model, optimizer, consumed_samples)
+            self.save(step, model, optimizer, consumed_samples, skipped_steps)
         if stop and not is_last:
             log.info("stop signal received: checkpoint saved after step %d, exiting", step)
         return stop and not is_last

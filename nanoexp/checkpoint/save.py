@@ -73,7 +73,7 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
                     add(f"{name}:{kind}", state[kind], name, kind, p)
     if zero and optimizer.num_steps > 0:
         # ZeroAdamW's (param, start, end, shard offset) pieces: this dp rank's part of each parameter.
-        for p, a, b, s in optimizer._pieces:
+        for p, a, b, s in optimizer.pieces:
             if stored_once_here(p, ctx):
                 for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
                     add(f"{names[id(p)]}:{kind}@{a}", flat[s:s + b - a], names[id(p)], kind, p, [a, b])

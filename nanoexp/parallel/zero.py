@@ -70,12 +70,12 @@ class ZeroAdamW(Optimizer):
 
         # Which pieces of which params fall into this rank's slice:
         # (param, start within param, end within param, start within shard).
-        self._pieces = []
+        self.pieces = []
         for g, offs in zip(self.param_groups, self._offsets):
             for p, off in zip(g["params"], offs):
                 lo, hi = max(off, self.shard_start), min(off + p.numel(), self.shard_end)
                 if lo < hi:
-                    self._pieces.append((p, lo - off, hi - off, lo - self.shard_start))
+                    self.pieces.append((p, lo - off, hi - off, lo - self.shard_start))
         # Per group: the local range of the shard it covers (may be empty).
         self._segments = []
         for gi, (gs, ge) in enumerate(self._group_ranges):
@@ -93,7 +93,7 @@ class ZeroAdamW(Optimizer):
         self.num_steps += 1
         t = self.num_steps
 
-        for p, a, b, s in self._pieces:
+        for p, a, b, s in self.pieces:
             self._shard[s:s + b - a].copy_(p.detach().reshape(-1)[a:b])
             if p.grad is None:
                 self._grad[s:s + b - a].zero_()
