@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from hydra import compose, initialize_config_dir
 
-from nanoexp.config import register_configs
+from nanoexp.config import ConfigError, register_configs
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 register_configs()
@@ -39,3 +40,11 @@ def read_metrics(run_dir) -> list[dict]:
 
 def train_losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
+
+
+def start_error(cfg) -> str:
+    """The message of the ConfigError that the start-up checks raise for `cfg` (fails if none)."""
+    from nanoexp.run import check_config   # imports the trainer: only when asked
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg, None)
+    return str(info.value)

@@ -5,11 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanoexp.config import ConfigError
 from nanoexp.data import ByteTokenizer, TokenWindows, TrainBatches, build_hf_datasets
-from nanoexp.run import check_config
 from tests.data_files import byte_stream, random_documents, write_jsonl
-from tests.helpers import FAST, compose_config, train
+from tests.helpers import FAST, compose_config, start_error, train
 from tests.test_data import _save_tiny_hf_tokenizer
 
 SEQ = 8
@@ -74,12 +72,6 @@ def test_stream_batches_are_dp_split_invariant_and_resume(jsonl_folder):
 
 def hf_cfg(path, *extra):
     return compose_config(FAST + ["data=hf", f"data.hf_dataset_or_datasets={path}", *extra])
-
-
-def start_error(cfg) -> str:
-    with pytest.raises(ConfigError) as info:
-        check_config(cfg, None)
-    return str(info.value)
 
 
 def test_bad_hf_data_is_named(jsonl_folder, tmp_path):

@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from nanoexp.config import ConfigError
 from nanoexp.data import (
     BlendedOrder, ByteTokenizer, ConcatDataset, Nanoset, NanosetWriter, TokenWindows, TrainBatches,
 )
 from nanoexp.data.blend import block_counts
 from nanoexp.run import check_config
 from tests.data_files import byte_stream, random_documents
-from tests.helpers import FAST, compose_config, train
+from tests.helpers import FAST, compose_config, start_error, train
 
 SEQ = 8
 
@@ -93,12 +92,6 @@ def test_blended_batches_are_dp_split_invariant_and_resume(two_folders):
 
 def nanoset_cfg(folders, *extra):
     return compose_config(FAST + ["data=nanoset", f"data.dataset_folder=[{','.join(folders)}]", *extra])
-
-
-def start_error(cfg) -> str:
-    with pytest.raises(ConfigError) as info:
-        check_config(cfg, None)
-    return str(info.value)
 
 
 def test_config_only_errors_name_the_key(two_folders):

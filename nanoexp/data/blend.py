@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from nanoexp.data.sampler import read_periodic
+
 
 class ConcatDataset:
     """Samples of several datasets one after another: index ``offsets[d] + i`` is ``datasets[d][i]``.
@@ -105,11 +107,4 @@ class BlendedOrder:
 
     def indices(self, start: int, count: int) -> list[int]:
         """Concatenation indices at global positions ``start .. start + count - 1``."""
-        out: list[int] = []
-        pos, end = start, start + count
-        while pos < end:
-            b, offset = divmod(pos, self.block_size)
-            take = min(end - pos, self.block_size - offset)
-            out += self._block(b)[offset:offset + take].tolist()
-            pos += take
-        return out
+        return read_periodic(start, count, self.block_size, self._block)

@@ -13,6 +13,19 @@ from __future__ import annotations
 import numpy as np
 
 
+def read_periodic(start: int, count: int, period: int, chunk) -> list[int]:
+    """Positions ``start .. start + count - 1`` of a sequence made of consecutive chunks of length
+    ``period``, where ``chunk(i)`` returns chunk i (an epoch's permutation, a blending block)."""
+    out: list[int] = []
+    pos, end = start, start + count
+    while pos < end:
+        index, offset = divmod(pos, period)
+        take = min(end - pos, period - offset)
+        out += chunk(index)[offset:offset + take].tolist()
+        pos += take
+    return out
+
+
 class GlobalBatchSampler:
     """Maps global sample positions to dataset indices, reshuffling every epoch."""
 
@@ -36,14 +49,7 @@ class GlobalBatchSampler:
 
     def indices(self, start: int, count: int) -> list[int]:
         """Dataset indices at global positions ``start .. start + count - 1``."""
-        out: list[int] = []
-        pos, end = start, start + count
-        while pos < end:
-            epoch, offset = divmod(pos, self.num_samples)
-            take = min(end - pos, self.num_samples - offset)
-            out += self.permutation(epoch)[offset:offset + take].tolist()
-            pos += take
-        return out
+        return read_periodic(start, count, self.num_samples, self.permutation)
 
     def global_batch(self, step_index: int) -> list[int]:
         """Dataset indices of the global batch of optimizer step ``step_index`` (0-based)."""
