@@ -76,7 +76,7 @@ class OptimizerFactory:
 
 @dataclass
 class LRSchedulerConfig:
-    learning_rate: float = 3e-3
+    learning_rate: float = 4e-3
     lr_warmup_steps: int = 0
     lr_warmup_style: str = "linear"       # linear | constant
     lr_decay_style: str = "cosine"        # linear | cosine | constant

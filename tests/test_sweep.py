@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from nanoexp.config import ConfigError
 from nanoexp.sweep import slurm_tasks_per_node
@@ -95,7 +96,8 @@ def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
         summary = json.loads((sweep / str(job) / "summary.json").read_text())
         assert float(rows[job]["final_loss"]) == summary["final_loss"]
         assert float(rows[job]["tokens_per_sec"]) == summary["tokens_per_sec"]
-        assert float(rows[job]["lr"]) == 3e-3
+        job_cfg = OmegaConf.load(sweep / str(job) / ".hydra" / "config.yaml")   # the peak LR the job ran with
+        assert float(rows[job]["lr"]) == job_cfg.optimizer.learning_rate_scheduler.learning_rate
     for plot in ("loss_curves.png", "tokens_per_sec.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
