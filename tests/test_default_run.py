@@ -1,0 +1,27 @@
+"""`python train.py` as shipped: the default tiny run must still learn what the README says it does.
+
+The slowest test of the suite (~2.5 min on 2 cores): it guards the tuned defaults (model shape, init,
+schedule, step count) against a change that quietly makes the headline run worse. Only the loss is
+checked; its time is reported in the README from a measured run, never asserted (machines are noisy).
+"""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_default_run_reaches_the_documented_eval_loss(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"hydra.run.dir={tmp_path}",
+                             "logging.iteration_step_info_interval=1"],   # logging only: the run is unchanged
+                            cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["layout"] == "dp1tp1pp1"
+    # Measured 1.798 (README). The run is deterministic on one CPU, but another CPU's kernels may sum
+    # in another order; 1.9 is the target the defaults were tuned for, ~0.1 above the measured value.
+    assert summary["eval_loss"] < 1.9
+    with open(tmp_path / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert first["step"] == 1 and first["loss"] > 5.0   # from ~ln(320) = 5.77 at initialisation
