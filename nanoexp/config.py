@@ -81,7 +81,7 @@ class LRSchedulerConfig:
     lr_warmup_style: str = "linear"       # linear | constant
     lr_decay_style: str = "cosine"        # linear | cosine | constant
     lr_decay_steps: Optional[int] = None  # null: train_steps - lr_warmup_steps
-    min_decay_lr: Optional[float] = 0.0   # null: half the peak learning_rate (follows it in LR sweeps)
+    min_decay_lr: Optional[float] = None  # null: half the peak learning_rate (follows it in LR sweeps)
 
 
 @dataclass

@@ -66,7 +66,7 @@ class Trainer:
     def __init__(self, cfg, ctx: ParallelContext, run_dir: str):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.is_writer = ctx.rank == 0
-        self.step, self.skipped_steps = 0, 0   # the optimizer step being run; updates skipped as non-finite
+        self.step = 0   # the optimizer step being run
         torch.manual_seed(cfg.general.seed)
         self.shape = model_shape(cfg)
         self.model = build_model(cfg, ctx)
@@ -74,7 +74,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model, ctx)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.restore(self.model, self.optimizer)
-        self.skipped_steps = self.resume.skipped_steps
+        self.skipped_steps = self.resume.skipped_steps   # updates skipped as non-finite, across resumes
         p = cfg.parallelism
         self.trace = (PipelineTrace.for_run(run_dir, ctx, p.pp_engine, p.pp_virtual_stages)
                       if cfg.logging.pipeline_trace else NO_TRACE)
