@@ -29,9 +29,15 @@ def quiet_nonzero_ranks() -> None:
 @hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"),
             config_name="config")
 def main(cfg) -> None:
-    from nanoexp.run import main as run_main
+    from nanoexp.hydra_callbacks import created_for_run
+    from nanoexp.run import HydraJob, main as run_main
     hydra_cfg = HydraConfig.get()
-    run_main(cfg, hydra_cfg.runtime.output_dir, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+    run_dir = hydra_cfg.runtime.output_dir
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    job = HydraJob(overrides=list(hydra_cfg.overrides.task), override_dirname=hydra_cfg.job.override_dirname,
+                   sweep_dir=hydra_cfg.sweep.dir if multirun else None,
+                   created_folder=None if multirun else created_for_run(run_dir))
+    run_main(cfg, run_dir, job)
 
 
 if __name__ == "__main__":

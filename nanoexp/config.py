@@ -137,6 +137,9 @@ class WandbConfig:
     mode: str = "disabled"   # disabled | offline | online
     project: Optional[str] = None
     entity: Optional[str] = None
+    name: Optional[str] = None         # null: the job's overrides (Hydra's override_dirname), else general.run
+    group: Optional[str] = None        # null: the sweep folder in a multirun, else none
+    tags: Optional[List[str]] = None   # null: the layout (e.g. dp2tp2pp2)
 
 
 @dataclass
@@ -185,6 +188,18 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="nanoexp_schema", node=NanoexpConfig)
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides=()) -> Any:
+    """The config `python train.py <overrides>` runs with, composed from conf/ (for scripts and tests)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
 class ConfigError(ValueError):
     """An invalid configuration: one line per problem, each naming the key and the fix."""
 
@@ -225,6 +240,12 @@ def batch_accumulation(cfg: Any) -> int:
     if t.batch_accumulation_per_replica is not None:
         return t.batch_accumulation_per_replica
     return t.global_batch_size // (dp * t.micro_batch_size)
+
+
+def layout_name(cfg: Any) -> str:
+    """The layout as ParallelContext names it: dp2tp2pp2."""
+    p = cfg.parallelism
+    return f"dp{p.dp}tp{p.tp}pp{p.pp}"
 
 
 def global_batch_size(cfg: Any) -> int:
@@ -348,7 +369,7 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
           f"{', '.join(WARMUP_STYLES)}")
     check(0 <= lr.lr_warmup_steps <= t.train_steps,
           f"optimizer.learning_rate_scheduler.lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
-          f"tokens.train_steps={t.train_steps}")
+          f"tokens.train_steps={t.train_steps} (for a quick smoke test use debug=fast, which shrinks both)")
     check(lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
           f"optimizer.learning_rate_scheduler.min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate")
     if cfg.optimizer.clip_grad is not None:

@@ -1,24 +1,44 @@
 """From a composed config to a finished run: validate, launch, and run the trainer on each rank."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import sys
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.checkpoint.manager import check_resume
 from nanoexp.checkpoint.signals import handle_stop_signals
-from nanoexp.config import ConfigError, validate
+from nanoexp.config import ConfigError, layout_name, validate
+from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, setup_device,
                             spawn_local)
+from nanoexp.metrics import Peak, job_peak, measure_cpu_peak
 from nanoexp.sweep import record_failure, stopped_by_signal
 
 log = logging.getLogger("nanoexp")
+
+
+@dataclass
+class HydraJob:
+    """What the Hydra job tells the run (train.py reads it from HydraConfig): its command-line
+    overrides, Hydra's `override_dirname` of them, and the sweep folder in a multirun."""
+    overrides: list[str] = field(default_factory=list)
+    override_dirname: str = ""
+    sweep_dir: str | None = None
+    created_folder: str | None = None   # the outermost folder Hydra made for this run (None: it existed)
+
+    @property
+    def multirun(self) -> bool:
+        return self.sweep_dir is not None
 
 # Keep the shared console and train.log readable: rank 0 talks, every rank has its own file.
 LOG_FORMAT = "[%(asctime)s][rank {rank}][%(levelname)s] %(message)s"
@@ -60,7 +80,7 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
             raise ConfigError(f"checkpoint: {error}") from None
 
 
-def worker(rank: int, world_size: int, device, cfg, run_dir: str) -> dict:
+def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.trainer import Trainer
@@ -68,16 +88,38 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str) -> dict:
     setup_rank_logging(run_dir, rank)
     p = cfg.parallelism
     ctx = ParallelContext(p.dp, p.tp, p.pp, device=device, collective_timeout_s=p.collective_timeout_s)
-    return Trainer(cfg, ctx, run_dir).train()
+    nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, node_peak)
+    return Trainer(cfg, ctx, run_dir, peak).train()
 
 
-def run(cfg, run_dir: str) -> None:
+def fill_wandb_identity(cfg, job: HydraJob) -> None:
+    """W&B run name, group and tags left null: the job's overrides (or general.run), the sweep
+    folder in a multirun, the layout."""
+    w = cfg.logging.wandb
+    w.name = w.name or job.override_dirname or cfg.general.run
+    w.group = w.group or job.sweep_dir
+    w.tags = list(w.tags) if w.tags is not None else [layout_name(cfg)]
+
+
+def node_cpu_peak(cfg) -> Peak | None:
+    """This node's matmul peak, measured with all its cores before any worker starts, when MFU on
+    CPU needs it (no GPU, no logging.peak_tflops)."""
+    if torch.cuda.is_available() or cfg.logging.peak_tflops:
+        return None
+    return measure_cpu_peak(cfg.model.dtype, threads=os.cpu_count() or 1)
+
+
+def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     """Validate, then train in this process, in the launcher's world, or in local workers."""
     env = launcher_env()
     world = cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp
     check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved
+    fill_wandb_identity(cfg, job or HydraJob())
     os.makedirs(run_dir, exist_ok=True)
+    if env is None or env["rank"] == 0:
+        log.info("run folder: %s", os.path.abspath(run_dir))
     with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
         launch_and_train(cfg, run_dir, env, world)
 
@@ -85,38 +127,72 @@ def run(cfg, run_dir: str) -> None:
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
     if env is not None:   # torchrun or SLURM started us: join their world
         export_slurm_rendezvous()   # MASTER_ADDR/PORT from the SLURM node list (torchrun sets its own)
-        device = setup_device(env["local_rank"], int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"])))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
+        # The node's first rank measures the peak with every core while its peers wait in init.
+        peak = node_cpu_peak(cfg) if env["local_rank"] == 0 and env["rank"] == 0 else None
+        device = setup_device(env["local_rank"], local_world)
         init_distributed(env["rank"], env["world_size"], device, cfg.parallelism.collective_timeout_s)
-        shared = [run_dir]
+        shared = [run_dir, peak]
         dist.broadcast_object_list(shared, src=0)   # every rank writes into rank 0's run folder
         try:
-            worker(env["rank"], env["world_size"], device, cfg, shared[0])
+            worker(env["rank"], env["world_size"], device, cfg, shared[0], shared[1])
         finally:
             dist.destroy_process_group()
     elif world == 1:
-        worker(0, 1, setup_device(0, 1), cfg, run_dir)
+        peak = node_cpu_peak(cfg)
+        worker(0, 1, setup_device(0, 1), cfg, run_dir, peak)
     else:
-        spawn_local(world, worker, (cfg, run_dir), timeout_s=cfg.parallelism.collective_timeout_s)
+        spawn_local(world, worker, (cfg, run_dir, node_cpu_peak(cfg)), timeout_s=cfg.parallelism.collective_timeout_s)
 
 
-def main(cfg, run_dir: str, multirun: bool = False) -> None:
+def remove_run_folder(folder: str) -> None:
+    """Remove a folder made for a refused run, detaching the log files (train.log) written into it."""
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in logging.root.manager.loggerDict]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.FileHandler) and handler.baseFilename.startswith(folder + os.sep):
+                logger.removeHandler(handler)
+                handler.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def report_end(run_dir: str, job: HydraJob) -> None:
+    """The launching process's last lines: the summary, and how to resume a stopped run."""
+    env = launcher_env()
+    path = os.path.join(run_dir, "summary.json")
+    if (env is not None and env["rank"] != 0) or not os.path.exists(path):
+        return
+    with open(path) as f:
+        summary = json.load(f)
+    log.info("%s", summary_line(summary, os.path.abspath(path)))
+    if summary.get("status") == "stopped":
+        log.info("stopped by a signal after step %s, checkpoint written; resume with:\n  %s",
+                 summary.get("train_steps"), resume_command(job.overrides, os.path.abspath(run_dir)))
+
+
+def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     """train.py's body: one readable message and a non-zero exit for a bad config or a failed rank.
     A failed job's summary.json says failed and why; in a multirun the error is raised instead of
     exiting, so Hydra marks this job failed and the sweep goes on with the others. A sweep job stopped
-    by SIGTERM/SIGUSR2 exits without a result, so that no launcher takes it for finished."""
+    by SIGTERM/SIGUSR2 exits without a result, so that no launcher takes it for finished. A single
+    run refused at validation removes the run folder Hydra made for it."""
+    job = job or HydraJob()
     try:
-        run(cfg, run_dir)
+        run(cfg, run_dir, job)
     except Exception as error:
-        if multirun or not isinstance(error, ConfigError):   # a single run's bad config only prints
+        if job.multirun or not isinstance(error, ConfigError):   # a single run's bad config only prints
             record_failure(run_dir, error)
-        if multirun or not isinstance(error, (ConfigError, WorkerFailed)):
+        if job.multirun or not isinstance(error, (ConfigError, WorkerFailed)):
             raise
         if isinstance(error, WorkerFailed):
             print(f"nanoexp: {error}", file=sys.stderr)
             sys.exit(1)
+        if job.created_folder:
+            remove_run_folder(job.created_folder)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"nanoexp: {error}", file=sys.stderr)
         sys.exit(2)
-    if multirun and stopped_by_signal(run_dir):   # unfinished: SLURM requeues it, or the sweep reports it
+    report_end(run_dir, job)
+    if job.multirun and stopped_by_signal(run_dir):   # unfinished: SLURM requeues it, or the sweep reports it
         raise SystemExit("nanoexp: stopped by a signal after checkpointing; this sweep job is not finished")

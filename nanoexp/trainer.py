@@ -12,18 +12,18 @@ import json
 import logging
 import math
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 from nanoexp import config as C
-from nanoexp.checkpoint import CheckpointManager
+from nanoexp.checkpoint import CheckpointManager, Progress
+from nanoexp.console import StepClock, step_line
 from nanoexp.data import build_datasets
-from nanoexp.data.loader import TrainBatches, eval_batches
+from nanoexp.data.loader import IGNORE_INDEX, TrainBatches, eval_batches, eval_rounds
 from nanoexp.hf import load_hf_weights
-from nanoexp.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token, peak_memory_mb, peak_tflops
+from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token, peak_memory_mb
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, count_parameters, init_weights
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
@@ -63,7 +63,7 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
 
 
 class Trainer:
-    def __init__(self, cfg, ctx: ParallelContext, run_dir: str):
+    def __init__(self, cfg, ctx: ParallelContext, run_dir: str, peak: Peak | None = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
@@ -74,7 +74,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model, ctx)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.restore(self.model, self.optimizer)
-        self.skipped_steps = self.resume.skipped_steps   # updates skipped as non-finite, across resumes
+        self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         p = cfg.parallelism
         self.trace = (PipelineTrace.for_run(run_dir, ctx, p.pp_engine, p.pp_virtual_stages)
                       if cfg.logging.pipeline_trace else NO_TRACE)
@@ -84,8 +84,8 @@ class Trainer:
         self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
         self.global_batch = C.global_batch_size(cfg)
-        train_set, self.val_set, _ = build_datasets(cfg)
-        self.batches = TrainBatches(train_set, self.global_batch, cfg.tokens.micro_batch_size,
+        self.train_set, self.val_set, _ = build_datasets(cfg)
+        self.batches = TrainBatches(self.train_set, self.global_batch, cfg.tokens.micro_batch_size,
                                     ctx.dp_rank, ctx.dp, cfg.general.seed, prefetch=cfg.data.prefetch,
                                     consumed_samples=self.resume.consumed_samples)
         sp = cfg.parallelism.tp_mode == "reduce_scatter"
@@ -101,22 +101,38 @@ class Trainer:
         self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards
             self.shape, cfg.tokens.sequence_length, cfg.parallelism.recompute_layer)
         self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
-        self.peak = peak_tflops(ctx.device, cfg.model.dtype, cfg.logging.peak_tflops)
-        self.writer = MetricsWriter(run_dir, cfg, {}) if self.is_writer else None
+        self.peak = peak or Peak(None, "not measured")
+        self.loss_denominator = 1.0   # see replica_target_tokens
+        self.writer = MetricsWriter(run_dir, cfg) if self.is_writer else None
 
     # -- one optimizer step -------------------------------------------------------------
-    def forward_step(self, micro_batch, hidden_states, chunk=0, micro_batches=None):
+    def forward_step(self, micro_batch, hidden_states, chunk=0, loss_denominator=None):
         """One micro-batch through this stage (its chunk `chunk` with virtual stages); the last
-        stage returns its share of the step loss: its mean token loss / the number of micro-batches
-        (`micro_batches`, default this rank's accumulation)."""
+        stage returns its share of the step loss: the sum of its token losses / `loss_denominator`
+        (default: this step's, see replica_target_tokens)."""
         ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
         with self.autocast:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
                              labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
-        if last and self.step == self.cfg.fault_injection.nonfinite_loss_at_step:
+        if not last:
+            return out
+        if self.step == self.cfg.fault_injection.nonfinite_loss_at_step:
             out = out * float("nan")
-        return out / (micro_batches or self.accumulation) if last else out
+        return out.sum() / (loss_denominator or self.loss_denominator)
+
+    def replica_target_tokens(self, micro_batches: list[dict]) -> float:
+        """The real (not IGNORE_INDEX) target tokens of the global batch / dp. Each micro-batch's
+        loss is its token-loss sum over this, so the dp average of the replicas' losses (and
+        gradients) is the mean over every real target token of the global batch, whatever the
+        layout. Only the loss stage needs it (one dp all-reduce of a scalar there)."""
+        if not self.ctx.is_last_stage:
+            return 1.0
+        count = torch.tensor(float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)))
+        if self.ctx.dp > 1:
+            count = count.to(self.ctx.device)
+            dist.all_reduce(count, group=self.ctx.dp_group)
+        return max(count.item(), 1.0) / self.ctx.dp
 
     def inject_hang(self, step: int) -> None:
         """fault_injection.hang_at_step: one rank stops answering, as a stuck GPU or host would."""
@@ -137,19 +153,22 @@ class Trainer:
             tied = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
             all_reduce_grads([tied], ctx.embedding_group)
 
+    def replica_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp."""
+        if self.ctx.pp > 1:
+            dist.all_reduce(values, group=self.ctx.pp_group)
+        if self.ctx.dp > 1:
+            dist.all_reduce(values, group=self.ctx.dp_group)
+        return values
+
     def step_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean token loss of the global batch, identical on every rank."""
-        ctx = self.ctx
-        loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=ctx.device)
-        if ctx.pp > 1:   # only the last stage has it: summing over the pipeline broadcasts it
-            dist.all_reduce(loss, group=ctx.pp_group)
-        if ctx.dp > 1:
-            dist.all_reduce(loss, group=ctx.dp_group)
-            loss /= ctx.dp
-        return loss.item()
+        loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
+        return (self.replica_sum(loss) / self.ctx.dp).item()
 
     def compute_gradients(self, micro_batches: list[dict]) -> float:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""
+        self.loss_denominator = self.replica_target_tokens(micro_batches)
         losses = self.engine.run(self.forward_step, micro_batches, self.activation_shape, torch.float32,
                                  on_last_backward=lambda chunk: self.grad_syncs[chunk].arm())
         for grad_sync in self.grad_syncs:
@@ -168,7 +187,7 @@ class Trainer:
             if not self.cfg.optimizer.skip_nonfinite_steps:
                 raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
                                          "(set optimizer.skip_nonfinite_steps=true to skip such steps)")
-            self.skipped_steps += 1
+            self.progress.skipped_steps += 1
             log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
             return loss, grad_norm
         self.optimizer.step()
@@ -177,46 +196,33 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over the held-out batches (forward only through the pipeline)."""
+        """Mean loss over every real target token of the held-out batches (forward only through
+        the pipeline; padding rows of the last batch count nowhere)."""
         self.model.eval()
-        batches = eval_batches(self.val_set, self.global_batch, self.cfg.tokens.micro_batch_size,
-                               self.cfg.tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp)
-        forward_step = functools.partial(self.forward_step, micro_batches=len(batches))
-        losses = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
+        t = self.cfg.tokens
+        batches = eval_batches(self.val_set, self.global_batch, t.micro_batch_size, t.limit_val_batches,
+                               self.ctx.dp_rank, self.ctx.dp, t.sequence_length)
+        forward_step = functools.partial(self.forward_step, loss_denominator=1.0)   # token-loss sums
+        sums = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
         self.model.train()
-        return self.step_loss(losses)
+        count = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batches) if sums else 0
+        totals = torch.tensor([float(sum(s.item() for s in sums)), float(count)], dtype=torch.float64,
+                              device=self.ctx.device)
+        total, tokens = self.replica_sum(totals).tolist()
+        return total / tokens
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
-        cfg, t0 = self.cfg, time.perf_counter()
+        """Train from the resumed step to tokens.train_steps, evaluating and checkpointing when due;
+        rank 0 writes summary.json (also when a step raises)."""
         summary = {"status": "failed", "world_size": self.ctx.world_size, "layout": self.ctx.layout,
                    "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
-        step_times, record, eval_loss = [], {}, None
-        log.info("model: %s parameters, layout %s, global batch %d = dp %d x micro-batch %d x accumulation %d",
-                 f"{summary['num_parameters']:,}", self.ctx.layout, self.global_batch, self.ctx.dp,
-                 cfg.tokens.micro_batch_size, self.accumulation)
+        self.announce(summary["num_parameters"])
+        self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
         try:
             stopped = False
-            for step in range(self.resume.step + 1, cfg.tokens.train_steps + 1):
-                start = time.perf_counter()
-                micro_batches = self.batches.next_step()
-                data_wait = self.batches.last_wait_sec
-                lr = lr_at(step - self.resume.lr_step_offset, cfg)
-                self.step = step
-                self.inject_hang(step)
-                loss, grad_norm = self.train_step(micro_batches, lr)
-                self.profiler.step()
-                step_time = time.perf_counter() - start
-                step_times.append(step_time)
-                record = self.step_record(step, loss, lr, grad_norm, step_time, data_wait)
-                if step % cfg.logging.iteration_step_info_interval == 0 or step == cfg.tokens.train_steps:
-                    self.log_record(record)
-                interval = cfg.tokens.val_check_interval
-                if (interval and step % interval == 0) or step == cfg.tokens.train_steps:
-                    eval_loss = self.evaluate()
-                    self.log_record({"step": step, "eval_loss": eval_loss})
-                stopped = self.checkpoints.after_step(step, step == cfg.tokens.train_steps, self.model, self.optimizer,
-                                                      self.batches.consumed_samples, self.skipped_steps)
+            for step in range(self.resume.step + 1, self.cfg.tokens.train_steps + 1):
+                stopped = self.run_step(step)
                 if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
                     break
             summary["status"] = "stopped" if stopped else "completed"
@@ -226,36 +232,92 @@ class Trainer:
         finally:
             self.batches.close()
             self.profiler.close()
-            timed = step_times[2:] or step_times
-            summary.update(final_loss=record.get("loss"), eval_loss=eval_loss, train_steps=record.get("step", 0),
-                           tokens_per_sec=self.tokens_per_step / statistics.mean(timed) if timed else None,
-                           mfu=record.get("mfu"), peak_memory_mb=peak_memory_mb(self.ctx.device),
-                           wall_seconds=time.perf_counter() - t0)
             self.finish(summary)
         return summary
+
+    def run_step(self, step: int) -> bool:
+        """Step `step`: train, log, evaluate and checkpoint when due. True: a stop signal came."""
+        cfg, total = self.cfg, self.cfg.tokens.train_steps
+        start = time.perf_counter()
+        micro_batches = self.batches.next_step()
+        lr = lr_at(step - self.resume.lr_step_offset, cfg)
+        self.step = step
+        self.inject_hang(step)
+        loss, grad_norm = self.train_step(micro_batches, lr)
+        self.profiler.step()
+        self.progress.consumed_samples = self.batches.consumed_samples
+        self.progress.consumed_tokens += self.tokens_per_step
+        step_time = time.perf_counter() - start
+        self.clock.record(step_time)
+        self.step_times.append(step_time)
+        self.last_record = self.step_record(step, loss, lr, grad_norm, step_time, self.batches.last_wait_sec)
+        if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
+            self.log_record(self.last_record)
+        interval = cfg.tokens.val_check_interval
+        if (interval and step % interval == 0) or step == total:
+            self.eval_loss = self.evaluate()
+            self.log_record({"step": step, "eval_loss": self.eval_loss})
+        return self.checkpoints.after_step(step, step == total, self.model, self.optimizer, self.progress)
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
         tflops = self.flops_per_step / step_time / 1e12
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_sec": self.tokens_per_step / step_time,
-                "consumed_tokens": step * self.tokens_per_step, "step_time_sec": step_time,
+                "consumed_tokens": self.progress.consumed_tokens, "step_time_sec": step_time,
                 "data_wait_sec": data_wait, "peak_memory_mb": peak_memory_mb(self.ctx.device),
-                "skipped_steps": self.skipped_steps, "model_tflops_per_sec": tflops,
+                "skipped_steps": self.progress.skipped_steps, "model_tflops_per_sec": tflops,
                 "hardware_tflops_per_sec": self.hardware_flops_per_step / step_time / 1e12,
-                "mfu": tflops / (self.peak * self.ctx.world_size) if self.peak else None}
+                "mfu": tflops / self.peak.tflops if self.peak.tflops else None}
 
     def log_record(self, record: dict) -> None:
         if not self.is_writer:
             return
         self.writer.write(record)
         if "eval_loss" in record:
-            log.info("step %d | eval_loss %.4f", record["step"], record["eval_loss"])
+            log.info("step %d/%d | eval_loss %.4f", record["step"], self.cfg.tokens.train_steps, record["eval_loss"])
         else:
-            log.info("step %d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | %.0f MB",
-                     record["step"], record["loss"], record["lr"], record["grad_norm"],
-                     record["tokens_per_sec"], record["peak_memory_mb"])
+            log.info(step_line(record, self.cfg.tokens.train_steps, self.clock))
+
+    def announce(self, num_parameters: int) -> None:
+        """Rank 0 logs what this run is: which model, layout, batch, data and peak."""
+        if not self.is_writer:
+            return
+        cfg, ctx, shape, p = self.cfg, self.ctx, self.shape, self.cfg.parallelism
+        log.info("model: %s parameters (hidden %d, %d layers, %d heads / %d KV heads, vocabulary %d), %s",
+                 f"{num_parameters:,}", shape.hidden_size, shape.num_hidden_layers, shape.num_attention_heads,
+                 shape.num_key_value_heads, shape.vocab_size, cfg.model.dtype)
+        if cfg.model.init_method.path:
+            log.info("initial weights: Hugging Face model %s (model.init_method.path)", cfg.model.init_method.path)
+        engine = f", pipeline {p.pp_engine}" if ctx.pp > 1 else ""
+        log.info("layout: %s (%d process%s%s%s)", ctx.layout, ctx.world_size, "es" if ctx.world_size > 1 else "", engine,
+                 f", tensor parallel {p.tp_mode}" if ctx.tp > 1 else "")
+        log.info("global batch: %d sequences x %d tokens = %s tokens per step (dp %d x micro-batch %d x "
+                 "accumulation %d)", self.global_batch, cfg.tokens.sequence_length, f"{self.tokens_per_step:,}",
+                 ctx.dp, cfg.tokens.micro_batch_size, self.accumulation)
+        log.info("data: %s", self.describe_data())
+        log.info("peak for MFU: %s", f"{self.peak.tflops:.3g} TFLOP/s ({self.peak.source})"
+                 if self.peak.tflops else self.peak.source)
+
+    def describe_data(self) -> str:
+        t = self.cfg.tokens
+        try:
+            train = f"{len(self.train_set):,} training samples per epoch ({len(self.train_set) * t.sequence_length:,} tokens)"
+        except TypeError:   # a stream has no length
+            train = "streamed training samples (length unknown until read)"
+        rounds = eval_rounds(len(self.val_set), self.global_batch, t.limit_val_batches)
+        evaluated = min(len(self.val_set), rounds * self.global_batch)
+        padding = " (the last batch padded)" if evaluated < rounds * self.global_batch else ""
+        return (f"{self.cfg.data.name}: {train}; held-out {len(self.val_set):,} samples, each evaluation reads "
+                f"{evaluated:,} of them in {rounds} global batch(es){padding}")
 
     def finish(self, summary: dict) -> None:
+        timed = self.step_times[2:] or self.step_times
+        record = self.last_record
+        summary.update(final_loss=record.get("loss"), eval_loss=self.eval_loss, train_steps=record.get("step", 0),
+                       tokens_per_sec=self.tokens_per_step * len(timed) / sum(timed) if timed else None,
+                       consumed_tokens=self.progress.consumed_tokens, mfu=record.get("mfu"),
+                       peak_tflops=self.peak.tflops, peak_source=self.peak.source,
+                       peak_memory_mb=peak_memory_mb(self.ctx.device), wall_seconds=self.clock.elapsed())
         self.trace.close()
         if self.is_writer:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from nanoexp.checkpoint import CheckpointManager, CheckpointReader  # noqa: E402
+from nanoexp.checkpoint import CheckpointManager, CheckpointReader, Progress  # noqa: E402
 from nanoexp.checkpoint.load import load_model, load_optimizer  # noqa: E402
 from nanoexp.config import register_configs  # noqa: E402
 from nanoexp.optim import build_optimizer  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
 
     ours_save, ours_load, dcp_save, dcp_load = [], [], [], []
     for i in range(args.repeats):
-        ours_save.append(timed(lambda: manager.save(i + 1, model, optimizer, consumed_samples=0)))
+        ours_save.append(timed(lambda: manager.save(i + 1, model, optimizer, Progress())))
         folder = os.path.join(work, "nanoexp", str(i + 1))
 
         def load_ours():

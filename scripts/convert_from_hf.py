@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanoexp.checkpoint import CheckpointManager  # noqa: E402
+from nanoexp.checkpoint import CheckpointManager, Progress  # noqa: E402
 from nanoexp.hf import read_hf_config  # noqa: E402
 from nanoexp.optim import build_optimizer  # noqa: E402
 from nanoexp.parallel.context import ParallelContext  # noqa: E402
@@ -50,7 +50,7 @@ def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
     cfg.checkpoint.checkpoints_path = out
     ctx = ParallelContext()
     model = build_model(cfg, ctx)
-    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model, ctx), consumed_samples=0)
+    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model, ctx), Progress())
     return overrides
 
 

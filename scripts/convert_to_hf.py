@@ -30,7 +30,11 @@ def convert_to_hf(checkpoint: str, out: str) -> None:
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     os.makedirs(out, exist_ok=True)
     tensors = {name: reader.full_tensor(name).contiguous() for name in parameter_shapes(shape)}
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)   # safetensors writes 0600, like a temporary file: these are for others
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(shape, tokenizer.eod_id), f, indent=2)
     write_tokenizer(cfg.tokenizer.tokenizer_name_or_path, out)

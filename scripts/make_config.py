@@ -1,7 +1,7 @@
-"""Write a starter config for a model and a GPU count, with a layout that fits in memory.
+"""Write a starter experiment for a model and a GPU count, with a layout that fits in memory.
 
-    python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80
-    python scripts/make_config.py --model llama3_8b --gpus 64 --gpu-memory-gb 80 --experiment llama3_8b_64gpu
+    python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80 --tokenizer /data/llama3_tokenizer
+    python scripts/make_config.py --model tiny --gpus 2 --gpu-memory-gb 24 --out my_experiment.yaml
 
 Promises:
 - Every dp x tp x pp layout of --gpus processes is checked with nanoexp's own `validate` (heads, KV heads,
@@ -11,9 +11,10 @@ Promises:
   gradients, optimizer state and activations, and picks the fitting layout (estimate <= 90% of
   --gpu-memory-gb) with the least model parallelism: the smallest tp*pp, then the smallest pp (a pipeline
   adds a bubble, tensor parallelism inside a node does not). ZeRO-1 is used whenever dp > 1.
-- Writes the fully composed config as YAML (--out, default <model>_<gpus>gpu.yaml) and prints the command
-  that runs it (the same overrides); or with --experiment NAME writes the overrides as
-  conf/experiment/NAME.yaml (run: python train.py +experiment=NAME).
+- Writes a coherent experiment (the overrides on the defaults: model, layout, ZeRO, batch, a schedule of
+  --train-steps with --warmup-steps, the tokenizer the model's vocabulary needs) as
+  conf/experiment/<--experiment, default <model>_<gpus>gpu>.yaml, or to --out, and prints the command
+  that runs it. A model whose vocabulary is not the built-in byte tokenizer's needs --tokenizer.
 
 The estimate (bytes per GPU), for the busiest pipeline stage:
 - parameters 4 B, gradients 4 B (float32 master weights and gradients, also under bf16 autocast), AdamW
@@ -23,7 +24,9 @@ The estimate (bytes per GPU), for the busiest pipeline stage:
   sequence parallelism; their 5*a*s/h attention-score term is left out because flash/SDPA attention does
   not store the scores), doubled for float32; the first stage of 1F1B holds min(pp, micro-batches) of them;
 - float32 logits and their gradient on the last stage: 2 * s * b * vocab/tp * 4 B.
-It leaves out the CUDA context, allocator fragmentation and communication buffers: hence the 10% margin.
+- under bf16 autocast, the bf16 copies of the weights autocast keeps during a step: 2 B per parameter held;
+- the CUDA context and library workspaces (CUDA_CONTEXT_GIB, a nominal allowance).
+It leaves out allocator fragmentation and communication buffers: hence the 10% margin.
 """
 from __future__ import annotations
 
@@ -33,16 +36,16 @@ import math
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from omegaconf import OmegaConf
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, register_configs, validate  # noqa: E402,E501
+from nanoexp.config import CONF_DIR, ConfigError, batch_accumulation, compose, num_kv_heads, padded_vocab_size, validate
 
 GIB = 1024 ** 3
 HEADROOM = 0.9
+# PyTorch's CUDA context with cuBLAS/NCCL workspaces: a nominal allowance (not measured here: no GPU),
+# of the order PyTorch's CUDA notes give for the context (several hundred MB) plus NCCL buffers.
+CUDA_CONTEXT_GIB = 1.0
+BYTE_VOCAB = 257
 
 
 def divisors(n: int) -> list[int]:
@@ -68,7 +71,9 @@ def estimate(cfg) -> dict[str, float]:
         per_layer_activation = s * b * h * activation_bytes
     in_flight = min(p.pp, batch_accumulation(cfg))
     return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / dp_shards,
-            "activations": per_layer_activation * layers * in_flight + 2 * s * b * vocab / p.tp * 4}
+            "weight_copies": 2 * params if cfg.model.dtype == "bfloat16" else 0,
+            "activations": per_layer_activation * layers * in_flight + 2 * s * b * vocab / p.tp * 4,
+            "cuda_context": CUDA_CONTEXT_GIB * GIB}
 
 
 def candidates(base, gpus: int, gpus_per_node: int):
@@ -97,7 +102,8 @@ def layout(cfg) -> str:
 def choose(base, gpus: int, gpus_per_node: int, memory_gb: float):
     """Print the estimate of every layout; return the chosen config (or None when nothing fits)."""
     budget = HEADROOM * memory_gb * GIB
-    print(f"{'layout':<12}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}  (GiB per GPU)")
+    print(f"{'layout':<12}{'params':>9}{'grads':>9}{'optim':>9}{'bf16 w':>9}{'activ':>9}{'context':>9}"
+          f"{'total':>9}  (GiB per GPU)")
     fitting = []
     for cfg, problem in candidates(base, gpus, gpus_per_node):
         if problem:
@@ -115,6 +121,18 @@ def choose(base, gpus: int, gpus_per_node: int, memory_gb: float):
     return min(fitting, key=lambda c: (c.parallelism.tp * c.parallelism.pp, c.parallelism.pp, c.parallelism.tp))
 
 
+def experiment_yaml(args, chosen: list[str], tokenizer: str) -> str:
+    """The experiment file: the model as a defaults override, then every other override as YAML."""
+    body = OmegaConf.from_dotlist([o for o in chosen if not o.startswith("model=")] + [
+        f"tokenizer.tokenizer_name_or_path={tokenizer}", f"tokens.train_steps={args.train_steps}",
+        f"tokens.val_check_interval={max(1, args.train_steps // 10)}", "tokens.limit_val_batches=8",
+        f"optimizer.learning_rate_scheduler.lr_warmup_steps={args.warmup_steps}",
+        f"checkpoint.checkpoint_interval={max(1, args.train_steps // 20)}", "checkpoint.keep_last_n=3"])
+    lines = ["# @package _global_", f"# scripts/make_config.py {' '.join(sys.argv[1:])}", "defaults:",
+             f"  - override /model: {args.model}"]
+    return "\n".join(lines) + "\n" + OmegaConf.to_yaml(body)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a file of conf/model/ (tiny, small, llama_1b, llama3_8b, ...)")
@@ -124,18 +142,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--global-batch-size", type=int, default=256, help="sequences per optimizer step")
-    parser.add_argument("--out", help="the composed YAML to write (default <model>_<gpus>gpu.yaml)")
-    parser.add_argument("--experiment", help="write conf/experiment/<NAME>.yaml (overrides only) instead")
+    parser.add_argument("--train-steps", type=int, default=10000)
+    parser.add_argument("--warmup-steps", type=int, default=500)
+    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder (needed unless the model's "
+                                            "vocabulary is the byte tokenizer's 257)")
+    parser.add_argument("--experiment", help="name of the conf/experiment/ file (default <model>_<gpus>gpu)")
+    parser.add_argument("--out", help="write the experiment here instead of conf/experiment/")
     args = parser.parse_args(argv)
 
-    register_configs()
     overrides = [f"model={args.model}", f"tokens.sequence_length={args.sequence_length}",
                  f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.global_batch_size={args.global_batch_size}"]
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        base = compose(config_name="config", overrides=overrides)
+    base = compose(overrides)
     m = base.model.model_config
     if args.sequence_length > m.max_position_embeddings:
         parser.error(f"--sequence-length {args.sequence_length} > max_position_embeddings {m.max_position_embeddings}")
+    if m.vocab_size > BYTE_VOCAB and not args.tokenizer:
+        parser.error(f"--tokenizer is needed: {args.model} has a vocabulary of {m.vocab_size}, the byte tokenizer "
+                     f"{BYTE_VOCAB}; give a local Hugging Face tokenizer folder of that vocabulary")
+    if args.warmup_steps > args.train_steps:
+        parser.error(f"--warmup-steps {args.warmup_steps} > --train-steps {args.train_steps}")
     print(f"model {args.model}: hidden {m.hidden_size}, {m.num_hidden_layers} layers, {m.num_attention_heads} heads "
           f"({num_kv_heads(base)} KV), vocabulary {padded_vocab_size(base)}, {base.model.dtype}; sequence "
           f"{args.sequence_length}, micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}; "
@@ -150,20 +175,14 @@ def main(argv: list[str] | None = None) -> int:
           f"parallelism), {batch_accumulation(cfg)} micro-batches per step and replica")
     chosen = overrides + [f"parallelism.dp={p.dp}", f"parallelism.tp={p.tp}", f"parallelism.pp={p.pp}",
                           f"optimizer.zero_stage={cfg.optimizer.zero_stage}"]
+    name = args.experiment or f"{args.model}_{args.gpus}gpu"
+    path = args.out or os.path.join(CONF_DIR, "experiment", f"{name}.yaml")
+    with open(path, "w") as f:
+        f.write(experiment_yaml(args, chosen, args.tokenizer or "byte"))
+    name = os.path.splitext(os.path.basename(path))[0]
     nodes = math.ceil(args.gpus / args.gpus_per_node)
-    if args.experiment:
-        path = os.path.join(ROOT, "conf", "experiment", f"{args.experiment}.yaml")
-        lines = ["# @package _global_", f"# scripts/make_config.py {' '.join(argv or sys.argv[1:])}",
-                 "defaults:", f"  - override /model: {args.model}"]
-        body = OmegaConf.from_dotlist([o for o in chosen if not o.startswith("model=")])
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n" + OmegaConf.to_yaml(body))
-        run = f"+experiment={args.experiment}"
-    else:
-        path = args.out or f"{args.model}_{args.gpus}gpu.yaml"
-        OmegaConf.save(cfg, path)   # the complete record; the same run from the overrides:
-        run = " ".join(chosen)
-    print(f"wrote {path}\nrun it: python train.py -m {run} hydra/launcher=slurm hydra.launcher.nodes={nodes} "
+    print(f"wrote {path}" + (" (move it into conf/experiment/ to run it)" if args.out else ""))
+    print(f"run it: python train.py -m +experiment={name} hydra/launcher=slurm hydra.launcher.nodes={nodes} "
           f"hydra.launcher.gpus_per_node={min(args.gpus, args.gpus_per_node)}")
     return 0
 

@@ -5,6 +5,7 @@ single-process run (within the parity tolerance of tests/test_parallel.py on oth
 """
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -148,18 +149,62 @@ def test_missing_resume_path_is_a_config_error(tmp_path):
 def test_sigterm_checkpoints_exits_cleanly_and_resume_auto_continues(signum, tmp_path):
     run = CONSTANT_LR + ["parallelism=dp2tp1pp1", "tokens.train_steps=400"]
     proc = subprocess.Popen([sys.executable, "train.py", *run, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr.decode()[-2000:]
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     stopped_at = summary["train_steps"]
     assert summary["status"] == "stopped" and stopped_at < 400
+    # The last lines: the summary, then the exact command that resumes the run in its folder.
+    assert f"stopped by a signal after step {stopped_at}" in stdout
+    assert stdout.rstrip().splitlines()[-1].strip() == shlex.join(
+        ["python", "train.py", *run, f"hydra.run.dir={tmp_path}"]), stdout[-1000:]
     assert (tmp_path / "checkpoints" / "latest.txt").read_text().strip() == str(stopped_at)
     records = train(tmp_path, run[:-1] + [f"tokens.train_steps={stopped_at + 2}"])   # resume=auto
     assert [r["step"] for r in records if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_requeued_run_continues_from_its_own_checkpoint_not_the_seed(tmp_path, caplog):
+    """A job seeded by checkpoint.resume_checkpoint_path and requeued after saving its own checkpoints
+    continues from its own latest.txt; the path seeds only the first start."""
+    train(tmp_path / "seed", CONSTANT_LR + ["tokens.train_steps=2"])
+    job = CONSTANT_LR + ["checkpoint.checkpoint_interval=2", f"checkpoint.resume_checkpoint_path={tmp_path}/seed/checkpoints/2"]
+    first = train(tmp_path / "job", job + ["tokens.train_steps=4"])
+    assert [r["step"] for r in first if "loss" in r] == [3, 4]   # seeded at step 2
+    caplog.clear()
+    with caplog.at_level("INFO", logger="nanoexp"):
+        requeued = train(tmp_path / "job", job + ["tokens.train_steps=6"])
+    assert [r["step"] for r in requeued if "loss" in r][-2:] == [5, 6]   # not 3 again
+    assert "this run's own latest checkpoint" in caplog.text
+
+
+def test_seed_path_inside_the_runs_own_checkpoints_is_refused(tmp_path):
+    train(tmp_path, CONSTANT_LR + ["tokens.train_steps=2"])
+    with pytest.raises(ConfigError, match=r"inside this run's own checkpoints folder .* latest.txt"):
+        train(tmp_path, CONSTANT_LR + ["tokens.train_steps=4", f"checkpoint.resume_checkpoint_path={tmp_path}/checkpoints/2"])
+
+
+def test_rollback_by_latest_txt_follows_it_and_keeps_the_abandoned_timeline(tmp_path):
+    """latest.txt pointed back at step 2 (backing out of a loss spike): resume=auto continues from 2, not
+    from the higher-numbered 6; the abandoned 4 and 6 move to abandoned/ (never deleted), and
+    keep_last_n prunes only the new timeline. Same layout and seed: steps 3-6 repeat bit for bit."""
+    run = RUN + ["tokens.train_steps=6", "checkpoint.checkpoint_interval=2"]
+    train(tmp_path, run)
+    first = last_by_step(read_metrics(tmp_path))
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "latest.txt").write_text("2\n")
+    records = train(tmp_path, run + ["checkpoint.keep_last_n=2"])
+    assert [r["step"] for r in records if "loss" in r][-4:] == [3, 4, 5, 6]
+    assert last_by_step(read_metrics(tmp_path)) == first
+    assert sorted(os.listdir(ckpt)) == ["4", "6", "abandoned", "latest.txt"]
+    assert sorted(os.listdir(ckpt / "abandoned")) == ["4", "6"]
+    CheckpointReader(str(ckpt / "abandoned" / "6")).full_tensor("model.norm.weight")   # intact
+    (ckpt / "latest.txt").write_text("5\n")   # no such checkpoint: refused at start, naming the file
+    with pytest.raises(ConfigError, match=r"latest.txt names '5', which is not a complete checkpoint"):
+        train(tmp_path, run)

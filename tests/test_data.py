@@ -13,6 +13,7 @@ from nanoexp.data import (
     build_tokenizer, eval_batches, load_builtin_documents, shard_for_dp, split_micro_batches,
     split_train_val,
 )
+from nanoexp.data.loader import IGNORE_INDEX, eval_rounds
 from nanoexp.data.corpus import BUILTIN_CORPUS
 
 SEQ = 8
@@ -211,7 +212,7 @@ def test_resume_and_prefetch_give_identical_batches(small_ds):
     G = 8
     with TrainBatches(small_ds, G, 2, 1, 2, seed=11, prefetch=True) as a:
         steps_of(a, 3)
-        assert a.state_dict() == {"consumed_samples": 3 * G}
+        assert a.consumed_samples == 3 * G
         fourth = a.next_step()
         assert isinstance(a.last_wait_sec, float) and a.last_wait_sec >= 0.0
     for prefetch in (True, False):
@@ -246,13 +247,29 @@ def test_unclosed_loader_is_collected(small_ds):
 
 def test_eval_batches_do_not_depend_on_the_layout(small_ds):
     G = 8
-    reference = [mb["input_ids"] for mb in eval_batches(small_ds, G, 8, 3, 0, 1)]
+    reference = [mb["input_ids"] for mb in eval_batches(small_ds, G, 8, 3, 0, 1, SEQ)]
     for dp, mbs in [(2, 2), (4, 1), (2, 4), (1, 2)]:
-        per_rank = [eval_batches(small_ds, G, mbs, 3, r, dp) for r in range(dp)]
+        per_rank = [eval_batches(small_ds, G, mbs, 3, r, dp, SEQ) for r in range(dp)]
         assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == 3 * G // (dp * mbs)
         seen = sorted(tuple(row.tolist()) for b in per_rank for mb in b for row in mb["input_ids"])
         assert seen == sorted(tuple(row.tolist()) for batch in reference for row in batch)
     expected = sorted(tuple(small_ds[i][:-1].tolist()) for i in range(3 * G))
     assert sorted(tuple(row.tolist()) for batch in reference for row in batch) == expected
-    full = eval_batches(small_ds, G, 2, None, 0, 2)
-    assert len(full) == (len(small_ds) // G) * G // 4 == len(eval_batches(small_ds, G, 2, 0, 1, 2))
+
+
+def test_eval_batches_cover_every_sample_and_pad_the_last_batch(small_ds):
+    """A held-out set that is not a multiple of the global batch (or smaller than one) is evaluated
+    whole: the last global batch is filled with padding rows whose labels are all IGNORE_INDEX."""
+    n = len(small_ds)
+    for G in (4, 8, 4 * (n // 4 + 1)):   # divisible by dp=2 x mbs=2; the last one is larger than the set
+        per_rank = [eval_batches(small_ds, G, 2, None, r, 2, SEQ) for r in range(2)]
+        # Rank 0 holds the first half of each global batch, rank 1 the second: interleave them back.
+        rounds = [mb["labels"] for r in range(2) for mb in per_rank[r]]
+        half = len(rounds) // 2
+        labels = torch.cat([x for b in range(half // (G // 4)) for r in range(2)
+                            for x in rounds[r * half + b * (G // 4):r * half + (b + 1) * (G // 4)]])
+        assert len(labels) == G * -(-n // G)
+        padded = (labels == IGNORE_INDEX).all(dim=1)
+        assert padded.sum() == len(labels) - n and not padded[:n].any()   # padding only after the last sample
+        assert [tuple(r.tolist()) for r in labels[:n]] == [tuple(small_ds[i][1:].tolist()) for i in range(n)]
+    assert eval_rounds(n, 4, 1) == 1 and eval_rounds(n, 1, 2) == 2 and eval_rounds(n, 1, None) == n

@@ -42,7 +42,7 @@ def test_recompute_saves_activation_memory():
         model = build_model(cfg, ParallelContext())
         ids = torch.randint(0, 256, (cfg.tokens.micro_batch_size, cfg.tokens.sequence_length))
         with saved_activation_bytes(model.parameters()) as saved:
-            loss = model(input_ids=ids, labels=ids)
+            loss = model(input_ids=ids, labels=ids).mean()
         loss.backward()
         return saved.bytes
 

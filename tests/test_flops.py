@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import nanoexp.model.llama as llama
-from nanoexp.metrics import flops_per_token, hardware_flops_per_token, peak_tflops
+from nanoexp.metrics import flops_per_token, hardware_flops_per_token, job_peak, measure_cpu_peak
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.trainer import build_model, model_shape
 from tests.helpers import FAST, compose_config
@@ -40,7 +40,7 @@ def counted_flops(overrides, monkeypatch) -> tuple[float, object, int]:
     b, s = cfg.tokens.micro_batch_size, cfg.tokens.sequence_length
     ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        model(input_ids=ids, labels=ids).backward()
+        model(input_ids=ids, labels=ids).mean().backward()
     return counter.get_total_flops(), model_shape(cfg), b * s
 
 
@@ -65,6 +65,23 @@ def test_peak_table_matches_names_and_dtypes(monkeypatch):
                               ("NVIDIA H100 PCIe", "bfloat16", 756.0), ("NVIDIA A100-SXM4-80GB", "float32", 19.5),
                               ("NVIDIA GeForce RTX 4090", "bfloat16", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
-        assert peak_tflops(gpu, dtype, None) == peak, name
-    assert peak_tflops(torch.device("cpu"), "float32", None) is None
-    assert peak_tflops(torch.device("cpu"), "float32", 2.5) == 2.5
+        job = job_peak(gpu, dtype, None, world_size=8, nodes=1)
+        assert job.tflops == (None if peak is None else 8 * peak), name   # per GPU x GPUs
+    assert job_peak(gpu, "bfloat16", 100.0, world_size=4, nodes=1).tflops == 400.0
+
+
+def test_cpu_peak_is_per_node_and_measured_without_the_training_rng():
+    """On CPU the ranks of a node share its cores: the job's peak is the node's times the nodes, not
+    times the ranks. The measurement draws no random numbers (the training RNG stays where it was)."""
+    cpu = torch.device("cpu")
+    assert job_peak(cpu, "float32", None, world_size=8, nodes=1).tflops is None   # nothing measured
+    assert job_peak(cpu, "float32", 2.5, world_size=8, nodes=2).tflops == 5.0
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    measured = measure_cpu_peak("float32", threads=2)
+    assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
+    # A 2-core CPU does 57-211 GFLOP/s here; any real machine lands between 1 GFLOP/s and 1 PFLOP/s.
+    assert 1e-3 < measured.tflops < 1e3 and "1024x1024 float32" in measured.source
+    job = job_peak(cpu, "float32", None, world_size=4, nodes=1, measured=measured)
+    assert job.tflops == measured.tflops and "x 1 node" in job.source

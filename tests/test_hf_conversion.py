@@ -2,6 +2,7 @@
 files against nanoexp's ByteTokenizer, KV-cache decoding and evaluate.py against full forwards."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,14 @@ def test_hf_model_gives_nanoexp_logits(exported):
     ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_exported_files_get_the_usual_permissions(exported):
+    """Files written for others to read get the umask's normal mode, not a temporary file's 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(exported[1]):
+        assert os.stat(exported[1] / name).st_mode & 0o777 == 0o666 & ~umask, name
 
 
 def test_byte_tokenizer_files_encode_like_nanoexp(exported):

@@ -93,3 +93,15 @@ def test_streaming_training_with_a_local_tokenizer(jsonl_folder, tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 3 and all(np.isfinite(losses)) and losses[0] > 5.0   # ~ln(320) at init
     assert np.isfinite(records[-1]["eval_loss"]) and all(r["data_wait_sec"] >= 0 for r in records if "loss" in r)
+
+
+def test_names_that_look_local_never_go_to_the_hub(tmp_path, monkeypatch):
+    from nanoexp.data.hf_dataset import load_hf_dataset, looks_local
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ["data/nope.jsonl", "nope.parquet", "./x", "/abs/x", "~/x", "data/folder", "a/b/c"]:
+        assert looks_local(name), name
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            load_hf_dataset(name)
+    for hub_id in ["wikitext", "HuggingFaceFW/fineweb"]:   # a name or org/name without a local parent
+        assert not looks_local(hub_id), hub_id

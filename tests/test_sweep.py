@@ -7,6 +7,7 @@ Reference for the losses: the same training in one process; tolerance from tests
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from nanoexp.config import ConfigError
+from nanoexp.config import ConfigError, validate
 from nanoexp.sweep import slurm_tasks_per_node
 from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
 from tests.test_parallel import LATER_STEP_ATOL
@@ -79,6 +80,16 @@ def test_local_multirun_runs_every_job_and_matches_one_process(local_sweep):
         np.testing.assert_allclose(train_losses(read_metrics(sweep / str(job))), expected, atol=LATER_STEP_ATOL, rtol=0)
     failed = json.loads((sweep / "2" / "summary.json").read_text())
     assert failed["status"] == "failed" and "ConfigError" in failed["error"]
+    # The sweep ends with its results: the jobs, what differs between them, state, losses, speed.
+    report = result.stdout[result.stdout.index(f"sweep {sweep}: 3 jobs, 1 failed"):].splitlines()
+    assert report[1].split() == ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec"]
+    rows = [line.split() for line in report[2:5]]
+    assert [r[:3] for r in rows] == [["0", "parallelism=dp2tp1pp1", "completed"],
+                                     ["1", "parallelism=dp1tp2pp1", "completed"],
+                                     ["2", "parallelism=dp1tp4pp1", "failed"]]
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert rows[0][3:5] == [f"{summary['final_loss']:.4f}", f"{summary['eval_loss']:.4f}"]   # +experiment: same in all
+    assert f"python scripts/summarize_sweep.py {sweep}" in result.stdout
 
 
 def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
@@ -104,16 +115,33 @@ def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
 
 def test_make_config_picks_the_least_model_parallel_layout_that_fits(tmp_path):
     """llama3_8b (8.0B parameters, 16 B each for weights, gradients and AdamW state = 120 GiB before
-    sharding) cannot run data-parallel only on 80 GB GPUs; with 16 GPUs tp=2 halves it."""
-    result = run_script([os.path.join(ROOT, "scripts", "make_config.py"), "--model", "llama3_8b", "--gpus", "16",
-                         "--gpu-memory-gb", "80", "--out", str(tmp_path / "cfg.yaml")], cwd=tmp_path)
+    sharding, plus bf16 weight copies and the CUDA context) cannot run data-parallel only on 80 GB GPUs;
+    with 16 GPUs tp=2 halves it. The experiment it writes is coherent: a tokenizer of the model's
+    vocabulary (required), a schedule of the asked length."""
+    command = [os.path.join(ROOT, "scripts", "make_config.py"), "--model", "llama3_8b", "--gpus", "16",
+               "--gpu-memory-gb", "80", "--out", str(tmp_path / "llama.yaml"), "--train-steps", "2000"]
+    refused = run_script(command, cwd=tmp_path)
+    assert refused.returncode == 2 and "--tokenizer is needed" in refused.stderr
+    result = run_script(command + ["--tokenizer", "/data/llama3_tokenizer"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "dp16tp1pp1" in result.stdout and "too big" in result.stdout
     assert "chosen: dp8tp2pp1 with ZeRO-1" in result.stdout
-    from omegaconf import OmegaConf
-    cfg = OmegaConf.load(tmp_path / "cfg.yaml")
-    assert (cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp, cfg.optimizer.zero_stage) == (8, 2, 1, 1)
-    assert cfg.model.model_config.hidden_size == 4096
+    assert os.listdir(tmp_path) == ["llama.yaml"]   # nothing else written into the current folder
+    text = (tmp_path / "llama.yaml").read_text()
+    assert text.startswith("# @package _global_") and "  - override /model: llama3_8b" in text
+    experiment = OmegaConf.load(tmp_path / "llama.yaml")
+    assert (experiment.parallelism.dp, experiment.parallelism.tp, experiment.parallelism.pp) == (8, 2, 1)
+    assert experiment.optimizer.zero_stage == 1 and experiment.tokens.train_steps == 2000
+    assert experiment.tokenizer.tokenizer_name_or_path == "/data/llama3_tokenizer"
+    # It composes with the defaults into a valid run of 16 processes (the tokenizer folder is not read here).
+    conf = tmp_path / "conf"
+    shutil.copytree(os.path.join(ROOT, "conf"), conf)
+    shutil.copy(tmp_path / "llama.yaml", conf / "experiment" / "llama.yaml")
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=llama"])
+    validate(cfg, world_size=16)
+    assert cfg.model.model_config.hidden_size == 4096 and cfg.tokens.train_steps == 2000
 
 
 def test_make_config_estimate_matches_a_hand_count():

@@ -1,9 +1,9 @@
 """Checkpoints: sharded atomic save (save.py), load on any layout (load.py), the trainer's
 interface (manager.py) and stop signals (signals.py)."""
 from nanoexp.checkpoint.load import CheckpointReader
-from nanoexp.checkpoint.manager import CheckpointManager, Resume, newest_checkpoint
+from nanoexp.checkpoint.manager import CheckpointManager, Progress, Resume, latest_checkpoint
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.checkpoint.signals import handle_stop_signals
 
-__all__ = ["CheckpointManager", "CheckpointReader", "CheckpointError", "Resume", "handle_stop_signals",
-           "newest_checkpoint"]
+__all__ = ["CheckpointManager", "CheckpointReader", "CheckpointError", "Progress", "Resume", "handle_stop_signals",
+           "latest_checkpoint"]

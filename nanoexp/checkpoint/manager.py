@@ -1,9 +1,12 @@
 """What the trainer calls: where checkpoints live, what to resume from, when to save.
 
     checkpoints = CheckpointManager(cfg, ctx, run_dir)
-    resume = checkpoints.restore(model, optimizer)      # -> Resume(step, consumed_samples, lr_step_offset)
+    resume = checkpoints.restore(model, optimizer)      # -> Resume(step, consumed_samples, lr_step_offset, ...)
     ... after each optimizer step:
-    if checkpoints.after_step(step, is_last, model, optimizer, consumed_samples): stop (a signal came)
+    if checkpoints.after_step(step, is_last, model, optimizer, progress): stop (a signal came)
+
+Where a run starts: its own checkpoint (latest.txt under checkpoint.checkpoints_path) if there is
+one, else checkpoint.resume_checkpoint_path (a seed for the first start only), else step 1.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from omegaconf import OmegaConf
 
 from nanoexp import config as C
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
-from nanoexp.checkpoint.save import complete_steps, save_checkpoint
+from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
 from nanoexp.checkpoint.signals import stop_agreed
 
 log = logging.getLogger("nanoexp")
@@ -27,28 +30,53 @@ class Resume:
     consumed_samples: int = 0     # the data position
     lr_step_offset: int = 0       # subtracted from the step for the LR schedule (load_lr_scheduler=false)
     skipped_steps: int = 0        # updates skipped as non-finite before the checkpoint
+    consumed_tokens: int = 0      # tokens trained on before the checkpoint (counted, not derived)
 
 
-def newest_checkpoint(root: str) -> str | None:
-    """The folder named by latest.txt, else the newest complete one (latest.txt moves last, so a
-    crash between the rename and its update leaves a newer complete folder)."""
+@dataclass
+class Progress:
+    """How far training has come, as checkpoints record it (the trainer keeps it current)."""
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skipped_steps: int = 0
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The checkpoint this run's timeline continues from: the folder `latest.txt` names (a rollback is
+    an edit of that file). Without latest.txt (a crash between the first rename and its write) the
+    newest complete folder. None when `root` holds no checkpoint. Raises CheckpointError when
+    latest.txt names a folder that is not a complete checkpoint."""
     steps = complete_steps(root)
-    if not steps:
-        return None
     latest = os.path.join(root, "latest.txt")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        if name.isdigit() and int(name) == steps[-1]:
-            return os.path.join(root, name)
-    return os.path.join(root, str(steps[-1]))
+    if not os.path.isfile(latest):
+        return os.path.join(root, str(steps[-1])) if steps else None
+    with open(latest) as f:
+        name = f.read().strip()
+    if not (name.isdigit() and int(name) in steps):
+        raise CheckpointError(f"{latest} names {name!r}, which is not a complete checkpoint in {root} "
+                              f"(complete steps: {steps or 'none'}): write one of them into latest.txt")
+    return os.path.join(root, name)
+
+
+def inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
 
 
 def check_resume(cfg, run_dir: str) -> None:
     """Before any work: the checkpoint this run would resume from is complete and fits the model
-    (raises CheckpointError naming the first mismatching parameter)."""
+    (raises CheckpointError naming the first mismatching parameter), and the seed path is not one
+    of this run's own checkpoints."""
     from nanoexp.trainer import model_shape   # the trainer imports this module
-    folder = CheckpointManager(cfg, None, run_dir).resume_folder()
+    manager = CheckpointManager(cfg, None, run_dir)
+    seed = cfg.checkpoint.resume_checkpoint_path
+    if seed and inside(seed, manager.root):
+        raise CheckpointError(
+            f"checkpoint.resume_checkpoint_path={seed} is inside this run's own checkpoints folder "
+            f"{manager.root}, which the run resumes from by itself (checkpoint.resume=auto follows its "
+            f"latest.txt): to roll back, write the step into {os.path.join(manager.root, 'latest.txt')} "
+            "and drop checkpoint.resume_checkpoint_path")
+    folder, _ = manager.resume_folder()
     if folder is not None:
         check_compatible(CheckpointReader(folder), model_shape(cfg))
 
@@ -58,17 +86,26 @@ class CheckpointManager:
         self.cfg, self.ctx = cfg, ctx
         self.root = cfg.checkpoint.checkpoints_path or os.path.join(run_dir, "checkpoints")
         self.last_saved = None
+        # Checkpoints of this folder after the step this run started from belong to an abandoned
+        # timeline (a rollback, or resume=never): the first save moves them to abandoned/.
+        self.abandon_after: int | None = 0
 
-    def resume_folder(self) -> str | None:
+    def resume_folder(self) -> tuple[str | None, str]:
+        """Where this run starts and why: its own latest checkpoint (resume=auto), else the seed
+        `checkpoint.resume_checkpoint_path`, else nowhere (a fresh start)."""
         c = self.cfg.checkpoint
+        own = latest_checkpoint(self.root) if c.resume == "auto" else None
+        if own is not None:
+            return own, f"this run's own latest checkpoint ({os.path.join(self.root, 'latest.txt')})"
         if c.resume_checkpoint_path:
-            return c.resume_checkpoint_path
-        return newest_checkpoint(self.root) if c.resume == "auto" else None
+            return c.resume_checkpoint_path, "checkpoint.resume_checkpoint_path (this run has no checkpoint yet)"
+        return None, f"no checkpoint in {self.root}" if c.resume == "auto" else "checkpoint.resume=never"
 
     def restore(self, model, optimizer) -> Resume:
         """Load the checkpoint to resume from (if any) into this rank's model and optimizer."""
-        folder = self.resume_folder()
+        folder, origin = self.resume_folder()
         if folder is None:
+            log.info("%s: starting from step 1", origin)
             return Resume()
         c, ctx = self.cfg.checkpoint, self.ctx
         reader = CheckpointReader(folder)
@@ -83,35 +120,36 @@ class CheckpointManager:
         if meta["global_batch_size"] != C.global_batch_size(self.cfg):
             log.warning("global batch size changes from %d (checkpoint) to %d: continuing from consumed sample %d",
                         meta["global_batch_size"], C.global_batch_size(self.cfg), meta["consumed_samples"])
-        log.info("resumed from %s: step %d, %d consumed samples, saved on %s%s%s", folder, step,
+        log.info("resuming from %s, %s: step %d, %d consumed samples, saved on %s%s%s", folder, origin, step,
                  meta["consumed_samples"], meta["layout"], "" if loaded_optimizer else ", fresh optimizer state",
                  "" if same_layout else ", re-sliced for this layout")
         self.last_saved = step
+        self.abandon_after = step
         return Resume(step, meta["consumed_samples"], 0 if c.load_lr_scheduler else step,
-                      meta.get("skipped_steps", 0))
+                      meta.get("skipped_steps", 0), meta.get("consumed_tokens", 0))
 
     def layout(self) -> dict:
         ctx = self.ctx
         return {"dp": ctx.dp, "tp": ctx.tp, "pp": ctx.pp, "zero_stage": self.cfg.optimizer.zero_stage}
 
-    def save(self, step: int, model, optimizer, consumed_samples: int, skipped_steps: int = 0) -> str:
-        meta = {"consumed_samples": consumed_samples, "skipped_steps": skipped_steps,
-                "consumed_tokens": consumed_samples * self.cfg.tokens.sequence_length,
+    def save(self, step: int, model, optimizer, progress: "Progress") -> str:
+        meta = {"consumed_samples": progress.consumed_samples, "skipped_steps": progress.skipped_steps,
+                "consumed_tokens": progress.consumed_tokens,
                 "global_batch_size": C.global_batch_size(self.cfg), "layout": self.layout(),
                 "world_size": self.ctx.world_size, "optimizer_steps": optimizer_steps(optimizer),
                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
-        path = save_checkpoint(self.root, step, model, optimizer, self.ctx, meta, self.cfg.checkpoint.keep_last_n)
-        self.last_saved = step
+        path = save_checkpoint(self.root, step, model, optimizer, self.ctx, meta, self.cfg.checkpoint.keep_last_n,
+                               self.abandon_after)
+        self.last_saved, self.abandon_after = step, None
         return path
 
-    def after_step(self, step: int, is_last: bool, model, optimizer, consumed_samples: int,
-                   skipped_steps: int = 0) -> bool:
+    def after_step(self, step: int, is_last: bool, model, optimizer, progress: "Progress") -> bool:
         """Save when the interval, the end of training or a stop signal asks for it; True: stop before the end."""
         c = self.cfg.checkpoint
         stop = stop_agreed(self.ctx)
         due = (c.checkpoint_interval and step % c.checkpoint_interval == 0) or (is_last and c.save_final_state)
         if (due or stop) and self.last_saved != step:
-            self.save(step, model, optimizer, consumed_samples, skipped_steps)
+            self.save(step, model, optimizer, progress)
         if stop and not is_last:
             log.info("stop signal received: checkpoint saved after step %d, exiting", step)
         return stop and not is_last

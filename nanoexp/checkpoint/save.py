@@ -118,9 +118,12 @@ def _broadcast(obj, ctx):
     return box[0]
 
 
-def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, keep_last_n: int | None) -> str:
+def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, keep_last_n: int | None,
+                    abandon_after: int | None = None) -> str:
     """Write checkpoint `<root>/<step>` from every rank (a collective) and return its path.
-    Raises CheckpointError on every rank if any rank failed; earlier checkpoints are untouched."""
+    Raises CheckpointError on every rank if any rank failed; earlier checkpoints are untouched.
+    `abandon_after`: the step this run started from, on its first save: later checkpoints in `root`
+    belong to an abandoned timeline and are moved to `<root>/abandoned/` (never deleted)."""
     final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
@@ -143,7 +146,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, kee
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = "; ".join(failed)
             else:
-                commit(root, tmp, final, step, meta, reports, keep_last_n)
+                commit(root, tmp, final, step, meta, reports, keep_last_n, abandon_after)
         except Exception as commit_error:
             error = f"{type(commit_error).__name__}: {commit_error}"
     error = _broadcast(error, ctx)
@@ -159,20 +162,20 @@ def _write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
-def commit(root: str, tmp: str, final: str, step: int, meta: dict, reports: list, keep_last_n: int | None) -> None:
-    """Rank 0, once every shard is on disk: meta.json, rename into place, latest.txt, pruning."""
+def commit(root: str, tmp: str, final: str, step: int, meta: dict, reports: list, keep_last_n: int | None,
+           abandon_after: int | None) -> None:
+    """Rank 0, once every shard is on disk: meta.json, abandoned checkpoints aside, rename into
+    place, latest.txt, pruning (only ever of this timeline's older checkpoints)."""
     meta = {**meta, "format_version": FORMAT_VERSION, "step": step,
             "files": {rank_file(rep["file"]["rank"]): rep["file"] for rep in reports},
             "index": {rank_file(r): rep["index"] for r, rep in enumerate(reports) if rep["index"]}}
     _write_json(os.path.join(tmp, "meta.json"), meta)
-    if os.path.exists(final):   # re-saving a step (a run resumed from an earlier checkpoint)
-        old = os.path.join(root, f".old-{step}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
+    if abandon_after is not None:
+        for later in (s for s in complete_steps(root) if s > abandon_after):
+            move_to_abandoned(root, later)
+    if os.path.exists(final):   # cannot happen after the above; never overwrite a checkpoint
+        move_to_abandoned(root, step)
+    os.rename(tmp, final)
     latest_tmp = os.path.join(root, ".latest.txt.tmp")
     with open(latest_tmp, "w") as f:
         f.write(f"{step}\n")
@@ -181,9 +184,20 @@ def commit(root: str, tmp: str, final: str, step: int, meta: dict, reports: list
     os.replace(latest_tmp, os.path.join(root, "latest.txt"))
     if keep_last_n:
         for old_step in complete_steps(root)[:-keep_last_n]:
-            if old_step != step:
-                shutil.rmtree(os.path.join(root, str(old_step)))
+            shutil.rmtree(os.path.join(root, str(old_step)))
     log.info("saved checkpoint %s", final)
+
+
+def move_to_abandoned(root: str, step: int) -> None:
+    """Keep a checkpoint of an abandoned timeline out of the way: <root>/abandoned/<step>[.<n>]."""
+    target = os.path.join(root, "abandoned", str(step))
+    n = 1
+    while os.path.exists(target):
+        target, n = os.path.join(root, "abandoned", f"{step}.{n}"), n + 1
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(os.path.join(root, str(step)), target)
+    log.warning("checkpoint %s is after the step this run resumed from (an abandoned timeline): moved to %s",
+                os.path.join(root, str(step)), target)
 
 
 def complete_steps(root: str) -> list[int]:

@@ -57,8 +57,8 @@ def load_hf_dataset(name_or_paths: Union[str, Sequence[str]], split: str = "trai
     """A ``datasets.Dataset`` (or ``IterableDataset`` when streaming) of documents.
 
     Accepts a ``save_to_disk`` folder, local files/folders/globs (json/jsonl, parquet, csv, txt:
-    one document per .txt file), or a Hub name (needs the network). A path that looks local
-    (starts with ``.``, ``/`` or ``~``) but does not exist raises :class:`FileNotFoundError`.
+    one document per .txt file), or a Hub name (needs the network). A name that looks local
+    (:func:`looks_local`) but does not exist raises :class:`FileNotFoundError` at once.
     """
     import datasets   # lazy: only the hf source and the preprocessing script need it
 
@@ -80,10 +80,19 @@ def load_hf_dataset(name_or_paths: Union[str, Sequence[str]], split: str = "trai
         builder = builders.pop()
         extra = {"sample_by": "document"} if builder == "text" else {}
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **extra)
-    local = [s for s in sources if s.startswith((".", "/", "~")) and not os.path.exists(s)]
+    local = [s for s in sources if looks_local(s) and not os.path.exists(s)]
     if local or len(sources) > 1:
         raise FileNotFoundError(f"{', '.join(local or sources)}: no such file or folder")
     return datasets.load_dataset(sources[0], config_name, split=split, streaming=streaming)
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name` is meant as a local path rather than a Hub dataset id (`name` or `org/name`):
+    it starts with `.`, `/` or `~`, ends with a data-file extension, has an existing parent folder,
+    or has more path separators than a Hub id. Such a name is never sent to the Hub."""
+    parent = os.path.dirname(name)
+    return (name.startswith((".", "/", "~")) or _builder_of(name) is not None
+            or (parent != "" and os.path.isdir(parent)) or name.count("/") > 1 or "\\" in name)
 
 
 def read_texts(dataset, text_column: str, source: str) -> Iterator[list[str]]:

@@ -12,12 +12,26 @@ import torch
 from .sampler import sample_order_for, shard_for_dp, split_micro_batches
 
 Batch = dict[str, torch.Tensor]
+IGNORE_INDEX = -100   # a target the loss skips: padding, and (later) masked tokens
 
 
 def collate(dataset, indices: list[int]) -> Batch:
     """Stack samples into ``{"input_ids", "labels"}``, each LongTensor[len(indices), sequence_length]."""
     samples = torch.stack([dataset[i] for i in indices])
     return {"input_ids": samples[:, :-1].contiguous(), "labels": samples[:, 1:].contiguous()}
+
+
+def collate_padded(dataset, indices: list[int], sequence_length: int) -> Batch:
+    """As :func:`collate`, with indices past the end of ``dataset`` as padding rows: input id 0 and
+    every label ``IGNORE_INDEX``, so they count in no loss."""
+    real = [i for i in indices if i < len(dataset)]
+    pad = len(indices) - len(real)
+    ids = torch.zeros(pad, sequence_length, dtype=torch.long)
+    padding = {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}
+    if not real:
+        return padding
+    batch = collate(dataset, real)
+    return {key: torch.cat([batch[key], padding[key]]) for key in batch}
 
 
 def _build_step(dataset, order, start: int, global_batch_size: int,
@@ -101,10 +115,6 @@ class TrainBatches:
         self.consumed_samples += self.global_batch_size
         return batches
 
-    def state_dict(self) -> dict[str, int]:
-        """What a checkpoint needs to resume the exact sample order: ``{"consumed_samples": n}``."""
-        return {"consumed_samples": self.consumed_samples}
-
     def close(self) -> None:
         """Stop the prefetch thread (if any); safe to call more than once."""
         self._stop.set()
@@ -130,21 +140,26 @@ class TrainBatches:
             pass
 
 
+def eval_rounds(num_samples: int, global_batch_size: int, limit_batches: Optional[int]) -> int:
+    """Global batches one evaluation reads: every held-out sample (the last batch padded), or the
+    first ``limit_batches`` batches of them."""
+    rounds = -(-num_samples // global_batch_size)
+    return min(rounds, limit_batches) if limit_batches else rounds
+
+
 def eval_batches(dataset, global_batch_size: int, micro_batch_size: int, limit_batches: Optional[int],
-                 dp_rank: int, dp_size: int) -> list[Batch]:
+                 dp_rank: int, dp_size: int, sequence_length: int) -> list[Batch]:
     """This rank's validation micro-batches, in a fixed order (no shuffling).
 
-    The held-out set is read in global batches of the training size, so the samples evaluated
-    (the first ``limit_batches * global_batch_size``, or every full global batch when
-    ``limit_batches`` is None or 0) do not depend on the layout: round ``b`` covers samples
-    ``b*G .. (b+1)*G`` and rank ``r`` takes its contiguous ``G/dp`` share, as in training.
-    Every rank gets the same number of micro-batches, which may be zero for a tiny set.
+    The held-out set is read in global batches of the training size, so the samples evaluated do
+    not depend on the layout: round ``b`` covers positions ``b*G .. (b+1)*G`` and rank ``r`` takes
+    its contiguous ``G/dp`` share, as in training. Positions past the end of the set (the last
+    round of a set that is not a multiple of G, or of one smaller than G) are padding rows whose
+    labels are ``IGNORE_INDEX``: every held-out sample is evaluated and nothing else counts.
     """
-    rounds = len(dataset) // global_batch_size
-    if limit_batches:
-        rounds = min(rounds, limit_batches)
     batches = []
-    for b in range(rounds):
+    for b in range(eval_rounds(len(dataset), global_batch_size, limit_batches)):
         mine = shard_for_dp(list(range(b * global_batch_size, (b + 1) * global_batch_size)), dp_rank, dp_size)
-        batches += [collate(dataset, indices) for indices in split_micro_batches(mine, micro_batch_size)]
+        batches += [collate_padded(dataset, indices, sequence_length)
+                    for indices in split_micro_batches(mine, micro_batch_size)]
     return batches

@@ -194,8 +194,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids=None, hidden_states=None, labels=None, chunk: int = 0):
         """First stage (chunk 0): input_ids [b, s]. Otherwise: hidden_states from the previous stage.
-        The last stage's last chunk returns the mean token loss when labels are given, else this
-        rank's logits shard; other stages and chunks return hidden states."""
+        The last stage's last chunk returns the per-token losses [b, s] when labels are given (0 where
+        a label is -100; the caller chooses the normalisation), else this rank's logits shard; other
+        stages and chunks return hidden states."""
         x = self.model.embed_tokens(input_ids) if self.has_embedding(chunk) else hidden_states
         seq_len = x.shape[1] * (self.ctx.tp if self.sequence_parallel else 1)   # SP: x holds s/tp
         cos, sin = rotary_tables(self.shape, seq_len, x.device)
@@ -209,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))           # [b, s, vocab/tp]
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.ctx).mean()
+        return vocab_parallel_cross_entropy(logits, labels, self.ctx)
 
 
 def init_name(name: str, shape: LlamaShape) -> str:

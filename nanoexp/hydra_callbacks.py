@@ -1,0 +1,56 @@
+"""Hydra callbacks (registered in conf/config.yaml under hydra.callbacks).
+
+- `RunFolderGuard`: remembers whether a single run's folder existed before Hydra made it, so that a
+  run refused at validation can remove the folder it created (and never one that held anything).
+- `SweepReport`: when a multirun ends (also when a job failed, which makes Hydra raise), prints the
+  table of the sweep's jobs and the command that plots them.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+_created: dict[str, str] = {}   # run folder -> the outermost folder Hydra had to create for it
+
+
+def created_for_run(run_dir: str) -> str | None:
+    """The outermost folder that did not exist before this run and holds `run_dir` (the run folder
+    itself, or e.g. `outputs/<date>` for the first run of a day); None if the run folder existed."""
+    return _created.get(os.path.abspath(run_dir))
+
+
+class RunFolderGuard(Callback):
+    def on_run_start(self, config, **kwargs) -> None:
+        run_dir = OmegaConf.select(config, "hydra.run.dir")   # `now` is cached: the job sees the same path
+        if not run_dir or os.path.exists(run_dir):
+            return
+        outermost = os.path.abspath(run_dir)
+        while not os.path.exists(os.path.dirname(outermost)):
+            outermost = os.path.dirname(outermost)
+        _created[os.path.abspath(run_dir)] = outermost
+
+
+class SweepReport(Callback):
+    def on_multirun_start(self, config, **kwargs) -> None:
+        # Hydra raises out of the sweep when a job failed and skips on_multirun_end: print at exit.
+        atexit.register(print_sweep_report, OmegaConf.select(config, "hydra.sweep.dir"))
+
+
+def print_sweep_report(sweep_dir: str) -> None:
+    from nanoexp.sweep_report import collect, table
+
+    if not sweep_dir or not os.path.isdir(sweep_dir):
+        return
+    rows, _ = collect(sweep_dir)
+    if not rows:
+        return
+    columns = ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec"]
+    failed = sum(row["state"] == "failed" for row in rows)
+    print(f"\nsweep {os.path.abspath(sweep_dir)}: {len(rows)} jobs, {failed} failed\n{table(rows, columns)}")
+    for row in rows:
+        if row["state"] != "completed":
+            print(f"  job {row['job']} {row['state']}: {row['reason']}")
+    print(f"plots and CSV: python scripts/summarize_sweep.py {sweep_dir}", flush=True)

@@ -1,0 +1,169 @@
+"""The results of a sweep folder as a table: one row per job, including jobs that failed, were killed
+or never started.
+
+Used at the end of every multirun (nanoexp/hydra_callbacks.py prints the table) and by
+scripts/summarize_sweep.py (which adds the CSV and the plots).
+
+- Jobs are the job folders (`<dir>/<n>/` with `.hydra/`) and, for submitit sweeps, every submitted job
+  (`<dir>/.submitit/<array>_<n>/`: array task n is sweep job n; a one-job sweep has no array).
+- `state` is `completed`, `failed`, `stopped` (checkpointed on a signal, not yet resumed) or, for a
+  SLURM job that is still queued or running, its SLURM state; `reason` says why a job is not
+  completed: the error in its summary.json, else the error submitit recorded, else what `sacct` says.
+- `overrides` shows only the overrides whose values differ between the jobs (what the sweep varies).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import yaml
+
+COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
+           "peak_memory_mb", "state", "reason"]
+# One format per column (None: as is).
+FORMATS = {"lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
+           "mfu": "{:.2%}", "peak_memory_mb": "{:,.0f}"}
+SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
+
+
+def read_yaml(path: str):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def submitit_jobs(sweep_dir: str) -> dict[int, str]:
+    """Sweep job number -> submitit job id: "<array>_<n>" for task n of a job array, the plain id for a
+    one-job sweep (submitted without an array). A later submission of the same number wins."""
+    jobs = {}
+    pickles = glob.glob(os.path.join(sweep_dir, ".submitit", "*", "*_submitted.pkl"))
+    for path in sorted(pickles, key=os.path.getmtime):
+        match = re.fullmatch(r"(\d+)(?:_(\d+))?", os.path.basename(os.path.dirname(path)))
+        if match:
+            jobs[int(match.group(2) or 0)] = match.group(0)
+    return jobs
+
+
+def submitit_error(sweep_dir: str, job_id: str) -> str | None:
+    """The last exception line in submitit's stderr log of task 0, or None. Read from the text log:
+    submitit's result file is a pickle, and this project never unpickles files."""
+    path = os.path.join(sweep_dir, ".submitit", job_id, f"{job_id}_0_log.err")
+    if not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        errors = [line.strip() for line in f if re.match(r"[\w.]*(Error|Exception|Exit)\b.*", line)]
+    return errors[-1] if errors else None
+
+
+def slurm_state(job_id: str) -> str | None:
+    """SLURM's state of a job ("COMPLETED", "FAILED", "RUNNING", ...) from sacct, or None without sacct."""
+    if shutil.which("sacct") is None:
+        return None
+    result = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job_id],
+                            capture_output=True, text=True, timeout=30)
+    rows = [line for line in result.stdout.splitlines() if line.strip()]
+    if result.returncode != 0 or not rows:
+        return None
+    state, exit_code = rows[-1].split("|")
+    return f"{state.split()[0]} (exit code {exit_code})"
+
+
+def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list[dict]]:
+    """The table row (with all of the job's overrides) and the metrics records of sweep job `number`."""
+    folder = os.path.join(sweep_dir, str(number))
+    row = {"job": number, "overrides": []}
+    hydra_dir = os.path.join(folder, ".hydra")
+    if os.path.isdir(hydra_dir):
+        row["overrides"] = read_yaml(os.path.join(hydra_dir, "overrides.yaml")) or []
+        cfg = read_yaml(os.path.join(hydra_dir, "config.yaml"))
+        p = cfg["parallelism"]
+        row["layout"] = f"dp{p['dp']}tp{p['tp']}pp{p['pp']}"
+        row["lr"] = cfg["optimizer"]["learning_rate_scheduler"]["learning_rate"]
+    records = []
+    if os.path.exists(os.path.join(folder, "metrics.jsonl")):
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    summary = read_json(os.path.join(folder, "summary.json"))
+    for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
+        row[key] = summary.get(key)
+    row["state"], row["reason"] = job_state(sweep_dir, folder, summary, job_id)
+    return row, records
+
+
+def job_state(sweep_dir: str, folder: str, summary: dict, job_id: str | None) -> tuple[str, str]:
+    if summary.get("status") == "completed":
+        return "completed", ""
+    if summary.get("status") == "failed":
+        return "failed", summary.get("error") or "failed (no error recorded)"
+    if job_id is not None:
+        error = submitit_error(sweep_dir, job_id)
+        if error:
+            return "failed", error
+        state = slurm_state(job_id)
+        if state and not state.startswith(SLURM_DONE):
+            return state.split()[0].lower(), f"SLURM job {job_id} is {state}"
+        if state:
+            if summary.get("status") == "stopped":
+                return "stopped", f"checkpointed on a signal; SLURM job {job_id} ended {state}"
+            return "failed", f"SLURM job {job_id} ended {state} without a result (killed from outside?)"
+    if summary.get("status") == "stopped":
+        return "stopped", "checkpointed on a signal; run it again to resume"
+    if not os.path.isdir(folder):
+        return "failed", "never started: no job folder"
+    return "failed", "no summary.json: the job was killed (or is still running)"
+
+
+def differing_overrides(rows: list[dict]) -> None:
+    """Replace each row's override list by the overrides whose key has different values across jobs."""
+    values: dict[str, set] = {}
+    for row in rows:
+        for override in row["overrides"]:
+            key, _, value = override.partition("=")
+            values.setdefault(key, set()).add(value)
+    varying = {key for key, vals in values.items()
+               if len(vals) > 1 or any(key not in dict(o.partition("=")[::2] for o in r["overrides"]) for r in rows)}
+    for row in rows:
+        row["overrides"] = " ".join(o for o in row["overrides"] if o.partition("=")[0] in varying)
+
+
+def collect(sweep_dir: str) -> tuple[list[dict], dict[int, list[dict]]]:
+    """Every job's row (overrides reduced to what differs) and metrics records, by job number."""
+    job_ids = submitit_jobs(sweep_dir)
+    numbers = {int(name) for name in os.listdir(sweep_dir)
+               if name.isdigit() and os.path.isdir(os.path.join(sweep_dir, name, ".hydra"))}
+    rows, curves = [], {}
+    for number in sorted(numbers | set(job_ids)):
+        row, records = job_row(sweep_dir, number, job_ids.get(number))
+        rows.append(row)
+        curves[number] = records
+    differing_overrides(rows)
+    return rows, curves
+
+
+def cell(column: str, value) -> str:
+    if value is None or value == "":
+        return "-"
+    fmt = FORMATS.get(column)
+    return fmt.format(value) if fmt and isinstance(value, (int, float)) else str(value)
+
+
+def table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
+    """The rows as an aligned text table, numbers right-aligned, one format per column."""
+    cells = [[cell(c, row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    numeric = [c in FORMATS or c == "job" for c in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns)] + [line(r) for r in cells])
