@@ -138,14 +138,15 @@ def makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward):
     return max(clock)
 
 
-@pytest.mark.parametrize("engine,v", [("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
+@pytest.mark.parametrize("engine,v", [("afab", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in (1, 2, 3, 4)])
 def test_blocking_sends_keep_the_ideal_bubble(engine, v):
     """The batching costs no bubble: with sends that wait for their receive (NCCL's large
     messages) and free communication, the idle fraction is still exactly (p-1)/(v*m+p-1), the
     figure of the compute order alone (tests/test_pipeline.py). Exact up to float rounding of
     sums of a few hundred terms, hence 1e-12."""
     for pp in range(2, 9):
-        for m in range(pp if v > 1 else 1, 17, pp if v > 1 else 1):
+        step = pp if engine == "interleaved_1f1b" else 1   # interleaved: m a multiple of pp
+        for m in range(step, 17, step):
             for t_forward, t_backward in [(1.0, 2.0), (1.0, 1.0)]:
                 span = makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward)
                 assert 1 - m * (t_forward + t_backward) / span == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)

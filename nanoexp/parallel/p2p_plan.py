@@ -175,7 +175,8 @@ def _partners(plan) -> list:
             for op in batch:
                 verb, other = op[0], "recv" if op[0] == "send" else "send"
                 ends = (r, op[1]) if verb == "send" else (op[1], r)
-                k, seen[ends, verb] = seen[ends, verb], seen[ends, verb] + 1
+                k = seen[ends, verb]   # this op is the k-th of its kind on the channel
+                seen[ends, verb] += 1
                 partners = channel.get((*ends, other), [])
                 if k >= len(partners):
                     raise PlanError(f"rank {r} batch {i}: {verb} #{k} on channel {ends[0]}->{ends[1]} has no "

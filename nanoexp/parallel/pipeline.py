@@ -96,6 +96,8 @@ class PipelineEngine:
         """Evaluation: every micro-batch through every chunk (micro-batch by micro-batch),
         keeping no graph. Returns the per-micro-batch losses on the last stage, [] elsewhere.
         Not traced: the timeline shows training steps only."""
+        if not micro_batches:
+            return []
         trace, self.trace = self.trace, NO_TRACE
         try:
             return self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=True)
