@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.interleaved import InterleavedOneForwardOneBackward, interleaved_order
+from nanoexp.parallel.interleaved import InterleavedOneForwardOneBackward
+from nanoexp.parallel.p2p_plan import interleaved_order
 from nanoexp.parallel.pipeline import (AllForwardAllBackward, OneForwardOneBackward,
                                        build_engine, split_layers)
 from tests.distributed import run_distributed

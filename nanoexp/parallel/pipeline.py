@@ -17,14 +17,20 @@ Three schedules, all producing exactly the gradients of plain gradient accumulat
 
 The engine only moves activations and calls backward; the caller's ``forward_step`` runs the
 stage's modules and, on the last stage, the loss.
+
+Communication: an engine does not decide what to post as it goes. Its steps for one optimizer
+step -- forwards, backwards and batches of sends and receives, each batch posted with one
+``batch_isend_irecv`` and waited on as a whole -- are data, ``p2p_plan.schedule``, and
+``PipelineEngine`` executes them in order. So the ops an engine posts are exactly
+``p2p_plan.plan``, which ``p2p_plan.check`` replays under NCCL's rules (in-order channels, no
+tags, a send completes only when its receive is posted) to show that it cannot deadlock there.
 """
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
+from nanoexp.parallel.p2p_plan import peer, schedule
 from nanoexp.parallel.trace import NO_TRACE
 
 
@@ -46,91 +52,16 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
     return ranges
 
 
-# -- point-to-point --------------------------------------------------------------------------
-# Every function below is called by both neighbours with matching ops: what one stage sends
-# in a call, the neighbour receives in its matching call. Peers are global ranks. On an end
-# stage the missing direction is a no-op and receives return None. `trace` records the time
-# each call spent communicating (see trace.py).
-
-def _communicate(ctx, sends=(), recvs=(), trace=NO_TRACE) -> list[torch.Tensor]:
-    """Post the given sends [(tensor, peer)] and receives [(shape, dtype, peer)] as one
-    batch and wait for all of them; returns the received tensors in order."""
-    ops, received, labels = [], [], []
-    for tensor, peer in sends:
-        # gloo: sending a non-contiguous tensor fails on the sender and hangs the receiver.
-        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group=ctx.pp_group))
-        labels.append("send_forward" if peer == ctx.next_rank else "send_backward")
-    for shape, dtype, peer in recvs:
-        buf = torch.empty(shape, dtype=dtype, device=ctx.device)
-        ops.append(dist.P2POp(dist.irecv, buf, peer, group=ctx.pp_group))
-        received.append(buf)
-        labels.append("recv_forward" if peer == ctx.prev_rank else "recv_backward")
-    if ops:
-        with trace.span(" ".join(labels)):
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-    return received
-
-
-def send_forward(ctx, output: torch.Tensor, trace=NO_TRACE) -> None:
-    """Send this stage's output activation to the next stage (no-op on the last stage)."""
-    if not ctx.is_last_stage:
-        _communicate(ctx, sends=[(output.detach(), ctx.next_rank)], trace=trace)
-
-
-def recv_forward(ctx, shape, dtype, trace=NO_TRACE) -> torch.Tensor | None:
-    """Receive the input activation from the previous stage as a leaf that requires grad
-    (None on the first stage, which reads its micro-batch itself)."""
-    if ctx.is_first_stage:
-        return None
-    (x,) = _communicate(ctx, recvs=[(shape, dtype, ctx.prev_rank)], trace=trace)
-    return x.requires_grad_()
-
-
-def send_backward(ctx, input_grad: torch.Tensor | None, trace=NO_TRACE) -> None:
-    """Send the gradient of this stage's input to the previous stage (no-op on stage 0)."""
-    if not ctx.is_first_stage:
-        _communicate(ctx, sends=[(input_grad, ctx.prev_rank)], trace=trace)
-
-
-def recv_backward(ctx, shape, dtype, trace=NO_TRACE) -> torch.Tensor | None:
-    """Receive the gradient of this stage's output from the next stage (None on the last)."""
-    if ctx.is_last_stage:
-        return None
-    (g,) = _communicate(ctx, recvs=[(shape, dtype, ctx.next_rank)], trace=trace)
-    return g
-
-
-def send_forward_recv_backward(ctx, output, shape, dtype, trace=NO_TRACE) -> torch.Tensor | None:
-    """1F1B steady state, towards the next stage: send an activation and receive the
-    gradient of an older one, in ONE batch. Posting both before waiting is what keeps the
-    two neighbours (each sending to the other) from waiting on each other forever."""
-    if ctx.is_last_stage:
-        return None
-    (g,) = _communicate(ctx, sends=[(output.detach(), ctx.next_rank)],
-                        recvs=[(shape, dtype, ctx.next_rank)], trace=trace)
-    return g
-
-
-def send_backward_recv_forward(ctx, input_grad, shape, dtype, trace=NO_TRACE) -> torch.Tensor | None:
-    """1F1B steady state, towards the previous stage: the mirror image of
-    send_forward_recv_backward. Returns the next input activation (a leaf requiring grad)."""
-    if ctx.is_first_stage:
-        return None
-    (x,) = _communicate(ctx, sends=[(input_grad, ctx.prev_rank)],
-                        recvs=[(shape, dtype, ctx.prev_rank)], trace=trace)
-    return x.requires_grad_()
-
-
 # -- engines ---------------------------------------------------------------------------------
 
 class PipelineEngine:
     """Runs one optimizer step's micro-batches through this rank's pipeline stage.
 
-    Subclasses implement ``_schedule``; the base class holds the per-micro-batch forward and
-    backward steps and the bookkeeping (losses, the last-backward hook, ``max_in_flight``,
-    the trace). A rank holds ``num_chunks`` chunks of layers (1 except for the interleaved
-    engine); chunk ``num_chunks - 1`` of the last stage computes the loss.
+    What runs when, and which messages are posted together, is ``p2p_plan.schedule`` for the
+    engine's ``name``; this class executes it and holds the per-micro-batch forward and backward
+    steps and the bookkeeping (losses, the last-backward hook, ``max_in_flight``, the trace). A
+    rank holds ``num_chunks`` chunks of layers (1 except for the interleaved engine); chunk
+    ``num_chunks - 1`` of the last stage computes the loss.
     """
 
     name = "base"
@@ -155,44 +86,87 @@ class PipelineEngine:
         """
         if not micro_batches:
             raise ValueError("PipelineEngine.run needs at least one micro-batch")
-        self._forward_fn, self._hook = forward_step, on_last_backward
-        self._micro_batches = micro_batches
-        self._shape, self._dtype = tuple(tensor_shape), dtype
-        self._num_micro = len(micro_batches)
-        self._backwards_done = [0] * self.num_chunks
-        self._in_flight = self.max_in_flight = 0
-        self._losses = []
-        if self.ctx.pp == 1:
-            self._accumulate()
-        else:
-            self._schedule()
-        assert self._in_flight == 0 and self._backwards_done == [self._num_micro] * self.num_chunks
-        losses, self._losses, self._forward_fn, self._micro_batches = self._losses, [], None, None
+        self._hook, self._backwards_done, self.max_in_flight = on_last_backward, [0] * self.num_chunks, 0
+        losses = self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=False)
+        assert self._backwards_done == [len(micro_batches)] * self.num_chunks
         return losses
 
     @torch.no_grad()
     def forward_only(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype) -> list[torch.Tensor]:
-        """Forward every micro-batch through the pipeline, keeping no graph (evaluation).
-        Returns the per-micro-batch losses on the last stage, [] elsewhere."""
-        losses = []
-        for mb in micro_batches:
-            output = forward_step(mb, recv_forward(self.ctx, tensor_shape, dtype), 0)
-            if self.ctx.is_last_stage:
-                losses.append(output.detach())
-            else:
-                send_forward(self.ctx, output)
-        return losses
-
-    def _accumulate(self):
-        """pp == 1: plain gradient accumulation, one micro-batch alive at a time."""
-        for i in range(self._num_micro):
-            self._backward(i, None, self._forward(i, None), None)
-
-    def _schedule(self):
-        raise NotImplementedError
+        """Evaluation: every micro-batch through every chunk (micro-batch by micro-batch),
+        keeping no graph. Returns the per-micro-batch losses on the last stage, [] elsewhere.
+        Not traced: the timeline shows training steps only."""
+        if not micro_batches:
+            return []
+        trace, self.trace = self.trace, NO_TRACE
+        try:
+            return self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=True)
+        finally:
+            self.trace = trace
 
     def is_loss_chunk(self, chunk: int) -> bool:
         return self.ctx.is_last_stage and chunk == self.num_chunks - 1
+
+    def _execute(self, forward_step, micro_batches, tensor_shape, dtype, forward_only) -> list[torch.Tensor]:
+        """Run this rank's schedule step by step; returns the losses recorded by the loss chunk."""
+        ctx = self.ctx
+        self._forward_fn, self._micro_batches, self._losses = forward_step, micro_batches, []
+        self._shape, self._dtype, self._num_micro = tuple(tensor_shape), dtype, len(micro_batches)
+        # Keyed by compute op ("F" | "B", chunk, mb): tensors received for it, tensors it made
+        # that are still to be sent, and (input, output) of each forward until its backward.
+        inbox, outbox, stash = {}, {}, {}
+        try:
+            for step in schedule(self.name, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
+                if step[0] == "P2P":
+                    self._exchange(step[1], inbox, outbox, keep_graph=not forward_only)
+                    continue
+                kind, chunk, mb = step
+                if kind == "F":
+                    x = inbox.pop(step, None)
+                    y = self._forward(mb, x, chunk)
+                    if not self.is_loss_chunk(chunk):
+                        outbox[step] = y
+                    if not forward_only:
+                        stash[chunk, mb] = (x, y)
+                        self.max_in_flight = max(self.max_in_flight, len(stash))
+                else:
+                    x, y = stash.pop((chunk, mb))
+                    input_grad = self._backward(mb, x, y, inbox.pop(step, None), chunk)
+                    if input_grad is not None:
+                        outbox[step] = input_grad
+        finally:
+            self._forward_fn = self._micro_batches = None
+        assert not (inbox or outbox or stash), "the schedule left messages or activations behind"
+        losses, self._losses = self._losses, []
+        return losses
+
+    def _exchange(self, batch, inbox: dict, outbox: dict, keep_graph: bool) -> None:
+        """Post one batch of the schedule with one batch_isend_irecv and wait for all of it:
+        sends take their tensor from ``outbox``, receives leave theirs in ``inbox``. No tags:
+        as under NCCL, the k-th send to a peer meets the peer's k-th receive from us."""
+        ctx, ops, labels, received, sent = self.ctx, [], [], [], []
+        for msg in batch:
+            verb, op = msg[0], msg[1:]
+            rank = ctx.global_rank(peer(msg, ctx.pp, ctx.pp_rank), ctx.dp_rank, ctx.tp_rank)
+            if verb == "send":
+                tensor = outbox.pop(op)
+                sent.append((tensor, op))
+                # gloo: sending a non-contiguous tensor fails on the sender and hangs the receiver.
+                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), rank, group=ctx.pp_group))
+            else:
+                buf = torch.empty(self._shape, dtype=self._dtype, device=ctx.device)
+                ops.append(dist.P2POp(dist.irecv, buf, rank, group=ctx.pp_group))
+                received.append((buf, op))
+            labels.append(f"{verb}_{'forward' if op[0] == 'F' else 'backward'}")
+        with self.trace.span(" ".join(labels)):
+            for req in dist.batch_isend_irecv(ops):   # ops (and their buffers) live until here
+                req.wait()
+        for buf, op in received:
+            # A received activation is this chunk's input: a leaf whose gradient goes back.
+            inbox[op] = buf.requires_grad_() if op[0] == "F" and keep_graph else buf
+        for tensor, op in sent:
+            if op[0] == "F":
+                self._release(tensor, op[1])
 
     # -- one micro-batch through one chunk ----------------------------------------------------
     def _forward(self, i, input_tensor, chunk=0):
@@ -201,8 +175,6 @@ class PipelineEngine:
         receiver)."""
         with self.trace.span("forward", mb=i, chunk=chunk):
             output = self._forward_fn(self._micro_batches[i], input_tensor, chunk)
-        self._in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self._in_flight)
         if self.is_loss_chunk(chunk):
             self._losses.append(output.detach())
         elif tuple(output.shape) != self._shape or output.dtype != self._dtype:
@@ -222,7 +194,6 @@ class PipelineEngine:
                 output.backward()
             else:
                 torch.autograd.backward(output, output_grad)
-        self._in_flight -= 1
         if input_tensor is None:
             return None
         # A stage that ignores its input still owes the previous stage a gradient.
@@ -239,69 +210,24 @@ class PipelineEngine:
 
 
 class AllForwardAllBackward(PipelineEngine):
-    """GPipe-style: all forwards, then all backwards in the same order. Holds every
-    micro-batch's activations at the peak (max_in_flight == number of micro-batches)."""
+    """GPipe-style: all forwards, then all backwards in the same order, one message per batch.
+    Holds every micro-batch's activations at the peak (max_in_flight == number of micro-batches)."""
 
     name = "afab"
-
-    def _schedule(self):
-        ctx, shape, dtype, trace = self.ctx, self._shape, self._dtype, self.trace
-        stash = deque()
-        for i in range(self._num_micro):
-            x = recv_forward(ctx, shape, dtype, trace)
-            y = self._forward(i, x)
-            send_forward(ctx, y, trace)
-            self._release(y)
-            stash.append((i, x, y))
-        while stash:
-            i, x, y = stash.popleft()
-            g = recv_backward(ctx, shape, dtype, trace)
-            send_backward(ctx, self._backward(i, x, y, g), trace)
 
 
 class OneForwardOneBackward(PipelineEngine):
     """1F1B: stage r runs (pp - r - 1) warm-up forwards, then alternates one forward and one
-    backward, then drains the warm-up backwards. It holds at most pp - r micro-batches.
+    backward, then drains the warm-up backwards. It holds at most pp - r micro-batches. In the
+    steady state each send shares a batch with the receive the neighbour answers it with
+    (send_forward_recv_backward, send_backward_recv_forward), so the two neighbours never wait
+    on each other's sends.
 
     With fewer micro-batches than stages the warm-up is capped at the number of micro-batches,
     so the early stages degenerate to all-forward-all-backward: still correct, more bubble.
     """
 
     name = "1f1b"
-
-    def _schedule(self):
-        ctx, shape, dtype, trace = self.ctx, self._shape, self._dtype, self.trace
-        num_warmup = min(ctx.pp - ctx.pp_rank - 1, self._num_micro)
-        num_steady = self._num_micro - num_warmup
-        stash = deque()
-
-        for i in range(num_warmup):
-            x = recv_forward(ctx, shape, dtype, trace)
-            y = self._forward(i, x)
-            send_forward(ctx, y, trace)
-            self._release(y)
-            stash.append((i, x, y))
-
-        # The steady state receives the next input together with sending a gradient, so
-        # the first input is received up front.
-        x = recv_forward(ctx, shape, dtype, trace) if num_steady > 0 else None
-        for k in range(num_steady):
-            i = num_warmup + k
-            y = self._forward(i, x)
-            stash.append((i, x, y))
-            g = send_forward_recv_backward(ctx, y, shape, dtype, trace)
-            self._release(y)
-            old_i, old_x, old_y = stash.popleft()  # backward the oldest micro-batch (FIFO)
-            input_grad = self._backward(old_i, old_x, old_y, g)
-            if k == num_steady - 1:
-                send_backward(ctx, input_grad, trace)
-            else:
-                x = send_backward_recv_forward(ctx, input_grad, shape, dtype, trace)
-
-        while stash:  # cool-down
-            old_i, old_x, old_y = stash.popleft()
-            g = recv_backward(ctx, shape, dtype, trace)
-            send_backward(ctx, self._backward(old_i, old_x, old_y, g), trace)
 
 
 def build_engine(name: str, ctx, virtual_stages: int = 1, trace=NO_TRACE) -> PipelineEngine:
