@@ -171,3 +171,16 @@ def test_local_submitit_launcher_runs_the_job_from_any_folder(local_sweep, tmp_p
     assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"
     np.testing.assert_allclose(train_losses(read_metrics(sweep / "0")),
                                train_losses(read_metrics(reference_sweep / "0")), atol=1e-6, rtol=0)
+
+
+def test_sweep_table_shows_only_the_overrides_that_differ_with_one_format_per_column():
+    from nanoexp.sweep_report import differing_overrides, table
+    rows = [{"job": 0, "overrides": ["+experiment=x", "parallelism=dp2tp1pp1", "lr=0.001"], "final_loss": 2.0,
+             "tokens_per_sec": 12345.678, "mfu": 0.1234, "state": "completed"},
+            {"job": 1, "overrides": ["+experiment=x", "parallelism=dp1tp2pp1", "lr=0.001", "seed=3"],
+             "final_loss": 1.23456789, "tokens_per_sec": 999.0, "mfu": None, "state": "failed"}]
+    differing_overrides(rows)
+    assert [r["overrides"] for r in rows] == ["parallelism=dp2tp1pp1", "parallelism=dp1tp2pp1 seed=3"]
+    lines = table(rows, ["job", "overrides", "final_loss", "tokens_per_sec", "mfu", "state"]).splitlines()
+    assert lines[1].split()[2:5] == ["2.0000", "12,346", "12.34%"]
+    assert lines[2].split()[3:6] == ["1.2346", "999", "-"]

@@ -95,3 +95,29 @@ def test_consumed_tokens_are_counted_across_a_resume_with_another_global_batch(t
     records = train(tmp_path, run + ["tokens.train_steps=3", "tokens.global_batch_size=16"])   # resumes at step 3
     assert [r["consumed_tokens"] for r in records if "loss" in r] == [256, 512, 512 + 512]
     assert json.load(open(tmp_path / "summary.json"))["consumed_tokens"] == 1024
+
+
+def test_training_loss_averages_over_real_target_tokens_only():
+    """Targets marked IGNORE_INDEX (padding, masked tokens) count nowhere: the step loss and its
+    gradients are those of the mean over the real targets of the global batch, however they are
+    spread over micro-batches (a per-micro-batch mean would weight them differently)."""
+    from nanoexp.data.loader import IGNORE_INDEX
+    cfg = compose_config(FAST + ["tokens.global_batch_size=4", "tokens.micro_batch_size=2"])
+    check_config(cfg, world_size=1)
+    trainer = Trainer(cfg, ParallelContext(), run_dir=os.devnull)
+    micro_batches = trainer.batches.next_step()
+    trainer.batches.close()
+    micro_batches[0]["labels"][:, 5:] = IGNORE_INDEX        # micro-batch 0 keeps 2 x 5 targets,
+    micro_batches[1]["labels"][0, :] = IGNORE_INDEX         # micro-batch 1 keeps 32 of its 64
+    loss = trainer.compute_gradients(micro_batches)
+    got = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    ids = torch.cat([mb["input_ids"] for mb in micro_batches])
+    labels = torch.cat([mb["labels"] for mb in micro_batches])
+    expected = torch.nn.functional.cross_entropy(trainer.model(input_ids=ids).reshape(-1, 320), labels.reshape(-1),
+                                                 ignore_index=IGNORE_INDEX)
+    expected.backward()
+    # float32, same tokens; only the summation order differs (two micro-batches vs one batch).
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6)
