@@ -22,44 +22,17 @@ from nanoexp.checkpoint import CheckpointManager, Progress
 from nanoexp.console import StepClock, step_line
 from nanoexp.data import build_datasets
 from nanoexp.data.loader import IGNORE_INDEX, TrainBatches, eval_batches, eval_rounds
-from nanoexp.hf import load_hf_weights
 from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token, peak_memory_mb
-from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, count_parameters, init_weights
+from nanoexp.model.build import build_model, model_shape
+from nanoexp.model.llama import count_parameters
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
-from nanoexp.parallel.pipeline import build_engine, split_layers
+from nanoexp.parallel.pipeline import build_engine
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
 from nanoexp.profiling import StepProfiler
 
 log = logging.getLogger("nanoexp")
-
-
-def model_shape(cfg) -> LlamaShape:
-    m = cfg.model.model_config
-    return LlamaShape(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                      num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                      num_key_value_heads=C.num_kv_heads(cfg), vocab_size=C.padded_vocab_size(cfg),
-                      max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-                      rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings)
-
-
-def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
-    """This rank's shard of the model: its pipeline stage's layers, its tensor-parallel slices.
-    With v = parallelism.pp_virtual_stages > 1 the layers form pp·v stages and this rank holds
-    v chunks of them: chunk c is stage c·pp + pp_rank (interleaved 1F1B)."""
-    shape = model_shape(cfg)
-    v = cfg.parallelism.pp_virtual_stages
-    stages = split_layers(shape.num_hidden_layers, ctx.pp * v)
-    layer_ids = [stages[c * ctx.pp + ctx.pp_rank] for c in range(v)] if v > 1 else stages[ctx.pp_rank]
-    model = LlamaForCausalLM(shape, ctx, layer_ids, sequence_parallel=cfg.parallelism.tp_mode == "reduce_scatter",
-                             recompute_layer=cfg.parallelism.recompute_layer)
-    init_weights(model, cfg.model.init_method.std, cfg.general.seed)
-    if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
-        load_hf_weights(model, cfg.model.init_method.path, ctx)
-    if model.lm_head is not None and shape.tie_word_embeddings and not ctx.is_first_stage:
-        model.lm_head.weight.tied_copy = True   # twin of the first stage's embedding
-    return model.to(ctx.device)
 
 
 class Trainer:
@@ -93,9 +66,6 @@ class Trainer:
         self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)
         self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
                          if cfg.model.dtype == "bfloat16" else contextlib.nullcontext())
-        if cfg.model.compile:
-            for layer in self.model.model.layers.values():
-                layer.compile()
         self.tokens_per_step = self.global_batch * cfg.tokens.sequence_length
         self.flops_per_step = flops_per_token(self.shape, cfg.tokens.sequence_length) * self.tokens_per_step
         self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards

@@ -25,7 +25,7 @@ from nanoexp.checkpoint.load import load_model, load_optimizer  # noqa: E402
 from nanoexp.config import register_configs  # noqa: E402
 from nanoexp.optim import build_optimizer  # noqa: E402
 from nanoexp.parallel.context import ParallelContext  # noqa: E402
-from nanoexp.trainer import build_model  # noqa: E402
+from nanoexp.model.build import build_model  # noqa: E402
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 

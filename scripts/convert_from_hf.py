@@ -18,7 +18,7 @@ from nanoexp.hf import read_hf_config  # noqa: E402
 from nanoexp.optim import build_optimizer  # noqa: E402
 from nanoexp.parallel.context import ParallelContext  # noqa: E402
 from nanoexp.run import check_config  # noqa: E402
-from nanoexp.trainer import build_model  # noqa: E402
+from nanoexp.model.build import build_model  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from nanoexp.config import register_configs  # noqa: E402

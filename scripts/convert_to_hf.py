@@ -19,7 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible  # noqa: E402
 from nanoexp.data.tokenizer import build_tokenizer  # noqa: E402
 from nanoexp.hf import hf_config, parameter_shapes, write_tokenizer  # noqa: E402
-from nanoexp.trainer import model_shape  # noqa: E402
+from nanoexp.model.build import model_shape  # noqa: E402
 
 
 def convert_to_hf(checkpoint: str, out: str) -> None:

@@ -20,7 +20,7 @@ from nanoexp.checkpoint import CheckpointError, CheckpointReader
 from nanoexp.checkpoint.load import check_compatible
 from nanoexp.config import ConfigError
 from nanoexp.launch import WorkerFailed
-from nanoexp.trainer import model_shape
+from nanoexp.model.build import model_shape
 from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
 from tests.test_parallel import LATER_STEP_ATOL
 

@@ -15,7 +15,7 @@ from nanoexp.metrics import flops_per_token, hardware_flops_per_token
 from nanoexp.model import llama
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.profiling import saved_activation_bytes
-from nanoexp.trainer import build_model, model_shape
+from nanoexp.model.build import build_model, model_shape
 from tests.helpers import FAST, compose_config, train, train_losses
 
 STEPS = ["tokens.train_steps=3", "tokens.val_check_interval=0"]

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import nanoexp.model.llama as llama
 from nanoexp.metrics import flops_per_token, hardware_flops_per_token, job_peak, measure_cpu_peak
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.trainer import build_model, model_shape
+from nanoexp.model.build import build_model, model_shape
 from tests.helpers import FAST, compose_config
 
 

@@ -17,7 +17,7 @@ from nanoexp.data.tokenizer import ByteTokenizer
 from nanoexp.hf import load_hf_weights
 from nanoexp.model.generation import KVCache, forward_with_cache, generate
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.trainer import build_model
+from nanoexp.model.build import build_model
 from scripts.convert_to_hf import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train

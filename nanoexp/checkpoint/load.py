@@ -15,10 +15,13 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from nanoexp.checkpoint.save import FORMAT_VERSION, STATE_KINDS, CheckpointError, rank_file
 from nanoexp.hf import parameter_shapes
+from nanoexp.model.build import build_model
+from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.tensor_parallel import shard_tensor
 from nanoexp.parallel.zero import ZeroAdamW
 
@@ -192,11 +195,6 @@ def load_rng(reader: CheckpointReader, ctx) -> None:
 
 def load_single_process(folder: str):
     """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode."""
-    from omegaconf import OmegaConf
-
-    from nanoexp.parallel.context import ParallelContext
-    from nanoexp.trainer import build_model   # here, not at the top: the trainer imports this package
-
     reader = CheckpointReader(folder)
     cfg = OmegaConf.create(reader.meta["config"])
     for key in ("dp", "tp", "pp"):

@@ -20,6 +20,7 @@ from nanoexp import config as C
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
 from nanoexp.checkpoint.signals import stop_agreed
+from nanoexp.model.build import model_shape
 
 log = logging.getLogger("nanoexp")
 
@@ -67,7 +68,6 @@ def check_resume(cfg, run_dir: str) -> None:
     """Before any work: the checkpoint this run would resume from is complete and fits the model
     (raises CheckpointError naming the first mismatching parameter), and the seed path is not one
     of this run's own checkpoints."""
-    from nanoexp.trainer import model_shape   # the trainer imports this module
     manager = CheckpointManager(cfg, None, run_dir)
     seed = cfg.checkpoint.resume_checkpoint_path
     if seed and inside(seed, manager.root):
