@@ -1,12 +1,14 @@
-"""Hugging Face transformers interop: parameter names and shapes, config.json, tokenizer files, weights.
+"""Hugging Face transformers interop: config.json, tokenizer files, weights.
 
-nanoexp's parameter names already equal LlamaForCausalLM's, so the mapping is the identity;
-what this module adds is the full (unsharded) shape of every parameter, the translation between
-`model.model_config` and HF's LlamaConfig, and the tokenizer files for the built-in byte tokenizer.
+nanoexp's parameter names already equal LlamaForCausalLM's, so the mapping is the identity (full
+shapes: `nanoexp.model.llama.parameter_shapes`); what this module adds is the translation between
+`model.model_config` and HF's LlamaConfig, loading HF weights on any layout, and the tokenizer files
+for the built-in byte tokenizer.
 
 Vocabulary: HF's `vocab_size` is nanoexp's padded vocabulary (`model.make_vocab_size_divisible_by`),
-so the weights and logits keep their shape. The padding ids are never in the data; evaluate.py and
-generate.py never predict them.
+so the weights and logits keep their shape. The padding ids never occur in the data, so training
+pushes their logits down; they stay in the softmax of a loss (as in training: evaluate.py includes
+them), and generate.py never samples them.
 """
 from __future__ import annotations
 
@@ -16,29 +18,11 @@ import os
 import torch
 from safetensors import safe_open
 
-from nanoexp.model.llama import LlamaShape
+from nanoexp.model.llama import LlamaShape, parameter_shapes
+from nanoexp.parallel.placement import EMBEDDING, value_name
 from nanoexp.parallel.tensor_parallel import shard_tensor
 
 EOD_TOKEN = "<|endoftext|>"
-
-
-def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the whole model, in the model's order, with its full shape (a tied LM
-    head is the embedding and is not listed)."""
-    h, i, v, d = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.head_dim
-    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    shapes = {"model.embed_tokens.weight": (v, h)}
-    for n in range(shape.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
-                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                       p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i)})
-    shapes["model.norm.weight"] = (h,)
-    if not shape.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
 
 
 def hf_config(shape: LlamaShape, eod_id: int) -> dict:
@@ -110,14 +94,12 @@ def load_hf_weights(model, folder: str, ctx) -> None:
         with safe_open(path, "pt") as f:
             where.update({key: path for key in f.keys()})
     for name, param in model.named_parameters():
-        source = name
-        if name == "lm_head.weight" and model.shape.tie_word_embeddings:
-            source = "model.embed_tokens.weight"
+        source = value_name(name, param)
         if source not in where:
             raise KeyError(f"{folder} has no tensor {source}")
         with safe_open(where[source], "pt") as f:
             hf_tensor = f.get_tensor(source).float()
-        if source in ("model.embed_tokens.weight", "lm_head.weight"):   # [vocab, h], split over rows
+        if source in (EMBEDDING, "lm_head.weight"):   # [vocab, h], split over rows
             if hf_tensor.shape[1] != param.shape[1]:
                 raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected "
                                  f"[<= {model.shape.vocab_size}, {param.shape[1]}]")

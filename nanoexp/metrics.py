@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from nanoexp.model.llama import LlamaShape
+from nanoexp.model.llama import LlamaShape, layer_shapes
 
 # Dense (no 2:4 sparsity) peak TFLOP/s per GPU and model.dtype, matched against
 # torch.cuda.get_device_name in this order (so "H100 PCIe" wins over "H100").
@@ -41,9 +41,8 @@ def flops_per_token(shape: LlamaShape, seq_len: int) -> float:
 
 
 def layer_matmul_params(shape: LlamaShape) -> int:
-    """Weights of one decoder block that enter matmuls: q, o (h x h), k, v (h x kv), gate, up, down."""
-    h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
-    return 2 * h * h + 2 * h * kv + 3 * h * shape.intermediate_size
+    """Weights of one decoder block that enter matmuls: q, o, k, v, gate, up, down (not the norms)."""
+    return sum(math.prod(s) for s in layer_shapes(shape, 0).values() if len(s) == 2)
 
 
 def hardware_flops_per_token(shape: LlamaShape, seq_len: int, recompute_layer: bool) -> float:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.placement import counted_here
 from nanoexp.parallel.zero import ZeroAdamW
 
 
@@ -60,20 +61,11 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def counts_once(param: nn.Parameter, ctx: ParallelContext) -> bool:
-    """Whether this rank's copy of `param` enters the global norm: a tp-replicated parameter is
-    counted on tp rank 0 only, a tied LM head on the last stage not at all (its twin, the
-    embedding on the first stage, holds the same summed gradient)."""
-    if getattr(param, "tied_copy", False):
-        return False
-    return getattr(param, "tp_split_dim", None) is not None or ctx.tp_rank == 0
-
-
 @torch.no_grad()
 def global_grad_norm(params: list[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, each parameter counted once across tp and pp
     (gradients are already identical across dp)."""
-    grads = [p.grad.float() for p in params if p.grad is not None and counts_once(p, ctx)]
+    grads = [p.grad.float() for p in params if p.grad is not None and counted_here(p, ctx.tp_rank)]
     device = params[0].device if params else torch.device("cpu")
     sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
     if ctx.model_parallel_group is not None and ctx.tp * ctx.pp > 1:

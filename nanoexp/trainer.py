@@ -29,6 +29,7 @@ from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
 from nanoexp.parallel.pipeline import build_engine
+from nanoexp.parallel.placement import placement
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
 from nanoexp.profiling import StepProfiler
 
@@ -116,12 +117,8 @@ class Trainer:
         rank saw part of the sequence) and tied embeddings split over the first and last stage."""
         ctx = self.ctx
         if ctx.tp > 1:
-            sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
-            if sp_params:
-                all_reduce_grads(sp_params, ctx.tp_group)
-        if self.shape.tie_word_embeddings and ctx.pp > 1 and (ctx.is_first_stage or ctx.is_last_stage):
-            tied = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
-            all_reduce_grads([tied], ctx.embedding_group)
+            all_reduce_grads([p for p in self.params if placement(p).sequence_parallel], ctx.tp_group)
+        all_reduce_grads([p for p in self.params if placement(p).tied_across_stages], ctx.embedding_group)
 
     def replica_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp."""

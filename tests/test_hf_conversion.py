@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 from transformers import LlamaForCausalLM as HFLlama
 
+from nanoexp.parallel.placement import placement
 from nanoexp.checkpoint.load import load_single_process
 from nanoexp.data.tokenizer import ByteTokenizer
 from nanoexp.hf import load_hf_weights
@@ -78,7 +79,7 @@ def test_hf_weights_load_back_on_another_layout(exported):
     full = dict(ours.named_parameters())
     shards = run_distributed(_import_on_tp2, 2, str(exported[1]))
     for name, param in full.items():
-        dim = getattr(param, "tp_split_dim", None)
+        dim = placement(param).split_dim
         joined = (torch.cat([torch.from_numpy(s[name]) for s in shards], dim=dim) if dim is not None
                   else torch.from_numpy(shards[0][name]))
         assert torch.equal(joined, param.detach()), name

@@ -130,8 +130,9 @@ def test_empty_and_tiny_datasets_are_named(tmp_path):
     empty = write_nanoset(tmp_path / "empty", [])
     assert "empty: the dataset is empty" in start_error(nanoset_cfg([empty]))
     tiny = write_nanoset(tmp_path / "tiny", ["to be"] * 2)   # 12 tokens
-    assert "tiny (train): 12 tokens are too few for one sample of tokens.sequence_length=32" in start_error(
-        nanoset_cfg([tiny], "data.validation_fraction=0.01"))
+    error = start_error(nanoset_cfg([tiny], "data.validation_fraction=0.01"))
+    assert "tiny (train): 12 tokens are too few for one sample of sequence length 32" in error
+    assert "tokens.sequence_length=32" in error   # the key to change
     small = write_nanoset(tmp_path / "small", ["to be or not to be"] * 12)  # 228 tokens: 4 training samples
     assert "fewer than one global batch (8)" in start_error(nanoset_cfg([small], "data.validation_fraction=0.3"))
 

@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from nanoexp.parallel.placement import placement
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
@@ -94,7 +95,7 @@ def _first_step(rank, world_size, overrides):
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
     loss = trainer.compute_gradients(trainer.batches.next_step())
     trainer.batches.close()
-    grads = {name: (param.grad, getattr(param, "tp_split_dim", None))
+    grads = {name: (param.grad, placement(param).split_dim)
              for name, param in trainer.model.named_parameters()}
     return {"loss": loss, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "grads": grads}
 

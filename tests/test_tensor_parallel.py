@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanoexp.parallel.placement import placement
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
@@ -76,7 +77,7 @@ def _check_layer(pc, ref, layer, x, in_local, out_local, what):
         _close(x_loc.grad, in_local(x_ref.grad), f"{what} input grad")
     for (name, p), r in zip(layer.named_parameters(), ref.parameters()):
         grad = p.grad
-        if getattr(p, "sequence_parallel", False):  # partial per sequence chunk: sum over tp
+        if placement(p).sequence_parallel:  # partial per sequence chunk: sum over tp
             grad = grad.clone()
             dist.all_reduce(grad, group=pc.tp_group)
         _close(grad, shard_tensor(r.grad, p, pc), f"{what} {name} grad")
@@ -104,7 +105,7 @@ def _check_all(pc):
         _check_layer(pc, nn.Embedding(V, H), VocabParallelEmbedding(V, H, pc, sequence_parallel=sp),
                      ids, _whole, act, f"embedding {mode}")
 
-        with pytest.raises(ValueError, match="tokens.sequence_length"):
+        with pytest.raises(ValueError, match="sequence parallelism needs the sequence"):
             RowParallelLinear(FF, H, pc, sequence_parallel=True)(torch.randn(B, S + 1, FF // pc.tp))
 
     # Cross-entropy: large logits test the max shift, -100 tests ignore_index.
@@ -178,8 +179,8 @@ def test_tp1_is_plain_pytorch():
     for fn in (copy_to_tp, reduce_from_tp, gather_from_sequence_parallel, scatter_to_sequence_parallel):
         assert fn(x, pc) is x  # no communication, no copy
     assert shard_tensor(x, 0, pc) is x and shard_tensor(x, col.weight, pc) is x
-    assert col.weight.tp_split_dim == 0 and row.weight.tp_split_dim == 1
-    assert row.bias.tp_split_dim is None and emb.weight.tp_split_dim == 0
+    assert placement(col.weight).split_dim == 0 and placement(row.weight).split_dim == 1
+    assert placement(row.bias).split_dim is None and placement(emb.weight).split_dim == 0
 
 
 def test_sizes_must_divide_tp():

@@ -19,9 +19,10 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from nanoexp.checkpoint.save import FORMAT_VERSION, STATE_KINDS, CheckpointError, rank_file
-from nanoexp.hf import parameter_shapes
 from nanoexp.model.build import build_model
+from nanoexp.model.llama import parameter_shapes
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.placement import value_name
 from nanoexp.parallel.tensor_parallel import shard_tensor
 from nanoexp.parallel.zero import ZeroAdamW
 
@@ -141,15 +142,10 @@ def check_compatible(reader: CheckpointReader, shape) -> None:
                                   f"the model expects {expected} (different model_config?)")
 
 
-def source_name(name: str, param) -> str:
-    """The saved name holding `param`'s values: a pipeline's tied LM-head copy reads the embedding."""
-    return "model.embed_tokens.weight" if getattr(param, "tied_copy", False) else name
-
-
 @torch.no_grad()
 def load_model(reader: CheckpointReader, model, ctx) -> None:
     for name, param in model.named_parameters():
-        full = reader.full_tensor(source_name(name, param))
+        full = reader.full_tensor(value_name(name, param))
         param.copy_(shard_tensor(full, param, ctx))
 
 
@@ -162,7 +158,7 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
     names = {id(p): n for n, p in model.named_parameters()}
 
     def local_state(p, kind):
-        return shard_tensor(reader.full_tensor(source_name(names[id(p)], p), kind), p, ctx).to(p.device)
+        return shard_tensor(reader.full_tensor(value_name(names[id(p)], p), kind), p, ctx).to(p.device)
 
     if isinstance(optimizer, ZeroAdamW):
         optimizer.num_steps = steps

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as serialize
 
+from nanoexp.parallel.placement import counted_here, placement
 from nanoexp.parallel.zero import ZeroAdamW
 
 log = logging.getLogger("nanoexp")
@@ -42,14 +43,6 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-def stored_once_here(param, ctx) -> bool:
-    """Whether this tp rank stores `param` (split parameters: every tp rank; replicated: tp rank 0;
-    the last stage's copy of a tied embedding: never)."""
-    if getattr(param, "tied_copy", False):
-        return False
-    return getattr(param, "tp_split_dim", None) is not None or ctx.tp_rank == 0
-
-
 def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
     """This rank's tensors to store and their index entries (name, kind, slice metadata)."""
     tensors, index = {}, {}
@@ -57,14 +50,14 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
     def add(key, tensor, name, kind, param, flat_range=None):
         tensors[key] = tensor.detach().to("cpu").contiguous()
         index[key] = {"name": name, "kind": kind, "tp_rank": ctx.tp_rank, "tp": ctx.tp,
-                      "split_dim": getattr(param, "tp_split_dim", None), "local_shape": list(param.shape),
+                      "split_dim": placement(param).split_dim, "local_shape": list(param.shape),
                       "flat_range": flat_range or [0, param.numel()]}
 
     zero = isinstance(optimizer, ZeroAdamW)
     names = {id(p): n for n, p in model.named_parameters()}
     if ctx.dp_rank == 0:
         for name, p in model.named_parameters():
-            if not stored_once_here(p, ctx):
+            if not counted_here(p, ctx.tp_rank):
                 continue
             add(name, p, name, "param", p)
             state = {} if zero else optimizer.state.get(p, {})
@@ -74,7 +67,7 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
     if zero and optimizer.num_steps > 0:
         # ZeroAdamW's (param, start, end, shard offset) pieces: this dp rank's part of each parameter.
         for p, a, b, s in optimizer.pieces:
-            if stored_once_here(p, ctx):
+            if counted_here(p, ctx.tp_rank):
                 for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
                     add(f"{names[id(p)]}:{kind}@{a}", flat[s:s + b - a], names[id(p)], kind, p, [a, b])
     return tensors, index

@@ -66,15 +66,15 @@ class BlendedOrder:
 
     def __init__(self, sizes: Sequence[int], weights: Sequence[float], seed: int, block_size: int = 4096):
         if len(sizes) != len(weights) or not sizes:
-            raise ValueError(f"{len(sizes)} datasets but {len(weights)} weights (data.dataset_weights)")
+            raise ValueError(f"{len(sizes)} datasets but {len(weights)} weights")
         if any(n < 1 for n in sizes) or any(w <= 0 for w in weights):
-            raise ValueError(f"sizes {list(sizes)} and data.dataset_weights {list(weights)} must all be positive")
+            raise ValueError(f"sizes {list(sizes)} and weights {list(weights)} must all be positive")
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
         self.seed, self.block_size = seed, block_size
         self.counts = block_counts(weights, block_size)
         if np.any(self.counts == 0):
-            raise ValueError(f"data.dataset_weights={list(weights)}: a weight below 1/{block_size} would never be read")
+            raise ValueError(f"weights {list(weights)}: a weight below 1/{block_size} of the total would never be read")
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 

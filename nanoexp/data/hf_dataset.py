@@ -68,7 +68,7 @@ def load_hf_dataset(name_or_paths: Union[str, Sequence[str]], split: str = "trai
         ds = datasets.load_from_disk(sources[0])
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise KeyError(f"{sources[0]}: no split {split!r} (has {', '.join(ds)}); set data.hf_dataset_splits")
+                raise KeyError(f"{sources[0]}: no split {split!r} (has {', '.join(ds)})")
             ds = ds[split]
         return ds.to_iterable_dataset() if streaming else ds
     if all(os.path.exists(s) or glob.glob(os.path.expanduser(s)) for s in sources):
@@ -99,8 +99,7 @@ def read_texts(dataset, text_column: str, source: str) -> Iterator[list[str]]:
     """Batches of documents (their ``text_column``) in stored order; a missing column is named."""
     for batch in dataset.iter(batch_size=READ_BATCH):
         if text_column not in batch:
-            raise KeyError(f"{source}: no column {text_column!r} (columns: {', '.join(batch)}); "
-                           "set data.text_column_name")
+            raise KeyError(f"{source}: no column {text_column!r} (columns: {', '.join(batch)})")
         yield [t or "" for t in batch[text_column]]
 
 

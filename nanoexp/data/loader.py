@@ -75,8 +75,8 @@ class TrainBatches:
     def __init__(self, dataset, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0, prefetch: bool = True):
         if global_batch_size % (micro_batch_size * dp_size) != 0:
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
-                             f"micro_batch_size * dp = {micro_batch_size} * {dp_size}")
+            raise ValueError(f"a global batch of {global_batch_size} is not divisible by "
+                             f"micro-batch x dp = {micro_batch_size} x {dp_size}")
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size

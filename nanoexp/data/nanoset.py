@@ -100,7 +100,7 @@ def open_nanoset(folder: Union[str, Path]) -> tuple[np.memmap, np.ndarray, dict[
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise NanosetError(f"data.dataset_folder: {folder} does not exist or is not a folder")
+        raise NanosetError(f"{folder} does not exist or is not a folder")
     meta_path = folder / METADATA_FILE
     if not meta_path.is_file():
         raise NanosetError(f"{meta_path} is missing: {folder} is not a finished Nanoset "

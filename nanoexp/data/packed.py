@@ -29,8 +29,8 @@ class TokenWindows:
         self.num_samples = max(0, (len(tokens) - 1) // sequence_length)
         if self.num_samples == 0:
             raise ValueError(
-                f"{source}: {len(tokens)} tokens are too few for one sample of tokens.sequence_length="
-                f"{sequence_length} (needs {sequence_length + 1}): lower sequence_length or use more text"
+                f"{source}: {len(tokens)} tokens are too few for one sample of sequence length "
+                f"{sequence_length} (needs {sequence_length + 1}): use a shorter sequence or more text"
             )
 
     @property

@@ -1,5 +1,8 @@
 """From the ``data`` config group to datasets: one builder and one start-up check per ``data.name``.
 
+This is the config layer of the data: the modules it calls raise plain errors about files and
+sizes, and the checks here add the ``data.*`` / ``tokens.*`` keys a user sets to fix them.
+
 ``build_datasets(cfg)`` is what every rank calls; ``check_data(cfg, tokenizer)`` runs once before
 any process group and turns every bad-data case it can see from the files into one clear error.
 """
@@ -11,7 +14,7 @@ from typing import Any
 
 from .blend import ConcatDataset
 from .hf_dataset import build_hf_datasets, load_hf_dataset, read_texts
-from .nanoset import Nanoset, open_nanoset
+from .nanoset import Nanoset, NanosetError, open_nanoset
 from .packed import build_builtin_datasets
 from .tokenizer import Tokenizer, build_tokenizer
 
@@ -46,7 +49,10 @@ def _build_nanoset(cfg: Any, tokenizer: Tokenizer):
 def _check_nanoset(cfg: Any, tokenizer: Tokenizer) -> None:
     vocab = cfg.model.model_config.vocab_size
     for folder in cfg.data.dataset_folder:
-        _, _, meta = open_nanoset(folder)
+        try:
+            _, _, meta = open_nanoset(folder)
+        except NanosetError as error:
+            raise DataError(f"data.dataset_folder: {error}") from None
         where = f"{folder}/metadata.json"
         if meta["vocab_size"] > vocab:
             raise DataError(f"{where}: vocab_size {meta['vocab_size']} exceeds model.model_config.vocab_size={vocab}")
@@ -60,8 +66,10 @@ def _check_nanoset(cfg: Any, tokenizer: Tokenizer) -> None:
                         where, meta["tokenizer"], tokenizer.name)
     try:
         train, val = _build_nanoset(cfg, tokenizer)
-    except ValueError as error:   # a folder too small for one sample
-        raise DataError(str(error)) from None
+    except ValueError as error:   # a folder too small for one sample, a weight too small to be read
+        raise DataError(f"data.dataset_folder={list(cfg.data.dataset_folder)}, data.dataset_weights="
+                        f"{cfg.data.dataset_weights}, tokens.sequence_length={cfg.tokens.sequence_length}: "
+                        f"{error}") from None
     if len(train) < cfg.tokens.global_batch_size:
         raise DataError(f"data.dataset_folder={list(cfg.data.dataset_folder)}: {len(train)} training samples of "
                         f"{cfg.tokens.sequence_length + 1} tokens, fewer than one global batch "
@@ -87,8 +95,12 @@ def _check_hf(cfg: Any, tokenizer: Tokenizer) -> None:
     try:
         ds = load_hf_dataset(d.hf_dataset_or_datasets, d.hf_dataset_splits, d.hf_dataset_config_name, streaming=True)
         first = next(read_texts(ds, d.text_column_name, d.hf_dataset_or_datasets), [])
-    except (FileNotFoundError, KeyError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:
         raise DataError(f"data.hf_dataset_or_datasets={d.hf_dataset_or_datasets}: {error}") from None
+    except KeyError as error:   # a split or a column that is not there
+        raise DataError(f"data.hf_dataset_or_datasets={d.hf_dataset_or_datasets}: {error.args[0]} "
+                        f"(data.hf_dataset_splits={d.hf_dataset_splits}, data.text_column_name="
+                        f"{d.text_column_name})") from None
     if not any(first):
         raise DataError(f"data.hf_dataset_or_datasets={d.hf_dataset_or_datasets}: the dataset is empty "
                         f"(no text in column {d.text_column_name!r})")

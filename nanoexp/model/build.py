@@ -32,8 +32,6 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     init_weights(model, cfg.model.init_method.std, cfg.general.seed)
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
         load_hf_weights(model, cfg.model.init_method.path, ctx)
-    if model.lm_head is not None and shape.tie_word_embeddings and not ctx.is_first_stage:
-        model.lm_head.weight.tied_copy = True   # twin of the first stage's embedding
     if cfg.model.compile:
         for layer in model.model.layers.values():
             layer.compile()

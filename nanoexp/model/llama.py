@@ -10,6 +10,7 @@ activations between blocks are [b, s/tp, h] and the attention/MLP insides see th
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.placement import EMBEDDING, place, placement, value_name
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               column_input, shard_tensor, vocab_parallel_cross_entropy)
 
@@ -45,6 +47,33 @@ class LlamaShape:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+def layer_shapes(shape: LlamaShape, n: int) -> dict[str, tuple[int, ...]]:
+    """The full shape of every parameter of decoder layer n, by Hugging Face name."""
+    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv, p = shape.num_attention_heads * d, shape.num_key_value_heads * d, f"model.layers.{n}."
+    return {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+
+
+def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model, in the model's order, with its full shape (a tied LM
+    head is the embedding and is not listed). What counts, checks and exports parameters reads."""
+    shapes = {EMBEDDING: (shape.vocab_size, shape.hidden_size)}
+    for n in range(shape.num_hidden_layers):
+        shapes.update(layer_shapes(shape, n))
+    shapes["model.norm.weight"] = (shape.hidden_size,)
+    if not shape.tie_word_embeddings:
+        shapes["lm_head.weight"] = (shape.vocab_size, shape.hidden_size)
+    return shapes
+
+
+def count_parameters(shape: LlamaShape) -> int:
+    """Parameters of the whole model (all stages, unsharded), counting a tied embedding once."""
+    return sum(math.prod(s) for s in parameter_shapes(shape).values())
 
 
 class RMSNorm(nn.Module):
@@ -170,12 +199,23 @@ class LlamaForCausalLM(nn.Module):
         if ctx.is_last_stage:
             self.lm_head = ColumnParallelLinear(shape.hidden_size, shape.vocab_size, ctx,
                                                 sequence_parallel=sequence_parallel)
-            if shape.tie_word_embeddings and ctx.is_first_stage:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_embeddings()
         # Under SP the norm weights see only part of the sequence: their grads are summed over tp.
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.weight.sequence_parallel = sequence_parallel
+                place(module.weight, sequence_parallel=sequence_parallel)
+
+    def tie_embeddings(self) -> None:
+        """With tie_word_embeddings the LM head is the embedding: the same tensor on one stage; across
+        stages, a copy on the last stage holding the same values, both ends' gradients summed."""
+        if not self.shape.tie_word_embeddings:
+            return
+        if self.ctx.is_first_stage and self.ctx.is_last_stage:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        elif self.ctx.is_first_stage:
+            place(self.model.embed_tokens.weight, tied_across_stages=True)
+        elif self.ctx.is_last_stage:
+            place(self.lm_head.weight, tied_across_stages=True, tied_copy=True)
 
     def has_embedding(self, chunk: int = 0) -> bool:
         return self.ctx.is_first_stage and chunk == 0
@@ -213,35 +253,19 @@ class LlamaForCausalLM(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.ctx)
 
 
-def init_name(name: str, shape: LlamaShape) -> str:
-    """The name whose seed a parameter is drawn from: a tied lm_head draws the embedding's."""
-    if shape.tie_word_embeddings and name == "lm_head.weight":
-        return "model.embed_tokens.weight"
-    return name
-
-
 @torch.no_grad()
 def init_weights(model: LlamaForCausalLM, std: float, seed: int) -> None:
     """Fill every parameter independently of the layout: draw the full tensor from a generator
-    seeded by (seed, parameter name) and keep this rank's tensor-parallel slice."""
+    seeded by (seed, the name of the values it holds) and keep this rank's tensor-parallel slice."""
     ctx = model.ctx
     for name, param in model.named_parameters():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        dim = getattr(param, "tp_split_dim", None)
+        dim = placement(param).split_dim
         full_shape = list(param.shape)
         if dim is not None:
             full_shape[dim] *= ctx.tp
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(init_name(name, model.shape).encode()))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(value_name(name, param).encode()))
         full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
         param.copy_(shard_tensor(full, dim, ctx))
-
-
-def count_parameters(shape: LlamaShape) -> int:
-    """Parameters of the whole model (all stages, unsharded), counting a tied embedding once."""
-    h, i, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
-    kv = shape.num_key_value_heads * shape.head_dim
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    head = 0 if shape.tie_word_embeddings else v * h
-    return shape.num_hidden_layers * per_layer + v * h + head + h

@@ -31,7 +31,7 @@ class ParallelContext:
         actual = dist.get_world_size() if dist.is_initialized() else 1
         if actual != self.world_size:
             raise ValueError(
-                f"world size {actual} != parallelism.dp*tp*pp = {self.dp}*{self.tp}*{self.pp}")
+                f"world size {actual} != dp*tp*pp = {self.dp}*{self.tp}*{self.pp}")
         self.backend = dist.get_backend() if dist.is_initialized() else None
         self.pp_rank, rest = divmod(self.rank, self.dp * self.tp)
         self.dp_rank, self.tp_rank = divmod(rest, self.tp)

@@ -42,6 +42,6 @@ class InterleavedOneForwardOneBackward(PipelineEngine):
 
     def __init__(self, ctx, num_chunks: int, trace=NO_TRACE):
         if num_chunks < 1 or ctx.pp < 2:
-            raise ValueError(f"interleaved 1F1B needs parallelism.pp >= 2 (got {ctx.pp}) and "
-                             f"parallelism.pp_virtual_stages >= 1 (got {num_chunks})")
+            raise ValueError(f"interleaved 1F1B needs at least 2 pipeline ranks (got {ctx.pp}) and at least "
+                             f"1 chunk per rank (got {num_chunks})")
         super().__init__(ctx, num_chunks, trace)

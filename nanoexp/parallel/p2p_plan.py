@@ -76,7 +76,7 @@ def _validate(engine, pp, v, m, forward_only):
         raise ValueError(f"invalid pipeline shape for {engine}: pp={pp}, v={v}, m={m}")
     if engine == "interleaved_1f1b" and not forward_only and m % pp:
         raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({m}) to be a multiple "
-                         f"of parallelism.pp ({pp})")
+                         f"of the pipeline size ({pp})")
 
 
 def schedule(engine: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[tuple]:

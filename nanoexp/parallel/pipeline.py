@@ -42,7 +42,7 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
     Raises ValueError if pp < 1 or pp > num_layers (a stage without layers)."""
     if pp < 1 or pp > num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {pp} pipeline stages "
-                         f"(need 1 <= parallelism.pp <= num_layers)")
+                         f"(every stage needs at least one layer)")
     base, extra = divmod(num_layers, pp)
     ranges, start = [], 0
     for stage in range(pp):
@@ -239,9 +239,9 @@ def build_engine(name: str, ctx, virtual_stages: int = 1, trace=NO_TRACE) -> Pip
                "interleaved_1f1b": InterleavedOneForwardOneBackward}
     key = str(name).lower()
     if key not in engines:
-        raise ValueError(f"unknown parallelism.pp_engine {name!r}; expected one of {sorted(engines)}")
+        raise ValueError(f"unknown pipeline engine {name!r}; expected one of {sorted(engines)}")
     if key == "interleaved_1f1b":
         return engines[key](ctx, num_chunks=virtual_stages, trace=trace)
     if virtual_stages != 1:
-        raise ValueError(f"parallelism.pp_virtual_stages={virtual_stages} needs parallelism.pp_engine=interleaved_1f1b")
+        raise ValueError(f"{virtual_stages} virtual stages per rank need the interleaved_1f1b engine")
     return engines[key](ctx, trace=trace)

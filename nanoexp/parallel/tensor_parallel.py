@@ -1,7 +1,7 @@
 """Tensor parallelism: sharded Linear / Embedding layers and a vocab-parallel cross-entropy.
 
-A tensor-parallel (tp) group of ranks splits each large weight; the layers below say which
-dimension they split by setting ``param.tp_split_dim`` (None: replicated on every tp rank).
+A tensor-parallel (tp) group of ranks splits each large weight; the layers below declare which
+dimension they split (``placement.place(param, split_dim=...)``; none: replicated on every tp rank).
 Initialisation and checkpoint loading build full tensors and cut them with ``shard_tensor``,
 so the layers only allocate (``torch.empty``).
 
@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.placement import place, placement
 
 
 # -- raw collectives on the tp group (contiguous in, new contiguous tensor out) ---------------
@@ -38,8 +39,8 @@ def _all_reduce(x: torch.Tensor, pc: ParallelContext, op=dist.ReduceOp.SUM) -> t
 
 def _check_seq(x: torch.Tensor, pc: ParallelContext):
     if x.shape[1] % pc.tp != 0:
-        raise ValueError(f"sequence parallelism needs tokens.sequence_length ({x.shape[1]}) "
-                         f"divisible by parallelism.tp ({pc.tp})")
+        raise ValueError(f"sequence parallelism needs the sequence ({x.shape[1]}) divisible by the "
+                         f"tensor-parallel size ({pc.tp})")
 
 
 def _all_gather_seq(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
@@ -174,21 +175,20 @@ def column_input(x: torch.Tensor, pc: ParallelContext, sequence_parallel: bool) 
 # -- layers ----------------------------------------------------------------------------------
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp != 0:
-        raise ValueError(f"{what} ({n}) must be divisible by parallelism.tp ({tp})")
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {tp}")
     return n // tp
 
 
 def _param(*shape: int, split_dim: int | None) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape))  # filled later by the model's init, from full tensors
-    p.tp_split_dim = split_dim
-    return p
+    # Filled later by the model's init, from full tensors.
+    return place(nn.Parameter(torch.empty(*shape)), split_dim=split_dim)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split by output rows: each rank returns its [b, s, out/tp] slice.
 
     Input: [b, s, in] replicated (all-reduce mode) or [b, s/tp, in] (sequence_parallel=True).
-    The weight is [out/tp, in] with tp_split_dim = 0; a bias is sharded the same way.
+    The weight is [out/tp, in], split on dim 0; a bias is sharded the same way.
     """
 
     def __init__(self, in_features, out_features, ctx, *, bias=False, sequence_parallel=False):
@@ -215,9 +215,9 @@ class RowParallelLinear(nn.Module):
     slice of x and the partial results are summed over tp.
 
     Output: [b, s, out] replicated (all-reduce mode) or [b, s/tp, out] (sequence_parallel=True).
-    The weight is [out, in/tp] with tp_split_dim = 1; a bias is replicated (tp_split_dim None),
-    added once after the sum. In SP mode each rank's bias gradient covers only its sequence
-    chunk, so the bias is marked ``sequence_parallel = True`` (its grad must be summed over tp).
+    The weight is [out, in/tp], split on dim 1; a bias is replicated, added once after the sum.
+    In SP mode each rank's bias gradient covers only its sequence chunk, so the bias is placed
+    ``sequence_parallel`` (its grad must be summed over tp).
     """
 
     def __init__(self, in_features, out_features, ctx, *, bias=False, sequence_parallel=False):
@@ -227,7 +227,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, _divide(in_features, ctx.tp, "in_features"), split_dim=1)
         self.bias = _param(out_features, split_dim=None) if bias else None
         if self.bias is not None and sequence_parallel and ctx.tp > 1:
-            self.bias.sequence_parallel = True
+            place(self.bias, sequence_parallel=True)
 
     def forward(self, x):
         if self.ctx.tp == 1:
@@ -335,14 +335,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ct
 def shard_tensor(full: torch.Tensor, param_or_dim, ctx: ParallelContext) -> torch.Tensor:
     """This rank's slice of ``full`` along the split dimension, contiguous.
 
-    ``param_or_dim`` is a parameter (its ``tp_split_dim`` is used; missing means replicated),
-    an int dimension, or None (replicated: ``full`` itself is returned). The result may share
-    storage with ``full``; copy it into the parameter rather than keeping it.
+    ``param_or_dim`` is a parameter (its placement's ``split_dim`` is used), an int dimension, or
+    None (replicated: ``full`` itself is returned). The result may share storage with ``full``;
+    copy it into the parameter rather than keeping it.
     """
-    if isinstance(param_or_dim, torch.Tensor):
-        dim = getattr(param_or_dim, "tp_split_dim", None)
-    else:
-        dim = param_or_dim
+    dim = placement(param_or_dim).split_dim if isinstance(param_or_dim, torch.Tensor) else param_or_dim
     if dim is None or ctx.tp == 1:
         return full
     _divide(full.shape[dim], ctx.tp, f"dimension {dim} of a {tuple(full.shape)} tensor")

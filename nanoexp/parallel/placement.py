@@ -1,0 +1,46 @@
+"""How a parameter is placed across the ranks of one model replica: declared once, where the layer
+creates it (`place`), and read through this module by everything else (init, gradient sums,
+clipping, checkpoints, Hugging Face weights).
+
+A parameter without a declaration is replicated on every tp rank of its pipeline stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class Placement:
+    split_dim: int | None = None      # the dimension split over the tp ranks (None: each holds all of it)
+    sequence_parallel: bool = False   # each tp rank's gradient covers its part of the sequence: summed over tp
+    tied_across_stages: bool = False  # one end of an embedding tied over the first and last stage: grads summed
+    tied_copy: bool = False           # the last stage's end: the embedding's values, stored and counted there
+
+
+REPLICATED = Placement()
+
+
+def place(param, **fields):
+    """Declare (or extend) how `param` is placed; returns it."""
+    param.placement = replace(placement(param), **fields)
+    return param
+
+
+def placement(param) -> Placement:
+    return getattr(param, "placement", REPLICATED)
+
+
+def counted_here(param, tp_rank: int) -> bool:
+    """Whether this rank's copy is the one that counts within its replica (in the gradient norm and
+    in checkpoints): a tp-split slice on every tp rank, a replicated parameter on tp rank 0, a tied
+    copy nowhere (its twin, the embedding, holds the same values and summed gradient)."""
+    p = placement(param)
+    return not p.tied_copy and (p.split_dim is not None or tp_rank == 0)
+
+
+def value_name(name: str, param) -> str:
+    """The parameter whose values `param` holds: itself, or the embedding for a tied copy (its seed
+    at initialisation, its tensor in checkpoints and Hugging Face weights)."""
+    return EMBEDDING if placement(param).tied_copy else name
