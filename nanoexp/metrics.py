@@ -109,7 +109,7 @@ def measure_cpu_peak(dtype: str, threads: int, size: int = 1024, repeats: int = 
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Max allocated memory on CUDA; resident set size of this process on CPU."""
+    """On CUDA the peak allocated memory; on CPU the current resident set size (not a peak)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return psutil.Process().memory_info().rss / 2**20

@@ -82,6 +82,7 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
+    from nanoexp.fault_injection import inject_faults
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.trainer import Trainer
 
@@ -90,7 +91,9 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Pea
     ctx = ParallelContext(p.dp, p.tp, p.pp, device=device, collective_timeout_s=p.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, node_peak)
-    return Trainer(cfg, ctx, run_dir, peak).train()
+    trainer = Trainer(cfg, ctx, run_dir, peak)
+    inject_faults(trainer, cfg.fault_injection)   # the robustness tests' faults, off by default
+    return trainer.train()
 
 
 def fill_wandb_identity(cfg, job: HydraJob) -> None:

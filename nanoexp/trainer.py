@@ -86,11 +86,7 @@ class Trainer:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
                              labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
-        if not last:
-            return out
-        if self.step == self.cfg.fault_injection.nonfinite_loss_at_step:
-            out = out * float("nan")
-        return out.sum() / (loss_denominator or self.loss_denominator)
+        return out.sum() / (loss_denominator or self.loss_denominator) if last else out
 
     def replica_target_tokens(self, micro_batches: list[dict]) -> float:
         """The real (not IGNORE_INDEX) target tokens of the global batch / dp. Each micro-batch's
@@ -104,13 +100,6 @@ class Trainer:
             count = count.to(self.ctx.device)
             dist.all_reduce(count, group=self.ctx.dp_group)
         return max(count.item(), 1.0) / self.ctx.dp
-
-    def inject_hang(self, step: int) -> None:
-        """fault_injection.hang_at_step: one rank stops answering, as a stuck GPU or host would."""
-        fault = self.cfg.fault_injection
-        if step == fault.hang_at_step and self.ctx.rank == fault.hang_rank:
-            log.warning("fault injection: rank %d hangs at step %d", self.ctx.rank, step)
-            time.sleep(3600)
 
     def sync_special_grads(self) -> None:
         """Sum gradients that live twice in one replica: sequence-parallel norm weights (each tp
@@ -209,7 +198,6 @@ class Trainer:
         micro_batches = self.batches.next_step()
         lr = lr_at(step - self.resume.lr_step_offset, cfg)
         self.step = step
-        self.inject_hang(step)
         loss, grad_norm = self.train_step(micro_batches, lr)
         self.profiler.step()
         self.progress.consumed_samples = self.batches.consumed_samples

@@ -99,8 +99,9 @@ class GradientBuckets:
             current_bytes += nbytes
         if current:
             self._add_bucket(current)
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                              for b in self.buckets for p in b.params]
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _add_bucket(self, params: list[nn.Parameter]):
         bucket = _Bucket(len(self.buckets), params)
@@ -185,12 +186,6 @@ class GradientBuckets:
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(bucket.slot(i))
         self.armed = False
-
-    def remove_hooks(self):
-        """Detach from the parameters (e.g. before re-wrapping the same model)."""
-        for h in getattr(self, "_hook_handles", []):
-            h.remove()
-        self._hook_handles = []
 
 
 @torch.no_grad()

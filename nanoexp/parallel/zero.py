@@ -127,34 +127,3 @@ class ZeroAdamW(Optimizer):
         for g, offs in zip(self.param_groups, self._offsets):
             for p, off in zip(g["params"], offs):
                 p.copy_(flat[off:off + p.numel()].view_as(p))
-
-    # -- checkpointing ----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This rank's shard only; plain tensors and numbers. Save one file per dp rank."""
-        return {
-            "step": self.num_steps,
-            "exp_avg": self.exp_avg.clone(),
-            "exp_avg_sq": self.exp_avg_sq.clone(),
-            "shard_range": (self.shard_start, self.shard_end),
-            "total_numel": self.total_numel,
-            "dp_size": self.dp_size,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
-        }
-
-    def load_state_dict(self, state_dict: dict):
-        """Restore a shard saved by the same dp rank of an identically laid-out run."""
-        expected = (self.shard_start, self.shard_end)
-        if (tuple(state_dict["shard_range"]) != expected
-                or state_dict["total_numel"] != self.total_numel):
-            raise ValueError(
-                f"shard mismatch: checkpoint has range {tuple(state_dict['shard_range'])} of "
-                f"{state_dict['total_numel']} elements, this rank owns {expected} of "
-                f"{self.total_numel} (different model or dp size?)")
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError("checkpoint has a different number of param groups")
-        self.num_steps = int(state_dict["step"])
-        self.exp_avg.copy_(state_dict["exp_avg"])
-        self.exp_avg_sq.copy_(state_dict["exp_avg_sq"])
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
-            g.update(saved)
