@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.checkpoint.manager import check_resume
 from nanoexp.checkpoint.signals import handle_stop_signals
-from nanoexp.config import ConfigError, layout_name, validate
+from nanoexp.config import ConfigError, layout_name
 from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.tokenizer import build_tokenizer
@@ -23,6 +23,7 @@ from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distribu
                             spawn_local)
 from nanoexp.metrics import Peak, job_peak, measure_cpu_peak
 from nanoexp.sweep import record_failure, stopped_by_signal
+from nanoexp.validation import validate
 
 log = logging.getLogger("nanoexp")
 

@@ -38,7 +38,8 @@ import sys
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import CONF_DIR, ConfigError, batch_accumulation, compose, num_kv_heads, padded_vocab_size, validate
+from nanoexp.config import CONF_DIR, ConfigError, batch_accumulation, compose, num_kv_heads, padded_vocab_size
+from nanoexp.validation import validate
 
 GIB = 1024 ** 3
 HEADROOM = 0.9

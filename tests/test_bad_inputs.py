@@ -14,6 +14,7 @@ import train
 
 T = "optimizer.learning_rate_scheduler."
 M = "model.model_config."
+A = "optimizer.optimizer_factory."
 # (id, command-line overrides, extra environment, text the message must contain)
 CASES = [
     ("unknown key", [M + "hiden_size=64"], {}, "hiden_size"),
@@ -46,8 +47,16 @@ CASES = [
     ("warm-up longer than training", ["tokens.train_steps=10", T + "lr_warmup_steps=20"], {}, "lr_warmup_steps=20"),
     ("min lr above peak", [T + "min_decay_lr=1.0"], {}, "min_decay_lr"),
     ("negative clip", ["optimizer.clip_grad=-1"], {}, "optimizer.clip_grad=-1"),
+    ("zero clip", ["optimizer.clip_grad=0"], {}, "optimizer.clip_grad=0.0: must be positive or null"),
+    ("zero decay steps", [T + "lr_decay_steps=0"], {}, T + "lr_decay_steps=0: must be >= 1 or null"),
+    ("negative weight decay", ["optimizer.weight_decay=-0.1"], {}, "optimizer.weight_decay=-0.1: must be >= 0"),
+    ("adam beta1 of 1", [A + "adam_beta1=1"], {}, A + "adam_beta1=1.0: must be in [0, 1)"),
+    ("negative adam beta2", [A + "adam_beta2=-0.5"], {}, A + "adam_beta2=-0.5: must be in [0, 1)"),
+    ("zero adam eps", [A + "adam_eps=0"], {}, A + "adam_eps=0.0: must be positive"),
+    ("zero init std", ["model.init_method.std=0"], {}, "model.init_method.std=0.0: must be positive"),
     ("unknown zero stage", ["optimizer.zero_stage=3"], {}, "optimizer.zero_stage=3"),
     ("global batch not divisible", ["tokens.global_batch_size=30"], {}, "tokens.global_batch_size=30"),
+    ("negative val batches", ["tokens.limit_val_batches=-1"], {}, "tokens.limit_val_batches=-1: must be >= 0"),
     ("tokenizer vocab above model vocab", [M + "vocab_size=200"], {}, "vocab_size=200"),
     ("tokenizer path missing", ["tokenizer.tokenizer_name_or_path=/no/such/tokenizer"], {},
      "tokenizer.tokenizer_name_or_path"),

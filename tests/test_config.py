@@ -4,7 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
 
 from nanoexp import config as C
 from tests.helpers import CONF_DIR, compose_config
@@ -22,6 +24,29 @@ def test_every_shipped_layout_keeps_the_global_batch(layout):
     p = cfg.parallelism
     C.validate(cfg, world_size=p.dp * p.tp * p.pp, tokenizer_vocab_size=257)
     assert C.global_batch_size(cfg) == 32
+
+
+def set_values(node, prefix=""):
+    """{dotted key: value} of every leaf of a config tree; a key left MISSING counts as not set."""
+    values = {}
+    for key in node:
+        if not OmegaConf.is_missing(node, key):
+            child = node[key]
+            values.update(set_values(child, f"{prefix}{key}.") if isinstance(child, DictConfig)
+                          else {f"{prefix}{key}": child})
+    return values
+
+
+def test_schema_defaults_agree_with_conf():
+    """conf/ is where defaults are read: a key that both the bare schema and `python train.py`'s composed
+    config set has one value in both, so the schema's default can never silently differ from conf's."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        schema = set_values(compose(config_name="nanoexp_schema"))   # the bare schema still composes alone
+    composed = set_values(compose_config([]))
+    shared = schema.keys() & composed.keys()
+    assert len(shared) > 70   # the walk reached every group
+    differing = {key: (schema[key], composed[key]) for key in shared if schema[key] != composed[key]}
+    assert not differing, f"schema default vs conf/ (key: (schema, conf)): {differing}"
 
 
 def test_unknown_key_is_rejected_with_its_name():

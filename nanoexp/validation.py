@@ -1,0 +1,180 @@
+"""`validate(cfg)`: every cross-field check of a composed config, before any work. Each config group has one
+function listing its rules as (condition, message) pairs, the message naming the key, the bad value and what
+is allowed; `validate` raises every broken rule at once, one line each, as one ConfigError."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Optional
+
+from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size
+
+Rule = tuple[bool, str]   # (condition, the message shown when it does not hold)
+M, LR, ADAM = "model.model_config.", "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
+# The sizes other checks divide by: when one is not positive, validate stops after these.
+POSITIVE_SIZES = [M + "hidden_size", M + "intermediate_size", M + "num_hidden_layers", M + "num_attention_heads",
+                  M + "vocab_size", M + "max_position_embeddings", "model.make_vocab_size_divisible_by",
+                  "tokens.sequence_length", "tokens.micro_batch_size", "tokens.global_batch_size", "tokens.train_steps",
+                  "parallelism.dp", "parallelism.tp", "parallelism.pp", "parallelism.pp_virtual_stages"]
+
+
+def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None) -> None:
+    """Check every cross-field rule; raise one ConfigError listing each problem with its fix."""
+    normalize(cfg)
+    rules = [must(cfg, key, lambda size: size > 0, "a positive integer") for key in POSITIVE_SIZES] + [
+        must(cfg, "tokens.batch_accumulation_per_replica", lambda n: n is None or n > 0, "positive (or null)")]
+    if all(ok for ok, _ in rules):   # the divisibility checks below would only repeat a size that is not positive
+        rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
+                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg))
+    problems = [message for ok, message in rules if not ok]
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def must(cfg: Any, key: str, ok: Callable[[Any], bool], allowed: str) -> Rule:
+    """The rule that the value at `key` passes `ok`, and its message "key=value: must be <allowed>"."""
+    value = functools.reduce(getattr, key.split("."), cfg)
+    return ok(value), f"{key}={value}: must be {allowed}"
+
+
+def one_of(cfg: Any, key: str, allowed: tuple) -> Rule:
+    value = functools.reduce(getattr, key.split("."), cfg)
+    return value in allowed, f"{key}={value}: allowed values are {', '.join(map(str, allowed))}"
+
+
+def normalize(cfg: Any) -> None:
+    """Accept nanotron's upper-case enum spellings (ALL_REDUCE, 1F1B, ...)."""
+    p, lr = cfg.parallelism, cfg.optimizer.learning_rate_scheduler
+    p.tp_mode, p.pp_engine = str(p.tp_mode).lower(), str(p.pp_engine).lower()
+    lr.lr_decay_style, lr.lr_warmup_style = str(lr.lr_decay_style).lower(), str(lr.lr_warmup_style).lower()
+
+
+def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
+    m, kv = cfg.model.model_config, num_kv_heads(cfg)
+    head_dim, tokenizer = m.hidden_size // m.num_attention_heads, cfg.tokenizer.tokenizer_name_or_path
+    return [
+        (m.hidden_size % m.num_attention_heads == 0, f"{M}hidden_size={m.hidden_size} is not divisible by "
+         f"num_attention_heads={m.num_attention_heads}: choose a head count that divides it"),
+        (kv > 0 and m.num_attention_heads % kv == 0,
+         f"{M}num_key_value_heads={kv} must divide num_attention_heads={m.num_attention_heads}"),
+        (head_dim % 2 == 0, f"{M}hidden_size / num_attention_heads = {head_dim}: the head dimension must be even "
+         "for rotary embeddings"),
+        (tokenizer_vocab_size is None or tokenizer_vocab_size <= m.vocab_size,
+         f"{M}vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}, "
+         f"tokenizer.tokenizer_name_or_path={tokenizer}): set {M}vocab_size>={tokenizer_vocab_size}"),
+        one_of(cfg, "model.dtype", ("float32", "bfloat16")),
+    ]
+
+
+def batch_rules(cfg: Any) -> list[Rule]:
+    t, m, dp = cfg.tokens, cfg.model.model_config, cfg.parallelism.dp
+    return [
+        (t.sequence_length <= m.max_position_embeddings, f"tokens.sequence_length={t.sequence_length} exceeds {M}"
+         f"max_position_embeddings={m.max_position_embeddings}: shorten the sequence or raise max_position_embeddings"),
+        (t.batch_accumulation_per_replica is not None or t.global_batch_size % (dp * t.micro_batch_size) == 0,
+         f"tokens.global_batch_size={t.global_batch_size} is not divisible by parallelism.dp * tokens.micro_batch_size "
+         f"= {dp * t.micro_batch_size}: change one, or set tokens.batch_accumulation_per_replica explicitly"),
+        must(cfg, "tokens.val_check_interval", lambda steps: steps >= 0, ">= 0 (0: only at the end)"),
+        must(cfg, "tokens.limit_val_batches", lambda batches: batches >= 0, ">= 0 (0: all held-out data)"),
+    ]
+
+
+def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
+    p, m, t, kv = cfg.parallelism, cfg.model.model_config, cfg.tokens, num_kv_heads(cfg)
+    v, micro, padded_vocab = p.pp_virtual_stages, batch_accumulation(cfg), padded_vocab_size(cfg)
+    interleaved = p.pp_engine == "interleaved_1f1b"
+    # Fewer micro-batches than stages is allowed: the pipeline stays correct, only the bubble grows.
+    return [
+        one_of(cfg, "parallelism.pp_engine", ("afab", "1f1b", "interleaved_1f1b")),
+        one_of(cfg, "parallelism.tp_mode", ("all_reduce", "reduce_scatter")),
+        *[(size % p.tp == 0, f"{M}{name}={size} is not divisible by parallelism.tp={p.tp}") for name, size in
+          [("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", kv),
+           ("intermediate_size", m.intermediate_size)]],
+        (padded_vocab % p.tp == 0, f"padded vocabulary {padded_vocab} is not divisible by parallelism.tp={p.tp}: "
+         f"set model.make_vocab_size_divisible_by to a multiple of {p.tp}"),
+        (p.pp <= m.num_hidden_layers, f"parallelism.pp={p.pp} is larger than {M}num_hidden_layers="
+         f"{m.num_hidden_layers}: every pipeline stage needs at least one layer"),
+        (p.tp_mode != "reduce_scatter" or t.sequence_length % p.tp == 0, f"tokens.sequence_length={t.sequence_length} "
+         f"is not divisible by parallelism.tp={p.tp} (needed by parallelism.tp_mode=reduce_scatter)"),
+        (world_size is None or p.dp * p.tp * p.pp == world_size, f"parallelism.dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = "
+         f"{p.dp * p.tp * p.pp} but the world size is {world_size}: make the product equal the number of processes"),
+        (not interleaved or p.pp >= 2,
+         f"parallelism.pp_engine=interleaved_1f1b needs parallelism.pp >= 2 (got {p.pp})"),
+        (not interleaved or v >= 2, f"parallelism.pp_virtual_stages={v}: interleaved_1f1b needs at least 2 chunks "
+         "per rank (with 1 use parallelism.pp_engine=1f1b)"),
+        (not interleaved or m.num_hidden_layers >= p.pp * v, f"{M}num_hidden_layers={m.num_hidden_layers} is smaller"
+         f" than parallelism.pp * pp_virtual_stages = {p.pp * v}: every virtual stage needs at least one layer"),
+        (not interleaved or micro % p.pp == 0, f"micro-batches per step (tokens.batch_accumulation_per_replica = "
+         f"{micro}) is not a multiple of parallelism.pp={p.pp}: interleaved_1f1b sends micro-batches in groups "
+         "of pp; change tokens.global_batch_size or tokens.micro_batch_size"),
+        (interleaved or v == 1, f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine=interleaved_1f1b "
+         f"(got {p.pp_engine})"),
+        must(cfg, "parallelism.collective_timeout_s", lambda seconds: seconds > 0, "positive (seconds)"),
+    ]
+
+
+def optimizer_rules(cfg: Any) -> list[Rule]:
+    lr, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+    return [
+        (cfg.optimizer.optimizer_factory.name.lower() == "adamw",
+         f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are adamW"),
+        must(cfg, ADAM + "adam_beta1", lambda beta: 0 <= beta < 1, "in [0, 1)"),
+        must(cfg, ADAM + "adam_beta2", lambda beta: 0 <= beta < 1, "in [0, 1)"),
+        must(cfg, ADAM + "adam_eps", lambda eps: eps > 0, "positive"),
+        must(cfg, "optimizer.weight_decay", lambda decay: decay >= 0, ">= 0"),
+        must(cfg, "optimizer.clip_grad", lambda norm: norm is None or norm > 0, "positive or null"),
+        one_of(cfg, "optimizer.zero_stage", (0, 1)),
+        must(cfg, LR + "learning_rate", lambda rate: rate > 0, "positive"),
+        one_of(cfg, LR + "lr_decay_style", ("linear", "cosine", "constant")),
+        one_of(cfg, LR + "lr_warmup_style", ("linear", "constant")),
+        (0 <= lr.lr_warmup_steps <= steps, f"{LR}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
+         f"tokens.train_steps={steps} (for a quick smoke test use debug=fast, which shrinks both)"),
+        must(cfg, LR + "lr_decay_steps", lambda steps: steps is None or steps >= 1,
+             ">= 1 or null (train_steps - lr_warmup_steps)"),
+        (lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
+         f"{LR}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
+    ]
+
+
+def weights_rules(cfg: Any) -> list[Rule]:
+    """Where the weights start: random with model.init_method.std, a Hugging Face folder, or a checkpoint."""
+    hf_folder, resume_folder = cfg.model.init_method.path, cfg.checkpoint.resume_checkpoint_path
+    return [
+        must(cfg, "model.init_method.std", lambda std: std > 0, "positive"),
+        (not hf_folder or os.path.isfile(os.path.join(hf_folder, "config.json")),
+         f"model.init_method.path={hf_folder}: not a Hugging Face model folder (no config.json there)"),
+        must(cfg, "checkpoint.checkpoint_interval", lambda steps: steps >= 0, ">= 0 (0: only at the end)"),
+        one_of(cfg, "checkpoint.resume", ("auto", "never")),
+        must(cfg, "checkpoint.keep_last_n", lambda n: n is None or n >= 1, ">= 1 or null (keep all)"),
+        (not resume_folder or os.path.isfile(os.path.join(resume_folder, "meta.json")),
+         f"checkpoint.resume_checkpoint_path={resume_folder}: no such checkpoint "
+         "(a folder <checkpoints_path>/<step> holding meta.json)"),
+    ]
+
+
+def data_rules(cfg: Any) -> list[Rule]:
+    d, weights, folders = cfg.data, cfg.data.dataset_weights, cfg.data.dataset_folder
+    rules = [one_of(cfg, "data.name", ("builtin", "nanoset", "hf")),
+             must(cfg, "data.validation_fraction", lambda fraction: 0 < fraction < 1, "between 0 and 1")]
+    if d.name == "nanoset":
+        rules.append((len(folders) > 0, "data.dataset_folder is empty: give one or more Nanoset folders, "
+                      "e.g. data.dataset_folder=[data/nanoset/web]"))
+    if d.name == "nanoset" and weights is not None:
+        rules += [(len(weights) == len(folders), f"data.dataset_weights has {len(weights)} values for {len(folders)} "
+                   "data.dataset_folder entries: give one weight per folder (or null for equal weights)"),
+                  (all(w > 0 for w in weights), f"data.dataset_weights={list(weights)}: every weight must be positive")]
+    if d.name == "hf":
+        rules += [(bool(d.hf_dataset_or_datasets),
+                   "data.hf_dataset_or_datasets is not set: give a local path or a Hub name"),
+                  (bool(d.text_column_name), "data.text_column_name is empty: name the column holding the text")]
+    return rules
+
+
+def logging_rules(cfg: Any) -> list[Rule]:
+    prof = cfg.logging.profiler
+    return [
+        must(cfg, "logging.iteration_step_info_interval", lambda steps: steps > 0, "positive"),
+        one_of(cfg, "logging.wandb.mode", ("disabled", "offline", "online")),
+        (prof.wait >= 0 and prof.warmup >= 0 and prof.active >= 1, f"logging.profiler.wait={prof.wait}, "
+         f"warmup={prof.warmup}, active={prof.active}: wait and warmup must be >= 0 and active >= 1"),
+    ]
