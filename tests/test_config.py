@@ -9,12 +9,13 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from nanoexp import config as C
+from nanoexp.validation import validate
 from tests.helpers import CONF_DIR, compose_config
 
 
 def test_defaults_compose_and_validate():
     cfg = compose_config([])
-    C.validate(cfg, world_size=1, tokenizer_vocab_size=257)
+    validate(cfg, world_size=1, tokenizer_vocab_size=257)
     assert C.global_batch_size(cfg) == 32 and C.batch_accumulation(cfg) == 8
 
 
@@ -22,7 +23,7 @@ def test_defaults_compose_and_validate():
 def test_every_shipped_layout_keeps_the_global_batch(layout):
     cfg = compose_config([f"parallelism={layout}"])
     p = cfg.parallelism
-    C.validate(cfg, world_size=p.dp * p.tp * p.pp, tokenizer_vocab_size=257)
+    validate(cfg, world_size=p.dp * p.tp * p.pp, tokenizer_vocab_size=257)
     assert C.global_batch_size(cfg) == 32
 
 
@@ -78,7 +79,7 @@ def test_wrong_type_is_rejected():
 def test_invalid_values_name_the_key(overrides, key):
     cfg = compose_config(overrides)
     with pytest.raises(C.ConfigError) as info:
-        C.validate(cfg, world_size=cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp,
+        validate(cfg, world_size=cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp,
                    tokenizer_vocab_size=257)
     assert key in str(info.value)
 
@@ -86,15 +87,15 @@ def test_invalid_values_name_the_key(overrides, key):
 def test_world_size_mismatch_and_small_vocab():
     cfg = compose_config(["parallelism=dp2tp1pp1"])
     with pytest.raises(C.ConfigError, match="world size is 4"):
-        C.validate(cfg, world_size=4)
+        validate(cfg, world_size=4)
     cfg = compose_config(["model.model_config.vocab_size=200"])
     with pytest.raises(C.ConfigError, match="vocab_size=200"):
-        C.validate(cfg, world_size=1, tokenizer_vocab_size=257)
+        validate(cfg, world_size=1, tokenizer_vocab_size=257)
 
 
 def test_upper_case_enums_are_accepted():
     cfg = compose_config(["parallelism.tp_mode=REDUCE_SCATTER", "parallelism.pp_engine=1F1B"])
-    C.validate(cfg, world_size=1, tokenizer_vocab_size=257)
+    validate(cfg, world_size=1, tokenizer_vocab_size=257)
     assert cfg.parallelism.tp_mode == "reduce_scatter" and cfg.parallelism.pp_engine == "1f1b"
 
 

@@ -86,6 +86,7 @@ def test_profiler_writes_a_trace(tmp_path):
 
 
 def test_bad_profiler_schedule_names_the_key():
-    from nanoexp.config import ConfigError, validate
+    from nanoexp.config import ConfigError
+    from nanoexp.validation import validate
     with pytest.raises(ConfigError, match="logging.profiler"):
         validate(compose_config(FAST + ["logging.profiler.active=0"]))

@@ -355,7 +355,8 @@ def test_interleaved_matches_single_process_and_torch(pp, dp, num_chunks, num_mi
      "not a multiple of parallelism.pp=2"),
 ])
 def test_interleaved_config_errors_name_the_key(overrides, message):
-    from nanoexp.config import ConfigError, validate
+    from nanoexp.config import ConfigError
+    from nanoexp.validation import validate
     from tests.helpers import FAST, compose_config
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(FAST + ["parallelism=dp1tp1pp2"] + overrides))

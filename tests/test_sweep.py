@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from nanoexp.config import ConfigError, validate
+from nanoexp.config import ConfigError
+from nanoexp.validation import validate
 from nanoexp.sweep import slurm_tasks_per_node
 from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
 from tests.test_parallel import LATER_STEP_ATOL
