@@ -26,21 +26,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp import config as C  # noqa: E402
-from nanoexp.optim import parameter_groups  # noqa: E402
-from nanoexp.parallel.context import ParallelContext  # noqa: E402
-from nanoexp.profiling import saved_activation_bytes  # noqa: E402
+from nanoexp import config as C
+from nanoexp.optim import parameter_groups
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.profiling import saved_activation_bytes
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
     "default": [],
@@ -51,11 +47,8 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    C.register_configs()
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=overrides)
+    """The config `python train.py <overrides>` runs with, checked for one process."""
+    cfg = C.compose(overrides)
     C.validate(cfg, world_size=1)
     return cfg
 

@@ -9,25 +9,18 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from nanoexp.checkpoint import CheckpointManager, CheckpointReader, Progress  # noqa: E402
-from nanoexp.checkpoint.load import load_model, load_optimizer  # noqa: E402
-from nanoexp.config import register_configs  # noqa: E402
-from nanoexp.optim import build_optimizer  # noqa: E402
-from nanoexp.parallel.context import ParallelContext  # noqa: E402
-from nanoexp.model.build import build_model  # noqa: E402
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+from nanoexp.checkpoint import CheckpointManager, CheckpointReader, Progress
+from nanoexp.checkpoint.load import load_model, load_optimizer
+from nanoexp.config import compose
+from nanoexp.model.build import build_model
+from nanoexp.optim import build_optimizer
+from nanoexp.parallel.context import ParallelContext
 
 
 def folder_bytes(path: str) -> int:
@@ -45,9 +38,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={args.model}"])
+    cfg = compose([f"model={args.model}"])
     ctx = ParallelContext()
     model = build_model(cfg, ctx)
     optimizer = build_optimizer(cfg, model, ctx)

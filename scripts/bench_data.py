@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp.data.nanoset import Nanoset  # noqa: E402
-from nanoexp.data.preprocess import preprocess  # noqa: E402
+from nanoexp.data.nanoset import Nanoset
+from nanoexp.data.preprocess import preprocess
 
 
 def synthetic_documents(n: int, seed: int = 0) -> list[str]:

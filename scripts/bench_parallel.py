@@ -31,31 +31,25 @@ import multiprocessing as mp
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp import config as C  # noqa: E402
-from nanoexp.launch import free_port  # noqa: E402
-from nanoexp.parallel.comm_counter import CommCounter  # noqa: E402
-from nanoexp.parallel.context import ParallelContext  # noqa: E402
+from nanoexp import config as C
+from nanoexp.launch import free_port
+from nanoexp.parallel.comm_counter import CommCounter
+from nanoexp.parallel.context import ParallelContext
 
 GROUPS = ("dp", "tp", "pp", "model_parallel", "embedding")
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    C.register_configs()
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=overrides)
+    """The config `python train.py <overrides>` runs with, checked for its layout and resolved (for the workers)."""
+    cfg = C.compose(overrides)
     p = cfg.parallelism
     C.validate(cfg, world_size=p.dp * p.tp * p.pp)
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))

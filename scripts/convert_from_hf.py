@@ -9,27 +9,14 @@ else the built-in byte tokenizer. Training can also start from the HF folder dir
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp.checkpoint import CheckpointManager, Progress  # noqa: E402
-from nanoexp.hf import read_hf_config  # noqa: E402
-from nanoexp.optim import build_optimizer  # noqa: E402
-from nanoexp.parallel.context import ParallelContext  # noqa: E402
-from nanoexp.run import check_config  # noqa: E402
-from nanoexp.model.build import build_model  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from nanoexp.config import register_configs  # noqa: E402
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def compose_config(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+from nanoexp.checkpoint import CheckpointManager, Progress
+from nanoexp.config import compose
+from nanoexp.hf import read_hf_config
+from nanoexp.model.build import build_model
+from nanoexp.optim import build_optimizer
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.run import check_config
 
 
 def model_overrides(hf_dir: str) -> list[str]:
@@ -44,8 +31,8 @@ def model_overrides(hf_dir: str) -> list[str]:
 
 def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
     overrides = model_overrides(hf_dir) + overrides
-    cfg = compose_config(overrides + [f"model.init_method.path={os.path.abspath(hf_dir)}",
-                                      "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"])
+    cfg = compose(overrides + [f"model.init_method.path={os.path.abspath(hf_dir)}",
+                               "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"])
     check_config(cfg, world_size=1)
     cfg.checkpoint.checkpoints_path = out
     ctx = ParallelContext()

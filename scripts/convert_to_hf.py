@@ -9,17 +9,14 @@ tokenizer files (generated for the built-in byte tokenizer, copied for an HF tok
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
-from omegaconf import OmegaConf  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from nanoexp.checkpoint.load import CheckpointReader, check_compatible  # noqa: E402
-from nanoexp.data.tokenizer import build_tokenizer  # noqa: E402
-from nanoexp.hf import hf_config, parameter_shapes, write_tokenizer  # noqa: E402
-from nanoexp.model.build import model_shape  # noqa: E402
+from nanoexp.checkpoint.load import CheckpointReader, check_compatible
+from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.hf import hf_config, parameter_shapes, write_tokenizer
+from nanoexp.model.build import model_shape
 
 
 def convert_to_hf(checkpoint: str, out: str) -> None:

@@ -10,16 +10,12 @@ next-token cross-entropy in nats; `perplexity` = exp(loss).
 import argparse
 import json
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp.checkpoint.load import load_single_process  # noqa: E402
-from nanoexp.data.tokenizer import build_tokenizer  # noqa: E402
+from nanoexp.checkpoint.load import load_single_process
+from nanoexp.data.tokenizer import build_tokenizer
 
 
 @torch.no_grad()

@@ -4,16 +4,12 @@
     python scripts/generate.py CKPT --prompt "To be" --temperature 0.8 --top-k 50 --seed 1
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp.checkpoint.load import load_single_process  # noqa: E402
-from nanoexp.data.tokenizer import build_tokenizer  # noqa: E402
-from nanoexp.model.generation import generate  # noqa: E402
+from nanoexp.checkpoint.load import load_single_process
+from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.model.generation import generate
 
 
 def main() -> None:

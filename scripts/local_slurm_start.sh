@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# local_slurm_start.sh - a real single-node SLURM cluster on this machine, for nanoexp's tests and for
-# trying `python train.py -m hydra/launcher=slurm ...` without a cluster. Debian/Ubuntu, run as root,
-# no systemd needed.
+# local_slurm_start.sh - a real single-node SLURM cluster on this machine, for nanoexp's SLURM tests (.ci/run
+# starts it before pytest; the tests themselves never start it) and for trying
+# `python train.py -m hydra/launcher=slurm ...` without a cluster. Debian/Ubuntu, run as root, no systemd needed.
 #
 # Promise: when it exits 0, `sinfo` shows this machine's node idle in partition $NANOEXP_SLURM_PARTITION
 # and `sacct` works (submitit needs accounting to notice a job killed from outside). It is idempotent:

@@ -21,9 +21,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp.parallel.trace import (COMPUTE, TRACE_DIR, bucket_overlap, measured_bubble,  # noqa: E402
+from nanoexp.parallel.trace import (COMPUTE, TRACE_DIR, bucket_overlap, measured_bubble,
                                     read_trace, theoretical_bubble)
 
 

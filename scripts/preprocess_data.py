@@ -12,12 +12,9 @@ Hugging Face tokenizer folder, or a Hub tokenizer name. An existing Nanoset is r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanoexp.data.preprocess import preprocess  # noqa: E402
+from nanoexp.data.preprocess import preprocess
 
 
 def main(argv=None) -> int:

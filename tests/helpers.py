@@ -5,12 +5,10 @@ import json
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from nanoexp.config import ConfigError, register_configs
+from nanoexp.config import CONF_DIR, ConfigError, compose, register_configs  # noqa: F401 - CONF_DIR for the tests
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-register_configs()
+register_configs()   # also for tests that compose from their own copy of conf/ with Hydra directly
 
 # A model and run small enough for many runs per test session on 2 cores.
 FAST = ["model.model_config.hidden_size=64", "model.model_config.intermediate_size=128",
@@ -21,9 +19,7 @@ FAST = ["model.model_config.hidden_size=64", "model.model_config.intermediate_si
         "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
 
 
-def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+compose_config = compose   # the config `python train.py <overrides>` runs with (nanoexp.config.compose)
 
 
 def train(run_dir: str, overrides: list[str]) -> list[dict]:
