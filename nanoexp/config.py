@@ -205,13 +205,6 @@ class ConfigError(ValueError):
     """An invalid configuration: one line per problem, each naming the key and the fix."""
 
 
-def __getattr__(name: str) -> Any:   # keeps `from nanoexp.config import validate` working for scripts and tests
-    if name == "validate":             # imported on first use, as nanoexp/validation.py imports this module
-        from nanoexp.validation import validate
-        return validate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def padded_vocab_size(cfg: Any) -> int:
     multiple = cfg.model.make_vocab_size_divisible_by
     return -(-cfg.model.model_config.vocab_size // multiple) * multiple

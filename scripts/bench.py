@@ -37,6 +37,7 @@ from nanoexp import config as C
 from nanoexp.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.profiling import saved_activation_bytes
+from nanoexp.validation import validate
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
     "default": [],
@@ -49,7 +50,7 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
 def compose(overrides: list[str]):
     """The config `python train.py <overrides>` runs with, checked for one process."""
     cfg = C.compose(overrides)
-    C.validate(cfg, world_size=1)
+    validate(cfg, world_size=1)
     return cfg
 
 

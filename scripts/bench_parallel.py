@@ -43,6 +43,8 @@ from nanoexp import config as C
 from nanoexp.launch import free_port
 from nanoexp.parallel.comm_counter import CommCounter
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.placement import placement
+from nanoexp.validation import validate
 
 GROUPS = ("dp", "tp", "pp", "model_parallel", "embedding")
 
@@ -51,7 +53,7 @@ def compose(overrides: list[str]):
     """The config `python train.py <overrides>` runs with, checked for its layout and resolved (for the workers)."""
     cfg = C.compose(overrides)
     p = cfg.parallelism
-    C.validate(cfg, world_size=p.dp * p.tp * p.pp)
+    validate(cfg, world_size=p.dp * p.tp * p.pp)
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -75,7 +77,7 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
             per_micro += 3 * ring(ctx.tp) * mb * s * 4
         out["tp"] = m * per_micro
         if sp:
-            norms = [p for p in trainer.params if getattr(p, "sequence_parallel", False)]
+            norms = [p for p in trainer.params if placement(p).sequence_parallel]
             out["tp"] += ring(ctx.tp) * 4 * sum(p.numel() for p in norms)
     if ctx.pp > 1:
         boundary = mb * (s // ctx.tp if sp else s) * h * 4

@@ -148,8 +148,7 @@ def test_make_config_picks_the_least_model_parallel_layout_that_fits(tmp_path):
 def test_make_config_estimate_matches_a_hand_count():
     """tiny on 2 GPUs as dp1tp1pp2: stage 0 holds 2 layers + the embedding, stage 1 2 layers + norm + LM head;
     counted here by hand from conf/model/tiny.yaml (h 96, MLP 288, 4 heads / 4 KV heads of 24, vocab 320)."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from make_config import estimate
+    from scripts.make_config import estimate
     cfg = compose_config(["parallelism=dp1tp1pp2", "tokens.sequence_length=128", "tokens.micro_batch_size=4"])
     h, kv, mlp, vocab = 96, 4 * 24, 288, 320
     layer = 2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h

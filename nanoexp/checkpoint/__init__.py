@@ -4,6 +4,3 @@ from nanoexp.checkpoint.load import CheckpointReader
 from nanoexp.checkpoint.manager import CheckpointManager, Progress, Resume, latest_checkpoint
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.checkpoint.signals import handle_stop_signals
-
-__all__ = ["CheckpointManager", "CheckpointReader", "CheckpointError", "Progress", "Resume", "handle_stop_signals",
-           "latest_checkpoint"]

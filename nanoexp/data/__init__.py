@@ -17,15 +17,3 @@ from .packed import PackedDataset, TokenWindows, build_builtin_datasets
 from .sampler import GlobalBatchSampler, SequentialOrder, sample_order_for, shard_for_dp, split_micro_batches
 from .sources import DataError, build_datasets, check_data
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
-
-__all__ = [
-    "ByteTokenizer", "HFTokenizer", "build_tokenizer",
-    "load_builtin_documents", "load_builtin_titles", "split_train_val",
-    "TokenWindows", "PackedDataset", "build_builtin_datasets",
-    "Nanoset", "NanosetWriter", "NanosetError", "open_nanoset",
-    "ConcatDataset", "BlendedOrder",
-    "TokenStream", "load_hf_dataset", "build_hf_datasets",
-    "GlobalBatchSampler", "SequentialOrder", "sample_order_for", "shard_for_dp", "split_micro_batches",
-    "TrainBatches", "collate", "eval_batches",
-    "DataError", "build_datasets", "check_data",
-]

@@ -30,49 +30,39 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-           "broadcast", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+# Per wrapped call: where its tensor and group are (argument index and keyword) and what it sends.
+RULES = {
+    "all_reduce": ((0, "tensor"), (2, "group"), lambda b, n: 2 * (n - 1) * b // n),
+    "broadcast": ((0, "tensor"), (2, "group"), lambda b, n: (n - 1) * b // n),
+    "all_gather": ((1, "tensor"), (2, "group"), lambda b, n: (n - 1) * b),
+    "all_gather_into_tensor": ((1, "input_tensor"), (2, "group"), lambda b, n: (n - 1) * b),
+    "reduce_scatter": ((0, "output"), (3, "group"), lambda b, n: (n - 1) * b),
+    "reduce_scatter_tensor": ((0, "output"), (3, "group"), lambda b, n: (n - 1) * b),
+    "send": ((0, "tensor"), (2, "group"), lambda b, n: b),
+    "isend": ((0, "tensor"), (2, "group"), lambda b, n: b),
+    "recv": ((0, "tensor"), (2, "group"), lambda b, n: 0),
+    "irecv": ((0, "tensor"), (2, "group"), lambda b, n: 0),
+}
+WRAPPED = (*RULES, "batch_isend_irecv")
 
 
 def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _group_size(group) -> int:
-    return dist.get_world_size(group)
-
-
 def _call_bytes(name: str, args: tuple, kwargs: dict) -> list[tuple[object, int, int]]:
     """[(group, payload_bytes, sent_bytes)] of one call, from its arguments."""
-    def arg(i, key):
+    if name == "batch_isend_irecv":
+        sends = [(op, getattr(op.op, "__name__", "") == "isend") for op in (args[0] if args else kwargs["p2p_op_list"])]
+        return [(op.group, _nbytes(op.tensor), _nbytes(op.tensor) if sending else 0) for op, sending in sends]
+
+    def arg(where):
+        i, key = where
         return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
 
-    if name == "batch_isend_irecv":
-        out = []
-        for op in args[0] if args else kwargs["p2p_op_list"]:
-            sending = getattr(op.op, "__name__", "") == "isend"
-            out.append((op.group, _nbytes(op.tensor), _nbytes(op.tensor) if sending else 0))
-        return out
-    if name in ("send", "isend", "recv", "irecv"):
-        tensor = arg(0, "tensor")
-        return [(arg(2, "group"), _nbytes(tensor), _nbytes(tensor) if name in ("send", "isend") else 0)]
-    if name == "all_reduce":
-        tensor, group = arg(0, "tensor"), arg(2, "group")
-        n = _group_size(group)
-        return [(group, _nbytes(tensor), 2 * (n - 1) * _nbytes(tensor) // n)]
-    if name == "broadcast":
-        tensor, group = arg(0, "tensor"), arg(2, "group")
-        n = _group_size(group)
-        return [(group, _nbytes(tensor), (n - 1) * _nbytes(tensor) // n)]
-    if name in ("all_gather", "all_gather_into_tensor"):
-        chunk, group = arg(1, "tensor" if name == "all_gather" else "input_tensor"), arg(2, "group")
-        n = _group_size(group)
-        return [(group, _nbytes(chunk), (n - 1) * _nbytes(chunk))]
-    if name in ("reduce_scatter", "reduce_scatter_tensor"):
-        out_chunk, group = arg(0, "output"), arg(3, "group")
-        n = _group_size(group)
-        return [(group, _nbytes(out_chunk), (n - 1) * _nbytes(out_chunk))]
-    raise ValueError(f"no byte rule for {name}")
+    tensor_at, group_at, sent = RULES[name]
+    tensor, group = arg(tensor_at), arg(group_at)
+    return [(group, _nbytes(tensor), sent(_nbytes(tensor), dist.get_world_size(group)))]
 
 
 class CommCounter:
