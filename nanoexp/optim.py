@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.data_parallel import GradientBuckets
 from nanoexp.parallel.placement import counted_here
 from nanoexp.parallel.zero import ZeroAdamW
 
@@ -19,19 +20,18 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(cfg, model: nn.Module, ctx: ParallelContext):
-    """torch AdamW (foreach or fused), or ZeRO-1 AdamW with state sharded over dp."""
+def build_optimizer(cfg, model: nn.Module, grad_syncs: list[GradientBuckets]):
+    """torch AdamW (foreach or fused) over the model's parameters, or, with optimizer.zero_stage=1,
+    over this rank's shard of the gradient buffers (ZeRO-1, zero.py)."""
     o = cfg.optimizer
     f = o.optimizer_factory
-    groups = parameter_groups(model, o.weight_decay)
-    lr = o.learning_rate_scheduler.learning_rate
-    betas = (f.adam_beta1, f.adam_beta2)
-    if o.zero_stage == 1:
-        return ZeroAdamW(groups, ctx.dp_group, ctx.dp_rank, ctx.dp, lr=lr, betas=betas, eps=f.adam_eps,
-                         weight_decay=o.weight_decay)
     fused = bool(f.torch_adam_is_fused)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=f.adam_eps, fused=fused or None,
-                             foreach=None if fused else True)
+    adamw = dict(lr=o.learning_rate_scheduler.learning_rate, betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
+                 fused=fused or None, foreach=None if fused else True)
+    groups = parameter_groups(model, o.weight_decay)
+    if o.zero_stage == 1:
+        return ZeroAdamW(grad_syncs, groups, **adamw)
+    return torch.optim.AdamW(groups, **adamw)
 
 
 def min_decay_lr(cfg) -> float:
@@ -61,24 +61,29 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-@torch.no_grad()
-def global_grad_norm(params: list[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, each parameter counted once across tp and pp
-    (gradients are already identical across dp)."""
-    grads = [p.grad.float() for p in params if p.grad is not None and counted_here(p, ctx.tp_rank)]
-    device = params[0].device if params else torch.device("cpu")
-    sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
-    if ctx.model_parallel_group is not None and ctx.tp * ctx.pp > 1:
-        dist.all_reduce(sq, group=ctx.model_parallel_group)
-    return sq.sqrt()
+def gradients(optimizer, params: list[nn.Parameter], ctx: ParallelContext) -> tuple[list, list, object]:
+    """What clipping reads: the gradients the update will use, those of them that count in the
+    global norm (each element of the model once), and the group their squares are summed over.
+    ZeRO-1: this rank's shard pieces, summed over every rank; else every parameter's gradient
+    (already identical across dp), summed over the replica's model-parallel group."""
+    if isinstance(optimizer, ZeroAdamW):
+        used = [(piece.grad, piece.param) for piece in optimizer.pieces]
+        group = dist.group.WORLD if ctx.world_size > 1 else None
+    else:
+        used = [(p.grad, p) for p in params if p.grad is not None]
+        group = ctx.model_parallel_group if ctx.tp * ctx.pp > 1 else None
+    return [g for g, _ in used], [g for g, p in used if counted_here(p, ctx.tp_rank)], group
 
 
 @torch.no_grad()
-def clip_gradients(params: list[nn.Parameter], max_norm: float | None, ctx: ParallelContext) -> float:
-    """Scale the gradients so that the global norm is at most max_norm; returns the norm before."""
-    norm = global_grad_norm(params, ctx)
+def clip_gradients(optimizer, params: list[nn.Parameter], max_norm: float | None, ctx: ParallelContext) -> float:
+    """Scale the gradients so that the global norm (each parameter counted once across tp and pp)
+    is at most max_norm; returns the norm before."""
+    grads, counted, group = gradients(optimizer, params, ctx)
+    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=ctx.device)
+    if group is not None:
+        dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
     if max_norm is not None:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm.item()

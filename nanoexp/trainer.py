@@ -45,16 +45,20 @@ class Trainer:
         self.shape = model_shape(cfg)
         self.model = build_model(cfg, ctx)
         self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(cfg, self.model, ctx)
-        self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
-        self.resume = self.checkpoints.restore(self.model, self.optimizer)
-        self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         p = cfg.parallelism
         self.trace = (PipelineTrace.for_run(run_dir, ctx, p.pp_engine, p.pp_virtual_stages)
                       if cfg.logging.pipeline_trace else NO_TRACE)
-        # One set of buckets per chunk: a chunk's gradients are final after its own last backward.
-        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_group, ctx.dp,
+        # Flat parameter and gradient buffers, one set of buckets per chunk: a chunk's gradients
+        # are final after its own last backward. Gradients summed over tp or the pipeline ends
+        # first (sync_special_grads) are reduced over dp last.
+        special = [q for q in self.params if placement(q).sequence_parallel or placement(q).tied_across_stages]
+        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_group, ctx.dp, ctx.dp_rank,
+                                           shard=cfg.optimizer.zero_stage == 1, deferred=special,
                                            trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
+        self.optimizer = build_optimizer(cfg, self.model, self.grad_syncs)
+        self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
+        self.resume = self.checkpoints.restore(self.model, self.optimizer)
+        self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
         self.global_batch = C.global_batch_size(cfg)
@@ -127,19 +131,23 @@ class Trainer:
         self.loss_denominator = self.replica_target_tokens(micro_batches)
         losses = self.engine.run(self.forward_step, micro_batches, self.activation_shape, torch.float32,
                                  on_last_backward=lambda chunk: self.grad_syncs[chunk].arm())
+        self.sync_special_grads()   # before their dp reduction, which finish() starts
         for grad_sync in self.grad_syncs:
             grad_sync.finish()
         self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
-        self.sync_special_grads()
         return self.step_loss(losses)
+
+    def zero_grads(self) -> None:
+        for grad_sync in self.grad_syncs:
+            grad_sync.zero_grad()
 
     def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
         set_lr(self.optimizer, lr)
         loss = self.compute_gradients(micro_batches)
-        grad_norm = clip_gradients(self.params, self.cfg.optimizer.clip_grad, self.ctx)
+        grad_norm = clip_gradients(self.optimizer, self.params, self.cfg.optimizer.clip_grad, self.ctx)
         # Loss and norm are identical on every rank, so every rank takes the same branch.
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grads()
             if not self.cfg.optimizer.skip_nonfinite_steps:
                 raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
                                          "(set optimizer.skip_nonfinite_steps=true to skip such steps)")
@@ -147,7 +155,7 @@ class Trainer:
             log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
             return loss, grad_norm
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grads()
         return loss, grad_norm
 
     @torch.no_grad()

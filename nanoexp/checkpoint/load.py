@@ -160,19 +160,21 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
     def local_state(p, kind):
         return shard_tensor(reader.full_tensor(value_name(names[id(p)], p), kind), p, ctx).to(p.device)
 
-    if isinstance(optimizer, ZeroAdamW):
-        optimizer.num_steps = steps
-        for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
-            flat.zero_()
-            for p, a, b, s in optimizer.pieces:   # this dp rank's slice of the flat layout
-                flat[s:s + b - a] = local_state(p, kind).reshape(-1)[a:b]
-        return True
     step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")
+
+    def adam_state(moments: dict, device) -> dict:
+        return {**moments, "step": torch.tensor(float(steps), dtype=torch.float32, device=step_device or device)}
+
+    if isinstance(optimizer, ZeroAdamW):   # this dp rank's part of each parameter
+        for piece in optimizer.pieces:
+            moments = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone()
+                       for kind in STATE_KINDS}
+            optimizer.state[piece.value] = adam_state(moments, piece.value.device)
+        return True
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = {kind: local_state(p, kind).contiguous() for kind in STATE_KINDS}   # fresh tensors
-            state["step"] = torch.tensor(float(steps), dtype=torch.float32, device=step_device or p.device)
-            optimizer.state[p] = state
+            optimizer.state[p] = adam_state({kind: local_state(p, kind).contiguous() for kind in STATE_KINDS},
+                                            p.device)   # fresh tensors
     return True
 
 

@@ -65,11 +65,12 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
                 if kind in state:
                     add(f"{name}:{kind}", state[kind], name, kind, p)
     if zero and optimizer.num_steps > 0:
-        # ZeroAdamW's (param, start, end, shard offset) pieces: this dp rank's part of each parameter.
-        for p, a, b, s in optimizer.pieces:
-            if counted_here(p, ctx.tp_rank):
-                for kind, flat in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
-                    add(f"{names[id(p)]}:{kind}@{a}", flat[s:s + b - a], names[id(p)], kind, p, [a, b])
+        # ZeRO-1's pieces: this dp rank's part [start, end) of each parameter's flattened elements.
+        for piece in optimizer.pieces:
+            if counted_here(piece.param, ctx.tp_rank):
+                name, state = names[id(piece.param)], optimizer.state[piece.value]
+                for kind in STATE_KINDS:
+                    add(f"{name}:{kind}@{piece.start}", state[kind], name, kind, piece.param, [piece.start, piece.end])
     return tensors, index
 
 
