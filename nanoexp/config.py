@@ -104,6 +104,7 @@ class ParallelismConfig:
     tp_mode: str = "all_reduce"    # all_reduce | reduce_scatter (sequence parallel)
     recompute_layer: bool = False
     collective_timeout_s: float = 600.0   # a rank stuck this long in a collective is an error
+    start_method: str = "auto"     # local workers: auto (spawn with CUDA, fork on CPU) | fork | spawn
 
 
 @dataclass
@@ -331,6 +332,8 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
     else:
         check(p.pp_virtual_stages == 1, f"parallelism.pp_virtual_stages={p.pp_virtual_stages} needs "
               f"parallelism.pp_engine=interleaved_1f1b (got {p.pp_engine})")
+    check(p.start_method in ("auto", "fork", "spawn"),
+          f"parallelism.start_method={p.start_method}: allowed values are auto, fork, spawn")
     check(p.collective_timeout_s > 0,
           f"parallelism.collective_timeout_s={p.collective_timeout_s}: must be positive (seconds)")
     check(t.val_check_interval >= 0, f"tokens.val_check_interval={t.val_check_interval}: must be >= 0 (0: only at the end)")

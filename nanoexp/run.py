@@ -96,7 +96,8 @@ def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
     elif world == 1:
         worker(0, 1, setup_device(0, 1), cfg, run_dir)
     else:
-        spawn_local(world, worker, (cfg, run_dir), timeout_s=cfg.parallelism.collective_timeout_s)
+        spawn_local(world, worker, (cfg, run_dir), timeout_s=cfg.parallelism.collective_timeout_s,
+                    method=cfg.parallelism.start_method)
 
 
 def main(cfg, run_dir: str, multirun: bool = False) -> None:
