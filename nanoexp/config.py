@@ -105,6 +105,7 @@ class ParallelismConfig:
     tp_mode: str = "all_reduce"    # all_reduce | reduce_scatter (sequence parallel)
     recompute_layer: bool = False
     collective_timeout_s: float = 600.0   # a rank stuck this long in a collective is an error
+    start_method: str = "auto"     # local workers: auto (spawn with CUDA, fork on CPU) | fork | spawn
 
 
 @dataclass

@@ -2,15 +2,22 @@
 
 - Under torchrun or a SLURM task (the environment says so), this process joins that world.
 - With one process in all, the run happens in this process.
-- Otherwise dp*tp*pp local workers are started (fork on CPU, spawn with CUDA) and watched:
-  if one fails, the others are stopped and the command exits non-zero with that rank's error.
+- Otherwise dp*tp*pp local workers are started and watched: if one fails, the others are stopped
+  and the command exits non-zero with that rank's error. `parallelism.start_method` says how:
+  fork (the default on CPU: workers start in about a second, sharing the imported modules) or
+  spawn (the default with CUDA, which a process that has used it cannot fork; each worker starts a
+  fresh interpreter and imports torch again). Both behave alike: spawned workers rebuild the
+  launcher's console and log-file handlers (forked ones inherit them) and both record stop
+  signals from their first line (nanoexp.checkpoint.signals).
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -18,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from nanoexp.checkpoint.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
 
 log = logging.getLogger("nanoexp")
 
@@ -73,8 +82,49 @@ def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s
                             device_id=device if device.type == "cuda" else None)
 
 
+def start_method(name: str = "auto") -> str:
+    """parallelism.start_method resolved: auto is spawn with CUDA, fork without."""
+    if name == "auto":
+        return "spawn" if torch.cuda.is_available() else "fork"
+    return name
+
+
+def _log_handlers() -> list:
+    """The root logger's console and file handlers, as what a spawned worker needs to rebuild them."""
+    described = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            target = handler.baseFilename
+        elif isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
+            target = "stdout" if handler.stream is sys.stdout else "stderr"
+        else:
+            continue
+        try:
+            formatter = pickle.loads(pickle.dumps(handler.formatter))
+        except Exception:  # noqa: BLE001 - an exotic formatter: fall back to logging's default
+            formatter = None
+        described.append((target, handler.level, formatter))
+    return described
+
+
+def _rebuild_log_handlers(described: list, level: int) -> None:
+    root = logging.getLogger()
+    for target, handler_level, formatter in described:
+        if target in ("stdout", "stderr"):
+            handler = logging.StreamHandler(getattr(sys, target))
+        else:
+            handler = logging.FileHandler(target)   # appends, as the launcher's handler does
+        handler.setLevel(handler_level)
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
 def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
-                  timeout_s: float) -> None:
+                  timeout_s: float, record_signals: bool, log_handlers: list | None) -> None:
+    worker_records_stop_signals(record_signals)   # first: a stop signal from now on is recorded, not fatal
+    if log_handlers is not None:   # spawned: a bare interpreter
+        _rebuild_log_handlers(*log_handlers)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -87,17 +137,22 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
         raise SystemExit(1)
 
 
-def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
-    """Run fn(rank, world_size, device, *args) in world_size local processes and watch them."""
-    method = "spawn" if torch.cuda.is_available() else "fork"   # CUDA cannot be forked
+def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 600.0, poll_s: float = 0.2,
+                method: str = "auto") -> None:
+    """Run fn(rank, world_size, device, *args) in world_size local processes and watch them.
+    method: auto | fork | spawn (see start_method); under spawn, fn and args must be picklable."""
+    method = start_method(method)
     context = mp.get_context(method)
     errors = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_local_worker, args=(r, world_size, port, fn, args, errors, timeout_s),
-                             daemon=False)
+    log_handlers = (_log_handlers(), logging.getLogger().level) if method == "spawn" else None
+    procs = [context.Process(target=_local_worker, daemon=False,
+                             args=(r, world_size, port, fn, args, errors, timeout_s, handling_stop_signals(),
+                                   log_handlers))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with workers_starting():   # a stop signal now waits until every worker records it
+        for p in procs:
+            p.start()
     failure, killed = None, []
     try:
         while any(p.is_alive() for p in procs) and failure is None:

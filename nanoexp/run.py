@@ -146,7 +146,8 @@ def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
         peak = node_cpu_peak(cfg)
         worker(0, 1, setup_device(0, 1), cfg, run_dir, peak)
     else:
-        spawn_local(world, worker, (cfg, run_dir, node_cpu_peak(cfg)), timeout_s=cfg.parallelism.collective_timeout_s)
+        spawn_local(world, worker, (cfg, run_dir, node_cpu_peak(cfg)), timeout_s=cfg.parallelism.collective_timeout_s,
+                    method=cfg.parallelism.start_method)
 
 
 def remove_run_folder(folder: str) -> None:

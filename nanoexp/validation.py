@@ -87,6 +87,7 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
     return [
         one_of(cfg, "parallelism.pp_engine", ("afab", "1f1b", "interleaved_1f1b")),
         one_of(cfg, "parallelism.tp_mode", ("all_reduce", "reduce_scatter")),
+        one_of(cfg, "parallelism.start_method", ("auto", "fork", "spawn")),
         *[(size % p.tp == 0, f"{M}{name}={size} is not divisible by parallelism.tp={p.tp}") for name, size in
           [("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", kv),
            ("intermediate_size", m.intermediate_size)]],

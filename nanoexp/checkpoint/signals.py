@@ -4,7 +4,16 @@ exit cleanly.
 Who handles what:
   * `handle_stop_signals()` wraps a whole run in the process that starts it (nanoexp.run). Its
     handler only records the signal; when that process launched local workers it also forwards
-    the signal to them (they inherit the handler through fork and record it themselves).
+    the signal to them.
+  * Local workers (nanoexp.launch) record the signals themselves, started by fork or by spawn:
+    the launcher holds the signals back while it starts them (`workers_starting()`; a blocked
+    signal stays pending, and the mask survives both fork and spawn's exec), and each worker calls
+    `worker_records_stop_signals()` first thing, which installs the recording handler and then lets
+    any held-back signal in. So a signal that comes while a spawned worker is still importing
+    torch is recorded late, not fatal; a forked worker would inherit the handler anyway, and
+    installs it all the same. A signal the launcher received before its workers existed is
+    forwarded to them once they are started. Ctrl-C reaches the launcher and every worker (one
+    process group): each records it once or twice, which is the same as once.
   * Every rank's trainer asks `stop_agreed(ctx)` after each optimizer step: one all-reduce, so
     all ranks stop after the same step even when the signal reached only some of them.
   * When the run has ended (checkpoint written), the handler that was installed before ours is
@@ -30,8 +39,41 @@ _received: dict = {"signum": None, "owner_pid": None}
 def _on_signal(signum, frame) -> None:
     _received["signum"] = signum
     if os.getpid() == _received["owner_pid"]:   # the launcher: pass it on to local workers
-        for child in mp.active_children():
-            os.kill(child.pid, signum)
+        _forward(signum)
+
+
+def _forward(signum) -> None:
+    for child in mp.active_children():
+        os.kill(child.pid, signum)
+
+
+def handling_stop_signals() -> bool:
+    """Whether this process is inside `handle_stop_signals()` (its local workers should record them too)."""
+    return _received["owner_pid"] == os.getpid()
+
+
+@contextlib.contextmanager
+def workers_starting():
+    """Wrap the start of local workers: stop signals are held back (pending, never lost) in this thread
+    and, through the inherited mask, in each new worker until it calls `worker_records_stop_signals()`.
+    On leaving, held signals reach this process's handler (which forwards them), and a signal recorded
+    before the workers existed is forwarded to them too."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if handling_stop_signals() and _received["signum"] is not None:
+            _forward(_received["signum"])
+
+
+def worker_records_stop_signals(record: bool = True) -> None:
+    """In a local worker, before anything slow: record stop signals (`record`, when the launcher handles
+    them; otherwise the default actions stay), then let in those held back since the worker started."""
+    if record:
+        for s in STOP_SIGNALS:
+            signal.signal(s, _on_signal)   # owner_pid is the launcher's (fork) or None (spawn): no forwarding
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def stop_requested() -> bool:
