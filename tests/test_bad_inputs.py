@@ -25,6 +25,7 @@ CASES = [
     ("negative steps", ["tokens.train_steps=-5"], {}, "tokens.train_steps=-5"),
     ("zero sequence", ["tokens.sequence_length=0"], {}, "tokens.sequence_length=0"),
     ("zero dp", ["parallelism.dp=0"], {}, "parallelism.dp=0"),
+    ("unknown start method", ["parallelism.start_method=thread"], {}, "parallelism.start_method=thread"),
     ("heads do not divide hidden", [M + "num_attention_heads=5", M + "num_key_value_heads=5"], {},
      "hidden_size=96 is not divisible by num_attention_heads=5"),
     ("kv heads do not divide heads", [M + "num_key_value_heads=3"], {}, "num_key_value_heads=3"),
