@@ -63,6 +63,7 @@ class ModelConfig:
     init_method: InitMethod = field(default_factory=InitMethod)
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
+    ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
 
 

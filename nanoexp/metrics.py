@@ -10,7 +10,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from nanoexp.model.llama import LlamaShape, layer_shapes
@@ -106,13 +105,6 @@ def measure_cpu_peak(dtype: str, threads: int, size: int = 1024, repeats: int = 
         torch.set_num_threads(previous)
     tflops = 2.0 * size ** 3 / best / 1e12
     return Peak(tflops, f"measured: best of {repeats} {size}x{size} {dtype} matmuls on {threads} threads")
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """On CUDA the peak allocated memory; on CPU the current resident set size (not a peak)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return psutil.Process().memory_info().rss / 2**20
 
 
 def start_wandb(run_dir: str, cfg):

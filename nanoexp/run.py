@@ -21,6 +21,7 @@ from nanoexp.data.sources import check_data
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, setup_device,
                             spawn_local)
+from nanoexp.memory import return_freed_memory
 from nanoexp.metrics import Peak, job_peak, measure_cpu_peak
 from nanoexp.sweep import record_failure, stopped_by_signal
 from nanoexp.validation import validate
@@ -88,6 +89,8 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Pea
     from nanoexp.trainer import Trainer
 
     setup_rank_logging(run_dir, rank)
+    if device.type == "cpu":
+        return_freed_memory()
     p = cfg.parallelism
     ctx = ParallelContext(p.dp, p.tp, p.pp, device=device, collective_timeout_s=p.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -22,7 +22,8 @@ from nanoexp.checkpoint import CheckpointManager, Progress
 from nanoexp.console import StepClock, step_line
 from nanoexp.data import build_datasets
 from nanoexp.data.loader import IGNORE_INDEX, TrainBatches, eval_batches, eval_rounds
-from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token, peak_memory_mb
+from nanoexp.memory import peak_memory_mb, start_measuring
+from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
 from nanoexp.model.llama import count_parameters
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
@@ -31,7 +32,7 @@ from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
 from nanoexp.parallel.pipeline import build_engine
 from nanoexp.parallel.placement import placement
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
-from nanoexp.profiling import StepProfiler
+from nanoexp.profiling import StepProfiler, saved_activation_bytes
 
 log = logging.getLogger("nanoexp")
 
@@ -42,6 +43,8 @@ class Trainer:
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
         torch.manual_seed(cfg.general.seed)
+        self.train_set, self.val_set, _ = build_datasets(cfg)
+        self.baseline_mb = start_measuring(ctx.device)   # the runtime and the data, before the model
         self.shape = model_shape(cfg)
         self.model = build_model(cfg, ctx)
         self.params = list(self.model.parameters())
@@ -52,8 +55,9 @@ class Trainer:
         # are final after its own last backward. Gradients summed over tp or the pipeline ends
         # first (sync_special_grads) are reduced over dp last.
         special = [q for q in self.params if placement(q).sequence_parallel or placement(q).tied_across_stages]
+        bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
         self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_group, ctx.dp, ctx.dp_rank,
-                                           shard=cfg.optimizer.zero_stage == 1, deferred=special,
+                                           shard=cfg.optimizer.zero_stage == 1, deferred=special, bucket_cap_mb=bucket_mb,
                                            trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
         self.optimizer = build_optimizer(cfg, self.model, self.grad_syncs)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
@@ -62,7 +66,6 @@ class Trainer:
         self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
         self.global_batch = C.global_batch_size(cfg)
-        self.train_set, self.val_set, _ = build_datasets(cfg)
         self.batches = TrainBatches(self.train_set, self.global_batch, cfg.tokens.micro_batch_size,
                                     ctx.dp_rank, ctx.dp, cfg.general.seed, prefetch=cfg.data.prefetch,
                                     consumed_samples=self.resume.consumed_samples)
@@ -78,6 +81,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
         self.peak = peak or Peak(None, "not measured")
         self.loss_denominator = 1.0   # see replica_target_tokens
+        self.saved_bytes, self.memory = None, {}   # see memory_breakdown
         self.writer = MetricsWriter(run_dir, cfg) if self.is_writer else None
 
     # -- one optimizer step -------------------------------------------------------------
@@ -86,10 +90,14 @@ class Trainer:
         stage returns its share of the step loss: the sum of its token losses / `loss_denominator`
         (default: this step's, see replica_target_tokens)."""
         ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
-        with self.autocast:
+        # The run's first forward also measures what autograd keeps of one micro-batch for backward.
+        measure = saved_activation_bytes(self.params) if self.saved_bytes is None else contextlib.nullcontext()
+        with self.autocast, measure as saved:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
                              labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
+        if saved is not None and torch.is_grad_enabled():
+            self.saved_bytes = saved.bytes
         return out.sum() / (loss_denominator or self.loss_denominator) if last else out
 
     def replica_target_tokens(self, micro_batches: list[dict]) -> float:
@@ -190,6 +198,7 @@ class Trainer:
                 if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
                     break
             summary["status"] = "stopped" if stopped else "completed"
+            summary.update(self.memory_of_every_rank())
         except Exception as error:
             summary["error"] = f"{type(error).__name__}: {error}"
             raise
@@ -208,6 +217,8 @@ class Trainer:
         self.step = step
         loss, grad_norm = self.train_step(micro_batches, lr)
         self.profiler.step()
+        if not self.memory:
+            self.memory = self.memory_breakdown()
         self.progress.consumed_samples = self.batches.consumed_samples
         self.progress.consumed_tokens += self.tokens_per_step
         step_time = time.perf_counter() - start
@@ -240,6 +251,34 @@ class Trainer:
             log.info("step %d/%d | eval_loss %.4f", record["step"], self.cfg.tokens.train_steps, record["eval_loss"])
         else:
             log.info(step_line(record, self.cfg.tokens.train_steps, self.clock))
+
+    def memory_breakdown(self) -> dict:
+        """This rank's memory by kind (MB), counted from the tensors after the first step, and rank 0
+        logs it: parameters and gradients (the flat buffers), optimizer state, and the activations
+        of one micro-batch (measured on the first forward) times those the engine held at once."""
+        def mb(tensors) -> float:
+            return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        per_micro_batch = (self.saved_bytes or 0) / 2**20
+        memory = {"parameters_mb": mb(s.values for s in self.grad_syncs), "gradients_mb": mb(s.grads for s in self.grad_syncs),
+                  "optimizer_mb": mb(state), "activations_mb": per_micro_batch * self.engine.max_in_flight,
+                  "activations_per_micro_batch_mb": per_micro_batch, "micro_batches_in_flight": self.engine.max_in_flight}
+        if self.is_writer:
+            log.info("memory of rank 0: parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB, activations "
+                     "%.1f MB (%.2f MB per micro-batch x %d in flight); runtime baseline %.0f MB, peak so far %.0f MB",
+                     *[memory[k] for k in ("parameters_mb", "gradients_mb", "optimizer_mb", "activations_mb",
+                                           "activations_per_micro_batch_mb", "micro_batches_in_flight")],
+                     self.baseline_mb, peak_memory_mb(self.ctx.device))
+        return memory
+
+    def memory_of_every_rank(self) -> dict:
+        """summary.json's memory fields, from every rank (a collective: call it on all ranks)."""
+        mine = {"peak": peak_memory_mb(self.ctx.device), "baseline": self.baseline_mb, "memory": self.memory}
+        ranks = [mine] * self.ctx.world_size
+        if self.ctx.world_size > 1:
+            dist.all_gather_object(ranks, mine)
+        return {"peak_memory_mb": max(r["peak"] for r in ranks), "peak_memory_mb_per_rank": [r["peak"] for r in ranks],
+                "baseline_memory_mb": max(r["baseline"] for r in ranks), "memory": [r["memory"] for r in ranks]}
 
     def announce(self, num_parameters: int) -> None:
         """Rank 0 logs what this run is: which model, layout, batch, data and peak."""
@@ -279,8 +318,8 @@ class Trainer:
         summary.update(final_loss=record.get("loss"), eval_loss=self.eval_loss, train_steps=record.get("step", 0),
                        tokens_per_sec=self.tokens_per_step * len(timed) / sum(timed) if timed else None,
                        consumed_tokens=self.progress.consumed_tokens, mfu=record.get("mfu"),
-                       peak_tflops=self.peak.tflops, peak_source=self.peak.source,
-                       peak_memory_mb=peak_memory_mb(self.ctx.device), wall_seconds=self.clock.elapsed())
+                       peak_tflops=self.peak.tflops, peak_source=self.peak.source, wall_seconds=self.clock.elapsed())
+        summary.setdefault("peak_memory_mb", peak_memory_mb(self.ctx.device))   # this rank's, after a failure
         self.trace.close()
         if self.is_writer:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

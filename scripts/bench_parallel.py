@@ -9,10 +9,14 @@ steps run inside a `CommCounter` (nanoexp/parallel/comm_counter.py), which recor
 collective and point-to-point call per process group (dp, tp, pp, model-parallel, embedding).
 
 Reported per group: calls and bytes SENT per rank per optimizer step (ring algorithms; mean
-over the ranks), next to the analytic minimum for the layout, each rank's own count averaged
-the same way (m micro-batches per step, A = micro_batch x seq x hidden activation bytes):
-  dp  ring all-reduce of this rank's float32 gradients: 2(dp-1)/dp x 4 x local parameters,
-      plus the step loss (4 bytes);
+over the ranks), next to the analytic minimum for the layout, derived from the model's shape and
+the layout alone (nanoexp.memory.held_parameters counts what a rank holds), each rank's own count
+averaged the same way (m micro-batches per step, A = micro_batch x seq x hidden activation bytes,
+N = the parameters this rank holds):
+  dp  averaging this rank's float32 gradients: 2(dp-1)/dp x 4N, whether as one all-reduce
+      (zero_stage 0) or as a reduce-scatter of the gradients plus an all-gather of the updated
+      parameters (ZeRO-1: (dp-1)/dp x 4N each); plus the step loss, and on the loss stage the
+      count of target tokens (4 bytes each, all-reduced);
   tp  Megatron's minimum, per micro-batch: 2 all-reduces forward + 2 backward per layer
       (sequence parallel: 4 all-gathers + 4 reduce-scatters, the same bytes), one for the
       embedding (first stage) and one for the LM head's input (last stage), each 2(tp-1)/tp x A;
@@ -20,7 +24,8 @@ the same way (m micro-batches per step, A = micro_batch x seq x hidden activatio
       norm-weight gradients;
   pp  per micro-batch the activation to the next stage and its gradient to the previous one
       (float32, s/tp long under SP), plus the step loss;
-  model_parallel  the squared gradient norm (4 bytes).
+  model_parallel  the squared gradient norm (4 bytes; with ZeRO-1 it is summed over all ranks,
+      the "world" line).
 tokens/s is the global batch's tokens over rank 0's median step time (workers share the CPUs,
 so on a small machine it measures process overhead more than scaling).
 """
@@ -41,9 +46,9 @@ from omegaconf import OmegaConf
 
 from nanoexp import config as C
 from nanoexp.launch import free_port
+from nanoexp.memory import held_parameters
 from nanoexp.parallel.comm_counter import CommCounter
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import placement
 from nanoexp.validation import validate
 
 GROUPS = ("dp", "tp", "pp", "model_parallel", "embedding")
@@ -66,19 +71,20 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     activation = mb * s * h * act_bytes
     ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
     out = {name: 0.0 for name in GROUPS}
+    held, chunks = held_parameters(trainer.shape, cfg, ctx.pp_rank, ctx.tp)
     if ctx.dp > 1:
-        local = sum(p.numel() for p in {id(p): p for p in trainer.params}.values())
-        out["dp"] = ring(ctx.dp) * 4 * (local + 1)
+        scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
+        out["dp"] = ring(ctx.dp) * 4 * (held + scalars)
     if ctx.tp > 1:
-        layers = len(trainer.model.model.layers)
+        layers = sum(chunks)
         first, last = ctx.is_first_stage, ctx.is_last_stage
         per_micro = (4 * layers + first + last) * ring(ctx.tp) * activation
         if last:
             per_micro += 3 * ring(ctx.tp) * mb * s * 4
         out["tp"] = m * per_micro
         if sp:
-            norms = [p for p in trainer.params if placement(p).sequence_parallel]
-            out["tp"] += ring(ctx.tp) * 4 * sum(p.numel() for p in norms)
+            norm_weights = (2 * layers + ctx.is_last_stage) * h   # two per layer, the final one on the last stage
+            out["tp"] += ring(ctx.tp) * 4 * norm_weights
     if ctx.pp > 1:
         boundary = mb * (s // ctx.tp if sp else s) * h * 4
         out["pp"] = m * boundary * ((not ctx.is_last_stage) + (not ctx.is_first_stage)) + ring(ctx.pp) * 4

@@ -16,16 +16,10 @@ Promises:
   conf/experiment/<--experiment, default <model>_<gpus>gpu>.yaml, or to --out, and prints the command
   that runs it. A model whose vocabulary is not the built-in byte tokenizer's needs --tokenizer.
 
-The estimate (bytes per GPU), for the busiest pipeline stage:
-- parameters 4 B, gradients 4 B (float32 master weights and gradients, also under bf16 autocast), AdamW
-  state 8 B (two float32 moments, divided by dp with ZeRO-1), per parameter held by the rank;
-- activations per layer and micro-batch s*b*h*(10 + 24/tp) bytes in 16-bit (Korthikanti et al. 2022,
-  "Reducing Activation Recomputation in Large Transformer Models", table 2, tensor parallel without
-  sequence parallelism; their 5*a*s/h attention-score term is left out because flash/SDPA attention does
-  not store the scores), doubled for float32; the first stage of 1F1B holds min(pp, micro-batches) of them;
-- float32 logits and their gradient on the last stage: 2 * s * b * vocab/tp * 4 B.
-- under bf16 autocast, the bf16 copies of the weights autocast keeps during a step: 2 B per parameter held;
-- the CUDA context and library workspaces (CUDA_CONTEXT_GIB, a nominal allowance).
+The estimate (bytes per GPU) is nanoexp/memory.py's for the busiest pipeline stage (parameters, gradients,
+AdamW state, activations of the micro-batches the engine holds, counted from what autograd saves; see
+scripts/estimate_memory.py), plus what a GPU adds: under bf16 autocast the bf16 copies of the weights it keeps
+during a step (2 B per parameter held), and the CUDA context (memory.CUDA_CONTEXT_MB, a nominal allowance).
 It leaves out allocator fragmentation and communication buffers: hence the 10% margin.
 """
 from __future__ import annotations
@@ -39,13 +33,12 @@ import sys
 from omegaconf import OmegaConf
 
 from nanoexp.config import CONF_DIR, ConfigError, batch_accumulation, compose, num_kv_heads, padded_vocab_size
+from nanoexp.memory import CUDA_CONTEXT_MB, MB, busiest_rank_estimate
+from nanoexp.model.build import model_shape
 from nanoexp.validation import validate
 
 GIB = 1024 ** 3
 HEADROOM = 0.9
-# PyTorch's CUDA context with cuBLAS/NCCL workspaces: a nominal allowance (not measured here: no GPU),
-# of the order PyTorch's CUDA notes give for the context (several hundred MB) plus NCCL buffers.
-CUDA_CONTEXT_GIB = 1.0
 BYTE_VOCAB = 257
 
 
@@ -54,27 +47,15 @@ def divisors(n: int) -> list[int]:
 
 
 def estimate(cfg) -> dict[str, float]:
-    """Bytes on the busiest GPU of this layout, by kind (see the module docstring)."""
-    m, p, t = cfg.model.model_config, cfg.parallelism, cfg.tokens
-    h, L, vocab = m.hidden_size, m.num_hidden_layers, padded_vocab_size(cfg)
-    kv_dim = num_kv_heads(cfg) * (h // m.num_attention_heads)
-    per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * m.intermediate_size + 2 * h
-    layers = math.ceil(L / p.pp)
-    embedding = vocab * h
-    first = layers * per_layer + embedding + (embedding + h if p.pp == 1 and not m.tie_word_embeddings else 0)
-    last = layers * per_layer + (embedding if not m.tie_word_embeddings or p.pp > 1 else 0) + h
-    params = max(first, last) / p.tp
-    dp_shards = p.dp if cfg.optimizer.zero_stage == 1 else 1
-    activation_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    s, b = t.sequence_length, t.micro_batch_size
-    per_layer_activation = s * b * h * (10 + 24 / p.tp) * activation_bytes / 2
-    if p.recompute_layer:   # only each layer's input is kept
-        per_layer_activation = s * b * h * activation_bytes
-    in_flight = min(p.pp, batch_accumulation(cfg))
-    return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / dp_shards,
-            "weight_copies": 2 * params if cfg.model.dtype == "bfloat16" else 0,
-            "activations": per_layer_activation * layers * in_flight + 2 * s * b * vocab / p.tp * 4,
-            "cuda_context": CUDA_CONTEXT_GIB * GIB}
+    """Bytes on the busiest GPU of this layout, by kind: nanoexp.memory's estimate of the busiest
+    pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies
+    of the weights autocast keeps during a step, and the CUDA context."""
+    _, parts = busiest_rank_estimate(cfg, model_shape(cfg))
+    held = parts["parameters"] / 4
+    return {"parameters": parts["parameters"], "gradients": parts["gradients"], "optimizer": parts["optimizer"],
+            "weight_copies": 2 * held if cfg.model.dtype == "bfloat16" else 0,
+            "activations": max(parts["activations"], parts["update_workspace"]),
+            "cuda_context": CUDA_CONTEXT_MB * MB}
 
 
 def candidates(base, gpus: int, gpus_per_node: int):

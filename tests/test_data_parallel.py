@@ -55,7 +55,8 @@ def forward_loss(model, x, y):
 def _count_reductions(counter: list) -> dict:
     """Wrap dist.all_reduce and dist.reduce_scatter_tensor (process-local: each rank is a forked
     process); returns the originals to restore."""
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor")}
+    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def counting(original):
         def call(*args, **kwargs):

@@ -146,17 +146,26 @@ def test_make_config_picks_the_least_model_parallel_layout_that_fits(tmp_path):
 
 
 def test_make_config_estimate_matches_a_hand_count():
-    """tiny on 2 GPUs as dp1tp1pp2: stage 0 holds 2 layers + the embedding, stage 1 2 layers + norm + LM head;
+    """tiny on 2 GPUs as dp1tp1pp2 (1F1B, 8 micro-batches of 4 x 128): stage 0 holds 2 layers + the
+    embedding and at most 2 micro-batches in flight, stage 1 2 layers + norm + LM head and 1 micro-batch;
     counted here by hand from conf/model/tiny.yaml (h 96, MLP 288, 4 heads / 4 KV heads of 24, vocab 320)."""
+    from nanoexp.memory import estimate as stage_estimate, total
+    from nanoexp.model.build import model_shape
     from scripts.make_config import estimate
     cfg = compose_config(["parallelism=dp1tp1pp2", "tokens.sequence_length=128", "tokens.micro_batch_size=4"])
-    h, kv, mlp, vocab = 96, 4 * 24, 288, 320
+    h, kv, mlp, vocab, heads, tokens = 96, 4 * 24, 288, 320, 4, 4 * 128
     layer = 2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h
-    stage_params = 2 * layer + vocab * h + h   # the last stage: layers, LM head, final norm
-    parts = estimate(cfg)
-    assert parts["parameters"] == 4 * stage_params and parts["optimizer"] == 8 * stage_params
-    # float32: 2 layers x min(pp=2, 8 micro-batches) in flight x s*b*h*34 x 2 bytes, plus logits and their grad.
-    assert parts["activations"] == 2 * 2 * 128 * 4 * h * 34 * 2 + 2 * 128 * 4 * vocab * 4
+    saved = 8 * h + 2 * kv + 4 * mlp + heads + 2            # floats per token a layer keeps for backward
+    first = stage_estimate(cfg, model_shape(cfg), 0)
+    last = stage_estimate(cfg, model_shape(cfg), 1)
+    assert first["parameters"] == 4 * (2 * layer + vocab * h) and first["optimizer"] == 8 * (2 * layer + vocab * h)
+    assert last["parameters"] == 4 * (2 * layer + vocab * h + h)
+    assert first["activations"] == 4 * tokens * (2 * 2 * saved)                    # 2 micro-batches x 2 layers
+    assert last["activations"] == 4 * tokens * (2 * saved + 3 * h + 1 + vocab)     # 1 x 2 layers + the head
+    busiest = max(first, last, key=total)
+    gpu = estimate(cfg)
+    assert gpu["parameters"] == busiest["parameters"] and gpu["weight_copies"] == 0   # float32: no bf16 copies
+    assert gpu["cuda_context"] > 0
 
 
 def test_local_submitit_launcher_runs_the_job_from_any_folder(local_sweep, tmp_path):

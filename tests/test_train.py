@@ -35,6 +35,12 @@ def test_loss_falls_and_files_are_complete(tmp_path):
     assert summary["status"] == "completed" and summary["layout"] == "dp1tp1pp1" and summary["world_size"] == 1
     assert summary["final_loss"] == steps[-1]["loss"] and summary["eval_loss"] == evals[-1]["eval_loss"]
     assert summary["train_steps"] == 30 and summary["global_batch_size"] == 8
+    # Memory: a true peak per rank above a baseline measured before the model, and what it held.
+    assert summary["peak_memory_mb_per_rank"] == [summary["peak_memory_mb"]]
+    assert 0 < summary["baseline_memory_mb"] < summary["peak_memory_mb"]
+    memory = summary["memory"][0]
+    assert memory["parameters_mb"] == memory["gradients_mb"] > 0 and memory["optimizer_mb"] == 2 * memory["parameters_mb"]
+    assert memory["micro_batches_in_flight"] == 1 and memory["activations_mb"] == memory["activations_per_micro_batch_mb"] > 0
     assert os.listdir(tmp_path / "tensorboard")
     assert os.path.exists(tmp_path / "logs" / "rank_0.log")
 

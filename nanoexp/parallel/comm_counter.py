@@ -5,8 +5,8 @@
     comm.totals()   # {"dp": {"calls": 3, "payload_bytes": ..., "sent_bytes": ...}, ...}
 
 While the block runs, `torch.distributed.{all_reduce, all_gather, all_gather_into_tensor,
-reduce_scatter, reduce_scatter_tensor, broadcast, send, recv, isend, irecv, batch_isend_irecv}`
-are replaced by wrappers that record each call and then call the original; everything is
+all_gather_single, reduce_scatter, reduce_scatter_tensor, reduce_scatter_single, broadcast, send,
+recv, isend, irecv, batch_isend_irecv}` (those this torch has) are replaced by wrappers that record each call and then call the original; everything is
 restored on exit. A call is attributed to the name of the group object it was given (None is
 the default group, "world"; an unnamed group is "other").
 
@@ -38,12 +38,14 @@ RULES = {
     "all_gather_into_tensor": ((1, "input_tensor"), (2, "group"), lambda b, n: (n - 1) * b),
     "reduce_scatter": ((0, "output"), (3, "group"), lambda b, n: (n - 1) * b),
     "reduce_scatter_tensor": ((0, "output"), (3, "group"), lambda b, n: (n - 1) * b),
+    "all_gather_single": ((1, "input_tensor"), (2, "group"), lambda b, n: (n - 1) * b),
+    "reduce_scatter_single": ((0, "output"), (3, "group"), lambda b, n: (n - 1) * b),
     "send": ((0, "tensor"), (2, "group"), lambda b, n: b),
     "isend": ((0, "tensor"), (2, "group"), lambda b, n: b),
     "recv": ((0, "tensor"), (2, "group"), lambda b, n: 0),
     "irecv": ((0, "tensor"), (2, "group"), lambda b, n: 0),
 }
-WRAPPED = (*RULES, "batch_isend_irecv")
+WRAPPED = (*(name for name in RULES if hasattr(dist, name)), "batch_isend_irecv")   # as this torch has them
 
 
 def _nbytes(tensor) -> int:

@@ -32,6 +32,13 @@ from torch import nn
 from nanoexp.parallel.trace import NO_TRACE
 
 
+def collective(name: str, old_name: str):
+    """torch.distributed's `name`, or `old_name` on torch releases before it (2.13 renamed
+    all_gather_into_tensor and reduce_scatter_tensor). Looked up at each call, so that wrappers
+    such as the CommCounter see it."""
+    return getattr(dist, name, None) or getattr(dist, old_name)
+
+
 def _unique(params) -> list[nn.Parameter]:
     """Parameters in order of first appearance, each once (tied weights appear twice)."""
     seen, out = set(), []
@@ -186,7 +193,8 @@ class GradientBuckets:
             data = self.grads[bucket.start:bucket.start + bucket.numel]
             if self.shard:
                 lo, hi = self.shard_range(bucket)
-                bucket.handle = dist.reduce_scatter_tensor(self.grads[lo:hi], data, group=self.group, async_op=True)
+                reduce_scatter = collective("reduce_scatter_single", "reduce_scatter_tensor")
+                bucket.handle = reduce_scatter(self.grads[lo:hi], data, group=self.group, async_op=True)
             else:
                 bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
             self.launch_order.append(bucket.index)

@@ -11,12 +11,8 @@ reduce-scatter and one all-gather, the bytes of one all-reduce.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from nanoexp.parallel.data_parallel import GradientBuckets
-
-# torch 2.13 renames all_gather_into_tensor to all_gather_single (and warns about the old name).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from nanoexp.parallel.data_parallel import GradientBuckets, collective
 
 
 class ZeroAdamW:
@@ -54,7 +50,8 @@ class ZeroAdamW:
             for bucket in sync.buckets:
                 lo, hi = sync.shard_range(bucket)
                 full = sync.values[bucket.start:bucket.start + bucket.numel]
-                handles.append(_all_gather(full, sync.values[lo:hi], group=sync.group, async_op=True))
+                all_gather = collective("all_gather_single", "all_gather_into_tensor")
+                handles.append(all_gather(full, sync.values[lo:hi], group=sync.group, async_op=True))
         for handle in handles:
             handle.wait()
 

@@ -1,0 +1,172 @@
+"""Per-rank memory: measured (the runtime baseline before the model exists, and the true peak) and
+estimated from the config alone (what scripts/estimate_memory.py and make_config.py print).
+
+Measured. On CPU the peak is the process's high-water resident set size (VmHWM), reset when a rank
+starts so that a forked worker does not inherit its parent's peak; on CUDA it is
+`max_memory_allocated`. The baseline is what the rank holds before its model is built (Python,
+torch, the data; on CUDA the allocator starts at 0 and the context is not counted there).
+On CPU, run.py first makes glibc return freed tensor memory (`return_freed_memory`): without it
+the peak RSS keeps every step's freed activations in the heap and reads ~50 % high.
+
+Estimated, for one rank (bytes, float32 master weights and gradients):
+  parameters   4 B x the parameters the rank holds (its layers, tp slices, embedding / head)
+  gradients    4 B x the same (flat buffers, one per chunk)
+  optimizer    8 B x the same (AdamW's two moments), / dp with ZeRO-1; at the update, 4 B more
+               (torch's AdamW takes the square root of the second moment into a new tensor)
+  activations  what autograd saves per token and layer x the layers of the micro-batches in flight
+               at once (from the engine's own schedule: AFAB all of them, 1F1B at most pp - stage,
+               interleaved its own count), plus one layer recomputed during backward with
+               recomputation, plus the head's logits on the last stage.
+The saved floats per token of one decoder layer were counted from the tensors autograd keeps
+(saved_tensors_hooks, tests/test_memory.py checks the formula against them): 8h + 2kv + 4i + heads
++ 2 with tp = 1 (h hidden, kv the key/value width, i the MLP width); with tp the heads and the MLP
+are split and the norms' tensors are not: 6h + 2 + (2h + 2kv + heads + 4i) / tp, and sequence
+parallelism also splits the norms' 4h + 2. Recomputation keeps only each layer's input (h, / tp under
+SP). Under bf16 autocast the saved activations are taken at 2 B a float.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+
+import psutil
+import torch
+
+from nanoexp import config as C
+from nanoexp.model.llama import LlamaShape
+from nanoexp.parallel.p2p_plan import schedule
+from nanoexp.parallel.pipeline import split_layers
+
+MB = 2**20
+CUDA_CONTEXT_MB = 1024   # CUDA context + library workspaces: a nominal allowance (no GPU here to measure)
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+        return int(match.group(1)) * 1024 if match else None
+    except OSError:
+        return None
+
+
+def return_freed_memory() -> None:
+    """On CPU (glibc): allocate tensors of 128 KiB and more with mmap, so that freed memory goes back
+    to the system. glibc otherwise raises that threshold as large blocks are freed and serves later
+    ones from its heap, which keeps each step's freed activations: the peak RSS of `model=small`
+    was ~50 % above the live tensors that way (scripts/bench_memory.py)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD, fixed from now on
+    except (OSError, AttributeError):   # not glibc: nothing to set
+        pass
+
+
+def start_measuring(device: torch.device) -> float:
+    """Reset this process's peak and return its current memory (MB): the runtime baseline. It
+    includes torch._dynamo, which torch imports on the first optimizer it builds (~70 MB)."""
+    import torch._dynamo  # noqa: F401
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / MB
+    try:   # Linux: "5" resets the peak resident set size (VmHWM) to the current one
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return psutil.Process().memory_info().rss / MB
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The peak since `start_measuring`: max allocated on CUDA; the high-water RSS on CPU (the
+    current RSS where the system does not report one)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MB
+    hwm = _vm_hwm_bytes()
+    return (hwm if hwm is not None else psutil.Process().memory_info().rss) / MB
+
+
+def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False) -> float:
+    """Floats one decoder layer saves for backward per token on a rank (see the module docstring)."""
+    h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    kv = shape.num_key_value_heads * shape.head_dim
+    if recompute:
+        return h / (tp if sequence_parallel else 1)
+    # The two residual inputs, their normalised values and norms' 1/rms (sharded along the sequence
+    # under SP); the column layers' full inputs; q, k, v, attention output and its log-sum-exp; the MLP.
+    norms = 4 * h + 2
+    return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads + 4 * i) / tp
+
+
+def held_parameters(shape: LlamaShape, cfg, pp_rank: int, tp: int) -> tuple[int, list[int]]:
+    """(parameters this pp rank holds per tp rank, layers of each of its chunks)."""
+    p = cfg.parallelism
+    stages = split_layers(shape.num_hidden_layers, p.pp * p.pp_virtual_stages)
+    chunks = [len(stages[c * p.pp + pp_rank]) for c in range(p.pp_virtual_stages)]
+    h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
+    per_layer = (2 * h * h + 2 * h * kv + 3 * h * i) // tp + 2 * h
+    embedding = shape.vocab_size * h // tp
+    count = sum(chunks) * per_layer
+    if pp_rank == 0:
+        count += embedding
+    if pp_rank == p.pp - 1:   # final norm and LM head (the embedding itself when tied on one stage)
+        count += h + (0 if shape.tie_word_embeddings and p.pp == 1 else embedding)
+    return count, chunks
+
+
+def in_flight_layers(cfg, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
+    """(most layers' activations held at once, most loss-chunk micro-batches held at once) on this
+    pp rank, replaying its engine's schedule for one step."""
+    p, m = cfg.parallelism, C.batch_accumulation(cfg)
+    held, most, heads, most_heads = set(), 0, 0, 0
+    loss_chunk = len(chunks) - 1 if pp_rank == p.pp - 1 else None
+    for step in schedule(p.pp_engine, p.pp, p.pp_virtual_stages, m, pp_rank):
+        if step[0] == "F":
+            held.add(step[1:])
+            heads += step[1] == loss_chunk
+        elif step[0] == "B":
+            held.discard(step[1:])
+            heads -= step[1] == loss_chunk
+        most = max(most, sum(chunks[c] for c, _ in held))
+        most_heads = max(most_heads, heads)
+    return most, most_heads
+
+
+def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
+    """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline."""
+    p, t = cfg.parallelism, cfg.tokens
+    params, chunks = held_parameters(shape, cfg, pp_rank, p.tp)
+    layers, heads = in_flight_layers(cfg, pp_rank, chunks)
+    act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    tokens = t.micro_batch_size * t.sequence_length
+    sp = p.tp_mode == "reduce_scatter"
+    per_layer = layer_floats_per_token(shape, p.tp, p.recompute_layer, sp)
+    # Recomputation re-materialises one full layer at a time during backward.
+    transient = layer_floats_per_token(shape, p.tp, False, sp) if p.recompute_layer else 0
+    head = 3 * shape.hidden_size + 1 + shape.vocab_size / p.tp   # final norm, its input, the softmax
+    activations = act_bytes * tokens * (layers * per_layer + transient + heads * head)
+    shards = p.dp if cfg.optimizer.zero_stage == 1 else 1
+    return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / shards,
+            "activations": activations, "update_workspace": 4 * params / shards}
+
+
+def total(parts: dict[str, float]) -> float:
+    """The peak: model state plus the larger of the activations (held during backward) and the
+    update's temporaries (AdamW's sqrt of the second moment, at the optimizer step); they never
+    coexist."""
+    return (parts["parameters"] + parts["gradients"] + parts["optimizer"]
+            + max(parts["activations"], parts["update_workspace"]))
+
+
+def busiest_rank_estimate(cfg, shape: LlamaShape) -> tuple[int, dict[str, float]]:
+    """(pp rank, its estimate) of the rank with the largest total."""
+    estimates = [(r, estimate(cfg, shape, r)) for r in range(cfg.parallelism.pp)]
+    return max(estimates, key=lambda item: total(item[1]))
+
+
+def runtime_baseline_mb(device_type: str) -> float:
+    """The memory a rank holds before its model: this process's own RSS (Python, torch and
+    nanoexp imported), plus the nominal CUDA context on GPUs."""
+    import torch._dynamo  # noqa: F401  (loaded by every run's first optimizer)
+    rss = psutil.Process(os.getpid()).memory_info().rss / MB
+    return rss + (CUDA_CONTEXT_MB if device_type == "cuda" else 0)
