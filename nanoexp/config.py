@@ -171,6 +171,7 @@ class FaultInjectionConfig:
     nonfinite_loss_at_step: Optional[int] = None   # the loss of this step becomes NaN
     hang_at_step: Optional[int] = None             # rank `hang_rank` sleeps before this step
     hang_rank: int = 0
+    slow_step_s: float = 0.0                       # every rank sleeps this long before each step (a slow host)
 
 
 @dataclass

@@ -10,7 +10,17 @@ log = logging.getLogger("nanoexp")
 
 def inject_faults(trainer, faults) -> None:
     """`faults.hang_at_step`: rank `faults.hang_rank` stops answering before that step, as a stuck GPU
-    or host would. `faults.nonfinite_loss_at_step`: the loss of that step becomes NaN on the loss stage."""
+    or host would. `faults.nonfinite_loss_at_step`: the loss of that step becomes NaN on the loss stage.
+    `faults.slow_step_s`: every step starts that much later, as on a slow host (a signal sent after a
+    step then arrives well before the end of training, however fast the machine)."""
+    if faults.slow_step_s > 0:
+        step_now = trainer.run_step
+
+        def slow_step(step: int) -> bool:
+            time.sleep(faults.slow_step_s)
+            return step_now(step)
+
+        trainer.run_step = slow_step
     if faults.hang_at_step is not None and trainer.ctx.rank == faults.hang_rank:
         run_step = trainer.run_step
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import socket
 import sys
 import time
@@ -99,23 +98,23 @@ def _log_handlers() -> list:
             target = "stdout" if handler.stream is sys.stdout else "stderr"
         else:
             continue
-        try:
-            formatter = pickle.loads(pickle.dumps(handler.formatter))
-        except Exception:  # noqa: BLE001 - an exotic formatter: fall back to logging's default
-            formatter = None
-        described.append((target, handler.level, formatter))
+        # The format itself, not the formatter object: that is all a plain (or Hydra's) formatter holds,
+        # and it always crosses to a spawned process. A subclass's extras (colours) are dropped.
+        formatter = handler.formatter
+        style = (getattr(formatter, "_fmt", None), getattr(formatter, "datefmt", None)) if formatter else None
+        described.append((target, handler.level, style))
     return described
 
 
 def _rebuild_log_handlers(described: list, level: int) -> None:
     root = logging.getLogger()
-    for target, handler_level, formatter in described:
+    for target, handler_level, style in described:
         if target in ("stdout", "stderr"):
             handler = logging.StreamHandler(getattr(sys, target))
         else:
             handler = logging.FileHandler(target)   # appends, as the launcher's handler does
         handler.setLevel(handler_level)
-        handler.setFormatter(formatter)
+        handler.setFormatter(logging.Formatter(*style) if style else None)
         root.addHandler(handler)
     root.setLevel(level)
 

@@ -149,7 +149,9 @@ def test_signalled_job_checkpoints_is_requeued_and_ends_with_uninterrupted_losse
     preemption): every rank checkpoints after its step, submitit requeues the job, and the requeued job
     resumes from the newest checkpoint in its run folder (checkpoint.resume=auto)."""
     sweep = tmp_path / "sweep"
-    steps = ["parallelism=dp2tp1pp1", "tokens.train_steps=40"]
+    # 0.3 s before each step: the signal, sent after step 2, lands well before step 40 on any machine
+    # (a fast one trains all 40 steps in a few seconds, and the requeue then resumes a finished run).
+    steps = ["parallelism=dp2tp1pp1", "tokens.train_steps=40", "fault_injection.slow_step_s=0.3"]
     process = start_sweep(sweep, *steps)
     expected = local_losses(tmp_path, "dp2tp1pp1", "tokens.train_steps=40")
     wait_until(lambda: len(read_metrics(sweep / "0")) >= 2 if (sweep / "0" / "metrics.jsonl").exists() else False,
