@@ -63,6 +63,7 @@ class ModelConfig:
     init_method: InitMethod = field(default_factory=InitMethod)
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
+    attention_mask: str = "causal"   # causal | document (packed documents attend within themselves, positions restart)
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
 
 

@@ -82,10 +82,13 @@ class Trainer:
         stage returns its share of the step loss: the sum of its token losses / `loss_denominator`
         (default: this step's, see replica_target_tokens)."""
         ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
+        # model.attention_mask=document: every stage needs the micro-batch's documents
+        documents = {key: micro_batch[key].to(ctx.device) for key in ("position_ids", "document_ids")
+                     if key in micro_batch}
         with self.autocast:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
-                             labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
+                             labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk, **documents)
         return out.sum() / (loss_denominator or self.loss_denominator) if last else out
 
     def replica_target_tokens(self, micro_batches: list[dict]) -> float:
@@ -157,7 +160,7 @@ class Trainer:
         self.model.eval()
         t = self.cfg.tokens
         batches = eval_batches(self.batches.val_set, self.global_batch, t.micro_batch_size, t.limit_val_batches,
-                               self.ctx.dp_rank, self.ctx.dp, t.sequence_length)
+                               self.ctx.dp_rank, self.ctx.dp, t.sequence_length, self.batches.eod_id)
         forward_step = functools.partial(self.forward_step, loss_denominator=1.0)   # token-loss sums
         sums = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
         self.model.train()

@@ -65,6 +65,7 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
          f"{M}vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}, "
          f"tokenizer.tokenizer_name_or_path={tokenizer}): set {M}vocab_size>={tokenizer_vocab_size}"),
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
+        one_of(cfg, "model.attention_mask", ("causal", "document")),
     ]
 
 

@@ -106,12 +106,14 @@ class StagedBatches:
             self.batches.close()
         self.index, stage = index, self.stages[index]
         self.train_set, self.val_set, tokenizer = build_datasets(stage.cfg)
+        # model.attention_mask=document: samples carry their documents, cut at the tokenizer's end-of-document id.
+        self.eod_id = tokenizer.eod_id if stage.cfg.model.attention_mask == "document" else None
         position = self.start_position(index)
         if self.named:
             self.stage_consumed_samples[stage.name] = position
         self.batches = TrainBatches(self.train_set, self.global_batch_size, self.micro_batch_size, self.dp_rank,
                                     self.dp_size, stage.seed, consumed_samples=position,
-                                    prefetch=stage.cfg.data.prefetch)
+                                    prefetch=stage.cfg.data.prefetch, eod_id=self.eod_id)
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next optimizer step, from the stage that trains it."""
