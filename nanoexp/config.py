@@ -82,7 +82,8 @@ class LRSchedulerConfig:
     lr_warmup_steps: int = 20
     lr_warmup_style: str = "linear"       # linear | constant
     lr_decay_style: str = "cosine"        # linear | cosine | constant
-    lr_decay_steps: Optional[int] = None  # null: train_steps - lr_warmup_steps
+    lr_decay_steps: Optional[int] = None  # null: train_steps - the step the decay starts at
+    lr_decay_starting_step: Optional[int] = None   # the peak holds after warm-up until here (null: warm-up's end)
     min_decay_lr: Optional[float] = None  # null: half the peak learning_rate (follows it in LR sweeps)
 
 

@@ -274,8 +274,8 @@ class Trainer:
         rounds = eval_rounds(len(val_set), self.global_batch, t.limit_val_batches)
         evaluated = min(len(val_set), rounds * self.global_batch)
         padding = " (the last batch padded)" if evaluated < rounds * self.global_batch else ""
-        return (f"{self.batches.stage.cfg.data.name}: {train}; held-out {len(val_set):,} samples, each evaluation reads "
-                f"{evaluated:,} of them in {rounds} global batch(es){padding}")
+        return (f"{self.batches.stage.cfg.data.name}: {train}; held-out {len(val_set):,} samples, each evaluation "
+                f"reads {evaluated:,} of them in {rounds} global batch(es){padding}")
 
     def finish(self, summary: dict) -> None:
         timed = self.step_times[2:] or self.step_times

@@ -133,7 +133,9 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
         (0 <= lr.lr_warmup_steps <= steps, f"{LR}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
          f"tokens.train_steps={steps} (for a quick smoke test use debug=fast, which shrinks both)"),
         must(cfg, LR + "lr_decay_steps", lambda steps: steps is None or steps >= 1,
-             ">= 1 or null (train_steps - lr_warmup_steps)"),
+             ">= 1 or null (train_steps - the step the decay starts at)"),
+        must(cfg, LR + "lr_decay_starting_step", lambda start: start is None or start >= lr.lr_warmup_steps,
+             f">= lr_warmup_steps={lr.lr_warmup_steps} or null (the decay starts when warm-up ends)"),
         (lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
          f"{LR}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
     ]
@@ -182,7 +184,8 @@ def data_group_rules(d: Any, key: str) -> list[Rule]:
     """The rules of one data config, `key` being where it sits ("data." or "data_stages[i].data.")."""
     weights, folders = d.dataset_weights, d.dataset_folder or []
     rules = [(d.name in ("builtin", "nanoset", "hf"), f"{key}name={d.name}: allowed values are builtin, nanoset, hf"),
-             (0 < d.validation_fraction < 1, f"{key}validation_fraction={d.validation_fraction}: must be between 0 and 1")]
+             (0 < d.validation_fraction < 1,
+              f"{key}validation_fraction={d.validation_fraction}: must be between 0 and 1")]
     if d.name == "nanoset":
         rules.append((len(folders) > 0, f"{key}dataset_folder is empty: give one or more Nanoset folders, "
                       f"e.g. {key}dataset_folder=[data/nanoset/web]"))

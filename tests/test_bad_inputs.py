@@ -50,6 +50,8 @@ CASES = [
     ("negative clip", ["optimizer.clip_grad=-1"], {}, "optimizer.clip_grad=-1"),
     ("zero clip", ["optimizer.clip_grad=0"], {}, "optimizer.clip_grad=0.0: must be positive or null"),
     ("zero decay steps", [T + "lr_decay_steps=0"], {}, T + "lr_decay_steps=0: must be >= 1 or null"),
+    ("decay starting inside warm-up", [T + "lr_decay_starting_step=5"], {},
+     T + "lr_decay_starting_step=5: must be >= lr_warmup_steps=20"),
     ("negative weight decay", ["optimizer.weight_decay=-0.1"], {}, "optimizer.weight_decay=-0.1: must be >= 0"),
     ("adam beta1 of 1", [A + "adam_beta1=1"], {}, A + "adam_beta1=1.0: must be in [0, 1)"),
     ("negative adam beta2", [A + "adam_beta2=-0.5"], {}, A + "adam_beta2=-0.5: must be in [0, 1)"),

@@ -76,10 +76,10 @@ def test_resume_in_the_middle_of_a_data_stage_same_layout_and_another(tmp_path):
     full = last_by_step(train(tmp_path / "full", run))
     meta = json.loads((tmp_path / "full" / "checkpoints" / "4" / "meta.json").read_text())
     assert meta["stage_consumed_samples"] == {"stable": 3 * 8, "anneal": 8}   # FAST's global batch: 8
-    same = last_by_step(train(tmp_path / "same", run + [f"checkpoint.resume_checkpoint_path={tmp_path}/full/checkpoints/4"]))
+    saved = f"checkpoint.resume_checkpoint_path={tmp_path}/full/checkpoints/"
+    same = last_by_step(train(tmp_path / "same", run + [saved + "4"]))
     assert same == {5: full[5], 6: full[6]}   # bit for bit
-    other = last_by_step(train(tmp_path / "other", run + ["parallelism=dp2tp1pp1",
-                                                          f"checkpoint.resume_checkpoint_path={tmp_path}/full/checkpoints/2"]))
+    other = last_by_step(train(tmp_path / "other", run + ["parallelism=dp2tp1pp1", saved + "2"]))
     assert sorted(other) == [3, 4, 5, 6]
     np.testing.assert_allclose([other[s] for s in other], [full[s] for s in other], atol=LATER_STEP_ATOL, rtol=0)
 

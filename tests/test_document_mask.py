@@ -78,7 +78,8 @@ def test_training_and_evaluation_batches_carry_documents():
 def test_document_masking_trains_and_differs_from_causal(tmp_path):
     # Documents of ~109 bytes: a boundary in about one 32-token sample of three.
     folder = write_nanoset(tmp_path / "short", random_documents(300, seed=5))
-    run = FAST + ["tokens.train_steps=3", "tokens.val_check_interval=0", "data=nanoset", f"data.dataset_folder=[{folder}]"]
+    run = FAST + ["tokens.train_steps=3", "tokens.val_check_interval=0", "data=nanoset",
+                  f"data.dataset_folder=[{folder}]"]
     document = train(tmp_path / "document", run + ["model.attention_mask=document"])
     causal = train(tmp_path / "causal", run)
     # Same samples, attention cut at the packed boundaries: other losses, evaluation included.

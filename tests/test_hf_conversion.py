@@ -56,7 +56,8 @@ def test_hf_export_of_a_document_masked_model_scores_a_single_document_like_nano
     from nanoexp.data.loader import document_positions
 
     train(tmp_path / "run", FAST + ["tokens.train_steps=2", "tokens.val_check_interval=0", "parallelism=dp1tp2pp1",
-                                    "optimizer.learning_rate_scheduler.lr_warmup_steps=1", "model.attention_mask=document"])
+                                    "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
+                                    "model.attention_mask=document"])
     ckpt = tmp_path / "run" / "checkpoints" / "2"
     convert_to_hf(str(ckpt), str(tmp_path / "hf"))
     ours, cfg = load_single_process(str(ckpt))

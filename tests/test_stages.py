@@ -1,6 +1,7 @@
 """Data stages: the switch happens at the configured step, each stage's batches depend only on (seed, stage,
 global batch), a loader started in the middle of a stage continues with the uninterrupted samples, bad stages are
-refused at start naming `data_stages[i]` (tests/test_bad_inputs.py), and the shipped two-stage experiment trains and reports its stages.
+refused at start naming `data_stages[i]` (tests/test_bad_inputs.py), and the shipped two-stage experiment
+trains and reports its stages.
 Resuming a training run in the middle of a stage is in tests/test_checkpoint.py (`-k stage`)."""
 import json
 
@@ -93,7 +94,8 @@ def test_shipped_two_stage_experiment_trains_and_reports_its_stages(tmp_path):
         f"data_stages.1.data.dataset_folder=[{tmp_path / 'anneal'}]"])
     assert [(r["step"], r["stage"]) for r in records if "loss" in r] == [
         (1, "stable"), (2, "stable"), (3, "stable"), (4, "anneal"), (5, "anneal")]
-    assert [(r["step"], r["stage"]) for r in records if "eval_loss" in r] == [(2, "stable"), (4, "anneal"), (5, "anneal")]
+    evaluations = [(r["step"], r["stage"]) for r in records if "eval_loss" in r]
+    assert evaluations == [(2, "stable"), (4, "anneal"), (5, "anneal")]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stages"] == [{"name": "stable", "first_step": 1, "last_step": 3},
                                  {"name": "anneal", "first_step": 4, "last_step": 5}]
