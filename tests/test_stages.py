@@ -45,6 +45,7 @@ def test_switch_at_the_start_step_reads_each_stage_from_its_own_order(folders):
     cfg = compose_config(FAST + stages_override(*folders, start=3))
     batches, loader = steps(cfg, 1, 4)
     assert loader.stage.name == "anneal" and loader.stage_consumed_samples == {"web": 2 * G, "anneal": 2 * G}
+    assert [str(d.folder) for d in loader.val_set.datasets] == [folders[1]]   # evaluation: the stage's held-out split
     assert loader.consumed_samples == 4 * G
     # Reference: each stage's Nanoset read in a GlobalBatchSampler order seeded by (general.seed, stage index).
     for index, (folder, first, last) in enumerate([(folders[0], 0, 2), (folders[1], 2, 4)]):
