@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -64,6 +64,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
     ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)
+    attention_mask: str = "causal"   # causal | document (packed documents attend within themselves, positions restart)
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
 
 
@@ -82,7 +83,8 @@ class LRSchedulerConfig:
     lr_warmup_steps: int = 20
     lr_warmup_style: str = "linear"       # linear | constant
     lr_decay_style: str = "cosine"        # linear | cosine | constant
-    lr_decay_steps: Optional[int] = None  # null: train_steps - lr_warmup_steps
+    lr_decay_steps: Optional[int] = None  # null: train_steps - the step the decay starts at
+    lr_decay_starting_step: Optional[int] = None   # the peak holds after warm-up until here (null: warm-up's end)
     min_decay_lr: Optional[float] = None  # null: half the peak learning_rate (follows it in LR sweeps)
 
 
@@ -121,6 +123,31 @@ class DataConfig:
     hf_dataset_splits: str = "train"
     text_column_name: str = "text"
     streaming: bool = False
+
+
+@dataclass
+class DataOverrides:
+    """A data stage's `data`: the fields of the `data` group, each null (the default) where the stage keeps the
+    group's value. A stage that sets dataset_folder (hf_dataset_or_datasets) without dataset_weights
+    (hf_dataset_config_name) does not inherit the group's: they belong to the group's datasets."""
+    name: Optional[str] = None
+    validation_fraction: Optional[float] = None
+    prefetch: Optional[bool] = None
+    dataset_folder: Optional[List[str]] = None
+    dataset_weights: Optional[List[float]] = None
+    hf_dataset_or_datasets: Optional[str] = None
+    hf_dataset_config_name: Optional[str] = None
+    hf_dataset_splits: Optional[str] = None
+    text_column_name: Optional[str] = None
+    streaming: Optional[bool] = None
+
+
+@dataclass
+class DataStageConfig:
+    """One entry of `data_stages` (nanotron's): from `start_training_step` on, training reads `data`."""
+    name: str = MISSING
+    start_training_step: int = MISSING
+    data: DataOverrides = field(default_factory=DataOverrides)
 
 
 @dataclass
@@ -183,6 +210,7 @@ class NanoexpConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    data_stages: List[DataStageConfig] = field(default_factory=list)   # empty: `data` is the one stage
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
@@ -234,3 +262,18 @@ def layout_name(cfg: Any) -> str:
 
 def global_batch_size(cfg: Any) -> int:
     return cfg.parallelism.dp * cfg.tokens.micro_batch_size * batch_accumulation(cfg)
+
+
+# A stage that names its own datasets does not inherit the group's weights or HF config name for them.
+COUPLED_DATA_KEYS = {"dataset_folder": "dataset_weights", "hf_dataset_or_datasets": "hf_dataset_config_name"}
+
+
+def stage_data(cfg: Any, stage: Any) -> Any:
+    """The `data` config a stage of `data_stages` trains on: the `data` group with the stage's non-null fields."""
+    data = OmegaConf.to_container(cfg.data)
+    overrides = {key: value for key, value in OmegaConf.to_container(stage.data).items() if value is not None}
+    for key, coupled in COUPLED_DATA_KEYS.items():
+        if key in overrides and coupled not in overrides:
+            data[coupled] = None
+    data.update(overrides)
+    return OmegaConf.create(data)

@@ -46,8 +46,10 @@ def lr_at(step: int, cfg) -> float:
     peak, warmup = s.learning_rate, s.lr_warmup_steps
     if step <= warmup:
         return peak * step / warmup if s.lr_warmup_style == "linear" else peak
-    decay_steps = s.lr_decay_steps or max(cfg.tokens.train_steps - warmup, 1)
-    progress = min((step - warmup) / decay_steps, 1.0)
+    # After warm-up the rate holds at the peak until lr_decay_starting_step (nanotron's), then decays.
+    start = warmup if s.lr_decay_starting_step is None else s.lr_decay_starting_step
+    decay_steps = s.lr_decay_steps or max(cfg.tokens.train_steps - start, 1)
+    progress = min(max(step - start, 0) / decay_steps, 1.0)
     floor = min_decay_lr(cfg)
     if s.lr_decay_style == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from nanoexp.checkpoint.signals import handle_stop_signals
 from nanoexp.config import ConfigError, layout_name
 from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
+from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, setup_device,
                             spawn_local)
@@ -71,15 +73,25 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
     except (FileNotFoundError, OSError, ValueError) as error:
         raise ConfigError(f"tokenizer.tokenizer_name_or_path={cfg.tokenizer.tokenizer_name_or_path}: {error}")
     validate(cfg, world_size=world_size, tokenizer_vocab_size=vocab)
-    try:   # the data files against the config: a missing folder, a bad Nanoset, a wrong column, ...
-        check_data(cfg, build_tokenizer(cfg.tokenizer.tokenizer_name_or_path))
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        raise ConfigError(f"data: {error}") from None
+    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
+    for stage in training_stages(cfg):   # each stage's data files: a missing folder, a bad Nanoset, a wrong column, ...
+        try:
+            check_data(stage.cfg, tokenizer)
+        except (FileNotFoundError, KeyError, ValueError) as error:
+            raise ConfigError(stage_error(stage, str(error))) from None
     if run_dir is not None:
         try:
             check_resume(cfg, run_dir)
         except CheckpointError as error:
             raise ConfigError(f"checkpoint: {error}") from None
+
+
+def stage_error(stage, message: str) -> str:
+    """A data error as the config names it: "data: ..." or, for a stage, "data_stages[1].data.dataset_folder: ..."."""
+    if stage.name is None:
+        return f"data: {message}"
+    renamed = re.sub(r"(^|[\s,(])data\.(?=[a-z_])", lambda m: f"{m.group(1)}{stage.key}.", message)
+    return renamed if renamed != message else f"{stage.key} (stage {stage.name!r}): {message}"
 
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Peak | None = None) -> dict:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from nanoexp import config as C
 from nanoexp.checkpoint import CheckpointManager, Progress
 from nanoexp.console import StepClock, step_line
-from nanoexp.data import build_datasets
-from nanoexp.data.loader import IGNORE_INDEX, TrainBatches, eval_batches, eval_rounds
+from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
+from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.memory import peak_memory_mb, start_measuring
 from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
@@ -43,8 +43,7 @@ class Trainer:
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
         torch.manual_seed(cfg.general.seed)
-        self.train_set, self.val_set, _ = build_datasets(cfg)
-        self.baseline_mb = start_measuring(ctx.device)   # the runtime and the data, before the model
+        self.baseline_mb = start_measuring(ctx.device)   # the runtime, before the model
         self.shape = model_shape(cfg)
         self.model = build_model(cfg, ctx)
         self.params = list(self.model.parameters())
@@ -66,9 +65,10 @@ class Trainer:
         self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
         self.global_batch = C.global_batch_size(cfg)
-        self.batches = TrainBatches(self.train_set, self.global_batch, cfg.tokens.micro_batch_size,
-                                    ctx.dp_rank, ctx.dp, cfg.general.seed, prefetch=cfg.data.prefetch,
-                                    consumed_samples=self.resume.consumed_samples)
+        # The data of the stage being trained (data_stages; without them the data group), switched by step.
+        self.batches = StagedBatches(cfg, self.global_batch, ctx.dp_rank, ctx.dp, self.resume.step + 1,
+                                     self.resume.consumed_samples, self.resume.stage_consumed_samples,
+                                     on_stage_start=self.announce_stage)
         sp = cfg.parallelism.tp_mode == "reduce_scatter"
         seq = cfg.tokens.sequence_length // (ctx.tp if sp else 1)
         self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)
@@ -90,12 +90,15 @@ class Trainer:
         stage returns its share of the step loss: the sum of its token losses / `loss_denominator`
         (default: this step's, see replica_target_tokens)."""
         ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
+        # model.attention_mask=document: every stage needs the micro-batch's documents
+        documents = {key: micro_batch[key].to(ctx.device) for key in ("position_ids", "document_ids")
+                     if key in micro_batch}
         # The run's first forward also measures what autograd keeps of one micro-batch for backward.
         measure = saved_activation_bytes(self.params) if self.saved_bytes is None else contextlib.nullcontext()
         with self.autocast, measure as saved:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
-                             labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk)
+                             labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk, **documents)
         if saved is not None and torch.is_grad_enabled():
             self.saved_bytes = saved.bytes
         return out.sum() / (loss_denominator or self.loss_denominator) if last else out
@@ -172,8 +175,8 @@ class Trainer:
         the pipeline; padding rows of the last batch count nowhere)."""
         self.model.eval()
         t = self.cfg.tokens
-        batches = eval_batches(self.val_set, self.global_batch, t.micro_batch_size, t.limit_val_batches,
-                               self.ctx.dp_rank, self.ctx.dp, t.sequence_length)
+        batches = eval_batches(self.batches.val_set, self.global_batch, t.micro_batch_size, t.limit_val_batches,
+                               self.ctx.dp_rank, self.ctx.dp, t.sequence_length, self.batches.eod_id)
         forward_step = functools.partial(self.forward_step, loss_denominator=1.0)   # token-loss sums
         sums = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
         self.model.train()
@@ -220,17 +223,20 @@ class Trainer:
         if not self.memory:
             self.memory = self.memory_breakdown()
         self.progress.consumed_samples = self.batches.consumed_samples
+        self.progress.stage_consumed_samples = dict(self.batches.stage_consumed_samples)
         self.progress.consumed_tokens += self.tokens_per_step
         step_time = time.perf_counter() - start
         self.clock.record(step_time)
         self.step_times.append(step_time)
         self.last_record = self.step_record(step, loss, lr, grad_norm, step_time, self.batches.last_wait_sec)
+        stage = {"stage": self.batches.stage.name} if self.batches.named else {}
+        self.last_record.update(stage)
         if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
         interval = cfg.tokens.val_check_interval
         if (interval and step % interval == 0) or step == total:
             self.eval_loss = self.evaluate()
-            self.log_record({"step": step, "eval_loss": self.eval_loss})
+            self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
         return self.checkpoints.after_step(step, step == total, self.model, self.optimizer, self.progress)
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
@@ -296,21 +302,27 @@ class Trainer:
         log.info("global batch: %d sequences x %d tokens = %s tokens per step (dp %d x micro-batch %d x "
                  "accumulation %d)", self.global_batch, cfg.tokens.sequence_length, f"{self.tokens_per_step:,}",
                  ctx.dp, cfg.tokens.micro_batch_size, self.accumulation)
-        log.info("data: %s", self.describe_data())
+        stage, stages = self.batches.stage, self.batches.stages
+        named = f"stage {stage.name!r} of {len(stages)}, from step {stage.start_step}: " if self.batches.named else ""
+        log.info("data: %s%s", named, self.describe_data())
         log.info("peak for MFU: %s", f"{self.peak.tflops:.3g} TFLOP/s ({self.peak.source})"
                  if self.peak.tflops else self.peak.source)
 
+    def announce_stage(self, stage) -> None:
+        if self.is_writer:
+            log.info("data stage %r starts at step %d: %s", stage.name, self.batches.step, self.describe_data())
+
     def describe_data(self) -> str:
-        t = self.cfg.tokens
+        t, train_set, val_set = self.cfg.tokens, self.batches.train_set, self.batches.val_set
         try:
-            train = f"{len(self.train_set):,} training samples per epoch ({len(self.train_set) * t.sequence_length:,} tokens)"
+            train = f"{len(train_set):,} training samples per epoch ({len(train_set) * t.sequence_length:,} tokens)"
         except TypeError:   # a stream has no length
             train = "streamed training samples (length unknown until read)"
-        rounds = eval_rounds(len(self.val_set), self.global_batch, t.limit_val_batches)
-        evaluated = min(len(self.val_set), rounds * self.global_batch)
+        rounds = eval_rounds(len(val_set), self.global_batch, t.limit_val_batches)
+        evaluated = min(len(val_set), rounds * self.global_batch)
         padding = " (the last batch padded)" if evaluated < rounds * self.global_batch else ""
-        return (f"{self.cfg.data.name}: {train}; held-out {len(self.val_set):,} samples, each evaluation reads "
-                f"{evaluated:,} of them in {rounds} global batch(es){padding}")
+        return (f"{self.batches.stage.cfg.data.name}: {train}; held-out {len(val_set):,} samples, each evaluation "
+                f"reads {evaluated:,} of them in {rounds} global batch(es){padding}")
 
     def finish(self, summary: dict) -> None:
         timed = self.step_times[2:] or self.step_times
@@ -320,6 +332,8 @@ class Trainer:
                        consumed_tokens=self.progress.consumed_tokens, mfu=record.get("mfu"),
                        peak_tflops=self.peak.tflops, peak_source=self.peak.source, wall_seconds=self.clock.elapsed())
         summary.setdefault("peak_memory_mb", peak_memory_mb(self.ctx.device))   # this rank's, after a failure
+        if self.batches.named:
+            summary["stages"] = stage_spans(self.batches.stages, summary["train_steps"])
         self.trace.close()
         if self.is_writer:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

@@ -7,7 +7,9 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size
+from omegaconf import OmegaConf
+
+from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, stage_data
 
 Rule = tuple[bool, str]   # (condition, the message shown when it does not hold)
 M, LR, ADAM = "model.model_config.", "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
@@ -63,6 +65,7 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
          f"{M}vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}, "
          f"tokenizer.tokenizer_name_or_path={tokenizer}): set {M}vocab_size>={tokenizer_vocab_size}"),
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
+        one_of(cfg, "model.attention_mask", ("causal", "document")),
     ]
 
 
@@ -131,7 +134,9 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
         (0 <= lr.lr_warmup_steps <= steps, f"{LR}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
          f"tokens.train_steps={steps} (for a quick smoke test use debug=fast, which shrinks both)"),
         must(cfg, LR + "lr_decay_steps", lambda steps: steps is None or steps >= 1,
-             ">= 1 or null (train_steps - lr_warmup_steps)"),
+             ">= 1 or null (train_steps - the step the decay starts at)"),
+        must(cfg, LR + "lr_decay_starting_step", lambda start: start is None or start >= lr.lr_warmup_steps,
+             f">= lr_warmup_steps={lr.lr_warmup_steps} or null (the decay starts when warm-up ends)"),
         (lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
          f"{LR}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
     ]
@@ -154,20 +159,45 @@ def weights_rules(cfg: Any) -> list[Rule]:
 
 
 def data_rules(cfg: Any) -> list[Rule]:
-    d, weights, folders = cfg.data, cfg.data.dataset_weights, cfg.data.dataset_folder
-    rules = [one_of(cfg, "data.name", ("builtin", "nanoset", "hf")),
-             must(cfg, "data.validation_fraction", lambda fraction: 0 < fraction < 1, "between 0 and 1")]
+    """The data group's rules, or with data_stages each stage's (its data merged over the group) and their order."""
+    if not cfg.data_stages:
+        return data_group_rules(cfg.data, "data.")
+    rules, previous, names = [], None, []
+    for i, stage in enumerate(cfg.data_stages):
+        key = f"data_stages[{i}]"
+        if OmegaConf.is_missing(stage, "name") or OmegaConf.is_missing(stage, "start_training_step"):
+            rules.append((False, f"{key} needs a name and a start_training_step"))
+            continue
+        start = stage.start_training_step
+        rules += [(bool(stage.name) and stage.name not in names,
+                   f"{key}.name={stage.name!r}: every stage needs its own non-empty name"),
+                  (start == 1 if previous is None else start > previous,
+                   f"{key}.start_training_step={start}: " + ("the first stage must start at step 1" if previous is None
+                   else f"must be larger than data_stages[{i - 1}].start_training_step={previous} (stages are "
+                   "listed in the order they run)"))]
+        rules += data_group_rules(stage_data(cfg, stage), f"{key}.data.")
+        previous = start
+        names.append(stage.name)
+    return rules
+
+
+def data_group_rules(d: Any, key: str) -> list[Rule]:
+    """The rules of one data config, `key` being where it sits ("data." or "data_stages[i].data.")."""
+    weights, folders = d.dataset_weights, d.dataset_folder or []
+    rules = [(d.name in ("builtin", "nanoset", "hf"), f"{key}name={d.name}: allowed values are builtin, nanoset, hf"),
+             (0 < d.validation_fraction < 1,
+              f"{key}validation_fraction={d.validation_fraction}: must be between 0 and 1")]
     if d.name == "nanoset":
-        rules.append((len(folders) > 0, "data.dataset_folder is empty: give one or more Nanoset folders, "
-                      "e.g. data.dataset_folder=[data/nanoset/web]"))
+        rules.append((len(folders) > 0, f"{key}dataset_folder is empty: give one or more Nanoset folders, "
+                      f"e.g. {key}dataset_folder=[data/nanoset/web]"))
     if d.name == "nanoset" and weights is not None:
-        rules += [(len(weights) == len(folders), f"data.dataset_weights has {len(weights)} values for {len(folders)} "
-                   "data.dataset_folder entries: give one weight per folder (or null for equal weights)"),
-                  (all(w > 0 for w in weights), f"data.dataset_weights={list(weights)}: every weight must be positive")]
+        rules += [(len(weights) == len(folders), f"{key}dataset_weights has {len(weights)} values for {len(folders)} "
+                   f"{key}dataset_folder entries: give one weight per folder (or null for equal weights)"),
+                  (all(w > 0 for w in weights), f"{key}dataset_weights={list(weights)}: every weight must be positive")]
     if d.name == "hf":
         rules += [(bool(d.hf_dataset_or_datasets),
-                   "data.hf_dataset_or_datasets is not set: give a local path or a Hub name"),
-                  (bool(d.text_column_name), "data.text_column_name is empty: name the column holding the text")]
+                   f"{key}hf_dataset_or_datasets is not set: give a local path or a Hub name"),
+                  (bool(d.text_column_name), f"{key}text_column_name is empty: name the column holding the text")]
     return rules
 
 

@@ -15,6 +15,7 @@ import train
 T = "optimizer.learning_rate_scheduler."
 M = "model.model_config."
 A = "optimizer.optimizer_factory."
+S, E = "{name: ", ", data: {}}"   # a data stage's opening and its (empty) data
 # (id, command-line overrides, extra environment, text the message must contain)
 CASES = [
     ("unknown key", [M + "hiden_size=64"], {}, "hiden_size"),
@@ -50,6 +51,8 @@ CASES = [
     ("negative clip", ["optimizer.clip_grad=-1"], {}, "optimizer.clip_grad=-1"),
     ("zero clip", ["optimizer.clip_grad=0"], {}, "optimizer.clip_grad=0.0: must be positive or null"),
     ("zero decay steps", [T + "lr_decay_steps=0"], {}, T + "lr_decay_steps=0: must be >= 1 or null"),
+    ("decay starting inside warm-up", [T + "lr_decay_starting_step=5"], {},
+     T + "lr_decay_starting_step=5: must be >= lr_warmup_steps=20"),
     ("negative weight decay", ["optimizer.weight_decay=-0.1"], {}, "optimizer.weight_decay=-0.1: must be >= 0"),
     ("adam beta1 of 1", [A + "adam_beta1=1"], {}, A + "adam_beta1=1.0: must be in [0, 1)"),
     ("negative adam beta2", [A + "adam_beta2=-0.5"], {}, A + "adam_beta2=-0.5: must be in [0, 1)"),
@@ -63,6 +66,19 @@ CASES = [
      "tokenizer.tokenizer_name_or_path"),
     ("unknown dtype", ["model.dtype=float16"], {}, "model.dtype=float16"),
     ("unknown wandb mode", ["logging.wandb.mode=cloud"], {}, "logging.wandb.mode=cloud"),
+    ("first data stage not at step 1", [f"data_stages=[{S}a, start_training_step: 2{E}]"], {},
+     "data_stages[0].start_training_step=2: the first stage must start at step 1"),
+    ("data stages not increasing", [f"data_stages=[{S}a, start_training_step: 1{E}, {S}b, start_training_step: 1{E}]"],
+     {}, "data_stages[1].start_training_step=1: must be larger than data_stages[0].start_training_step=1"),
+    ("data stages with one name", [f"data_stages=[{S}a, start_training_step: 1{E}, {S}a, start_training_step: 4{E}]"],
+     {}, "data_stages[1].name='a': every stage needs its own non-empty name"),
+    ("data stage without a name", ["data_stages=[{start_training_step: 1}]"], {},
+     "data_stages[0] needs a name and a start_training_step"),
+    ("data stage with an empty folder list", ["data_stages=[{name: a, start_training_step: 1, data: {name: nanoset}}]"],
+     {}, "data_stages[0].data.dataset_folder is empty"),
+    ("data stage folder missing", [f"data_stages=[{S}a, start_training_step: 1{E}, {S}b, start_training_step: 3, "
+                                   "data: {name: nanoset, dataset_folder: [/no/such/folder]}}]"], {},
+     "data_stages[1].data.dataset_folder: /no/such/folder does not exist"),
 ]
 
 

@@ -62,6 +62,28 @@ def test_resume_across_layouts_both_directions(tmp_path):
     np.testing.assert_allclose(a + b + c, reference, atol=LATER_STEP_ATOL, rtol=0)
 
 
+def test_resume_in_the_middle_of_a_data_stage_same_layout_and_another(tmp_path):
+    """Two data stages (built-in corpus, then a Nanoset from step 4). Resumed in the middle of the second stage on
+    the same layout the run continues bit for bit; resumed in the first stage on another layout it crosses the
+    switch with the uninterrupted run's samples (losses within the parity tolerance)."""
+    from tests.data_files import random_documents
+    from tests.test_nanoset import write_nanoset
+
+    folder = write_nanoset(tmp_path / "anneal", random_documents(100, seed=4))
+    run = RUN + ["tokens.train_steps=6", "checkpoint.checkpoint_interval=2", "data_stages=[{name: stable, "
+                 "start_training_step: 1, data: {}}, {name: anneal, start_training_step: 4, data: {name: nanoset, "
+                 f"dataset_folder: [{folder}]}}}}]"]
+    full = last_by_step(train(tmp_path / "full", run))
+    meta = json.loads((tmp_path / "full" / "checkpoints" / "4" / "meta.json").read_text())
+    assert meta["stage_consumed_samples"] == {"stable": 3 * 8, "anneal": 8}   # FAST's global batch: 8
+    saved = f"checkpoint.resume_checkpoint_path={tmp_path}/full/checkpoints/"
+    same = last_by_step(train(tmp_path / "same", run + [saved + "4"]))
+    assert same == {5: full[5], 6: full[6]}   # bit for bit
+    other = last_by_step(train(tmp_path / "other", run + ["parallelism=dp2tp1pp1", saved + "2"]))
+    assert sorted(other) == [3, 4, 5, 6]
+    np.testing.assert_allclose([other[s] for s in other], [full[s] for s in other], atol=LATER_STEP_ATOL, rtol=0)
+
+
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     run = RUN + ["tokens.train_steps=6", "checkpoint.checkpoint_interval=2", "checkpoint.keep_last_n=2"]
     real_write = save_module.write_file

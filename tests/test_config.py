@@ -50,6 +50,17 @@ def test_schema_defaults_agree_with_conf():
     assert not differing, f"schema default vs conf/ (key: (schema, conf)): {differing}"
 
 
+def test_an_experiment_with_data_stages_composes():
+    """conf/experiment/two_stages.yaml: a typed list of stages, each `data` holding only what it overrides."""
+    cfg = compose_config(["+experiment=two_stages"])
+    assert [(s.name, s.start_training_step, s.data.name) for s in cfg.data_stages] == [
+        ("stable", 1, "builtin"), ("anneal", 201, "nanoset")]
+    assert list(C.stage_data(cfg, cfg.data_stages[1]).dataset_folder) == ["data/nanoset/anneal"]
+    assert C.stage_data(cfg, cfg.data_stages[1]).validation_fraction == cfg.data.validation_fraction
+    with pytest.raises(ConfigCompositionException):   # a stage's data is typed like the data group
+        compose_config(["data_stages=[{name: a, start_training_step: 1, data: {validation_fraction: most}}]"])
+
+
 def test_unknown_key_is_rejected_with_its_name():
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(["model.model_config.hiden_size=64"])

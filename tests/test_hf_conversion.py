@@ -50,6 +50,26 @@ def test_hf_model_gives_nanoexp_logits(exported):
         torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
 
 
+def test_hf_export_of_a_document_masked_model_scores_a_single_document_like_nanoexp(tmp_path):
+    """Trained with model.attention_mask=document (tp2), exported: HF's causal attention over one document (no
+    end-of-document id inside) gives the logits nanoexp computes with that document's ids and positions."""
+    from nanoexp.data.loader import document_positions
+
+    train(tmp_path / "run", FAST + ["tokens.train_steps=2", "tokens.val_check_interval=0", "parallelism=dp1tp2pp1",
+                                    "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
+                                    "model.attention_mask=document"])
+    ckpt = tmp_path / "run" / "checkpoints" / "2"
+    convert_to_hf(str(ckpt), str(tmp_path / "hf"))
+    ours, cfg = load_single_process(str(ckpt))
+    assert cfg.model.attention_mask == "document"
+    ids = torch.tensor([ByteTokenizer().encode(TEXT)])
+    positions, documents = document_positions(ids, ByteTokenizer.eod_id)
+    hf = HFLlama.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids, position_ids=positions, document_ids=documents),
+                                   atol=LOGITS_ATOL, rtol=0)
+
+
 def test_exported_files_get_the_usual_permissions(exported):
     """Files written for others to read get the umask's normal mode, not a temporary file's 0600."""
     umask = os.umask(0)

@@ -33,6 +33,19 @@ def test_constant_warmup_and_explicit_decay_steps():
     assert lr_at(30, cfg) == 0.0 and lr_at(90, cfg) == 0.0
 
 
+def test_decay_starting_step_holds_the_peak_then_decays():
+    """nanotron's lr_decay_starting_step: warm-up to step 10, the peak until step 40, cosine over 50 steps to 1e-4."""
+    cfg = compose_config(["tokens.train_steps=100", SCHED + "learning_rate=1e-3", SCHED + "lr_warmup_steps=10",
+                          SCHED + "min_decay_lr=1e-4", SCHED + "lr_decay_starting_step=40",
+                          SCHED + "lr_decay_steps=50"])
+    expected = {5: 5e-4, 10: 1e-3, 25: 1e-3, 40: 1e-3, 65: 1e-4 + 0.9e-3 * 0.5, 90: 1e-4, 100: 1e-4}
+    for step, lr in expected.items():
+        assert math.isclose(lr_at(step, cfg), lr, rel_tol=1e-12), step
+    # Without lr_decay_steps the decay ends with training: from step 40 over 60 steps.
+    cfg.optimizer.learning_rate_scheduler.lr_decay_steps = None
+    assert math.isclose(lr_at(70, cfg), 1e-4 + 0.9e-3 * 0.5, rel_tol=1e-12) and math.isclose(lr_at(100, cfg), 1e-4)
+
+
 def test_null_min_decay_lr_is_half_the_peak_and_follows_it():
     for peak in (3e-3, 1e-4):   # an LR sweep below the default's floor stays valid
         cfg = compose_config(["tokens.train_steps=100", SCHED + f"learning_rate={peak}", SCHED + "lr_warmup_steps=10",

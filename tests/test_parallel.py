@@ -58,6 +58,14 @@ TIED_CASES = {
 }
 
 
+# model.attention_mask=document on data with many document boundaries (short documents in a Nanoset).
+DOCUMENT_CASES = {
+    "document-dp1tp2pp2-reduce_scatter-recompute": ["parallelism=dp1tp2pp2", "parallelism.tp_mode=reduce_scatter",
+                                                    "parallelism.recompute_layer=true"],
+    "document-dp2tp1pp2-interleaved": ["parallelism=dp2tp1pp2"] + INTERLEAVED,
+}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
@@ -85,6 +93,24 @@ def test_layout_reproduces_single_process_losses(name, reference, tmp_path):
 @pytest.mark.parametrize("name", list(TIED_CASES))
 def test_tied_embeddings_across_stages(name, reference, tmp_path):
     assert_same_curve(train(tmp_path, FAST + STEPS + TIED + TIED_CASES[name]), reference["tied"])
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """The overrides of a document-masked run on short documents, and its single-process metrics."""
+    from tests.data_files import random_documents
+    from tests.test_nanoset import write_nanoset
+
+    root = tmp_path_factory.mktemp("documents")
+    folder = write_nanoset(root / "short", random_documents(300, seed=5))
+    run = FAST + STEPS + ["model.attention_mask=document", "data=nanoset", f"data.dataset_folder=[{folder}]"]
+    return run, train(root / "reference", run)
+
+
+@pytest.mark.parametrize("name", list(DOCUMENT_CASES))
+def test_document_masking_on_a_layout_reproduces_single_process_losses(name, documents, tmp_path):
+    run, expected = documents
+    assert_same_curve(train(tmp_path, run + DOCUMENT_CASES[name]), expected)
 
 
 def _first_step(rank, world_size, overrides):

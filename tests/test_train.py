@@ -81,9 +81,9 @@ def test_held_out_set_smaller_than_a_global_batch_is_evaluated_whole(tmp_path):
     check_config(cfg, world_size=1)
     trainer = Trainer(cfg, ParallelContext(), run_dir=os.devnull)
     trainer.batches.close()
-    n = len(trainer.val_set)
+    n = len(trainer.batches.val_set)
     assert 0 < n < trainer.global_batch
-    samples = torch.stack([trainer.val_set[i] for i in range(n)])
+    samples = torch.stack([trainer.batches.val_set[i] for i in range(n)])
     with torch.no_grad():
         expected = trainer.model(input_ids=samples[:, :-1], labels=samples[:, 1:]).mean().item()
     # float32; only the order of summation differs (per micro-batch sums, then a float64 total).

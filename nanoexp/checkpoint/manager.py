@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
@@ -32,6 +32,7 @@ class Resume:
     lr_step_offset: int = 0       # subtracted from the step for the LR schedule (load_lr_scheduler=false)
     skipped_steps: int = 0        # updates skipped as non-finite before the checkpoint
     consumed_tokens: int = 0      # tokens trained on before the checkpoint (counted, not derived)
+    stage_consumed_samples: dict = field(default_factory=dict)   # data_stages: each stage's own data position
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Progress:
     consumed_samples: int = 0
     consumed_tokens: int = 0
     skipped_steps: int = 0
+    stage_consumed_samples: dict = field(default_factory=dict)   # {stage name: its consumed samples}
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -126,7 +128,8 @@ class CheckpointManager:
         self.last_saved = step
         self.abandon_after = step
         return Resume(step, meta["consumed_samples"], 0 if c.load_lr_scheduler else step,
-                      meta.get("skipped_steps", 0), meta.get("consumed_tokens", 0))
+                      meta.get("skipped_steps", 0), meta.get("consumed_tokens", 0),
+                      meta.get("stage_consumed_samples", {}))
 
     def layout(self) -> dict:
         ctx = self.ctx
@@ -138,6 +141,8 @@ class CheckpointManager:
                 "global_batch_size": C.global_batch_size(self.cfg), "layout": self.layout(),
                 "world_size": self.ctx.world_size, "optimizer_steps": optimizer_steps(optimizer),
                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        if progress.stage_consumed_samples:
+            meta["stage_consumed_samples"] = progress.stage_consumed_samples
         path = save_checkpoint(self.root, step, model, optimizer, self.ctx, meta, self.cfg.checkpoint.keep_last_n,
                                self.abandon_after)
         self.last_saved, self.abandon_after = step, None

@@ -15,38 +15,57 @@ Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100   # a target the loss skips: padding, and (later) masked tokens
 
 
-def collate(dataset, indices: list[int]) -> Batch:
-    """Stack samples into ``{"input_ids", "labels"}``, each LongTensor[len(indices), sequence_length]."""
+def document_positions(input_ids: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids, document_ids)`` of packed samples [b, s]: a document starts at the start of the sample
+    and after every ``eod_id`` (which ends the document it closes); positions count from 0 in each document."""
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eod_id
+    index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    first = torch.where(starts, index, 0).cummax(dim=1).values   # where each token's document starts
+    return index - first, starts.long().cumsum(dim=1)
+
+
+def with_documents(batch: Batch, eod_id: Optional[int]) -> Batch:
+    """Add ``position_ids`` and ``document_ids`` (model.attention_mask=document; None: the batch unchanged)."""
+    if eod_id is not None:
+        batch["position_ids"], batch["document_ids"] = document_positions(batch["input_ids"], eod_id)
+    return batch
+
+
+def collate(dataset, indices: list[int], eod_id: Optional[int] = None) -> Batch:
+    """Stack samples into ``{"input_ids", "labels"}``, each LongTensor[len(indices), sequence_length]; with
+    ``eod_id`` also their documents (:func:`document_positions`)."""
     samples = torch.stack([dataset[i] for i in indices])
-    return {"input_ids": samples[:, :-1].contiguous(), "labels": samples[:, 1:].contiguous()}
+    return with_documents({"input_ids": samples[:, :-1].contiguous(), "labels": samples[:, 1:].contiguous()}, eod_id)
 
 
-def collate_padded(dataset, indices: list[int], sequence_length: int) -> Batch:
+def collate_padded(dataset, indices: list[int], sequence_length: int, eod_id: Optional[int] = None) -> Batch:
     """As :func:`collate`, with indices past the end of ``dataset`` as padding rows: input id 0 and
     every label ``IGNORE_INDEX``, so they count in no loss."""
     real = [i for i in indices if i < len(dataset)]
     pad = len(indices) - len(real)
     ids = torch.zeros(pad, sequence_length, dtype=torch.long)
-    padding = {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}
-    if not real:
-        return padding
-    batch = collate(dataset, real)
-    return {key: torch.cat([batch[key], padding[key]]) for key in batch}
+    batch = {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}
+    if real:
+        samples = collate(dataset, real)
+        batch = {key: torch.cat([samples[key], batch[key]]) for key in batch}
+    return with_documents(batch, eod_id)
 
 
 def _build_step(dataset, order, start: int, global_batch_size: int,
-                dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
+                dp_rank: int, dp_size: int, micro_batch_size: int, eod_id: Optional[int] = None) -> list[Batch]:
     global_indices = order.indices(start, global_batch_size)
     mine = shard_for_dp(global_indices, dp_rank, dp_size)
-    return [collate(dataset, mb) for mb in split_micro_batches(mine, micro_batch_size)]
+    return [collate(dataset, mb, eod_id) for mb in split_micro_batches(mine, micro_batch_size)]
 
 
 def _produce(out: queue.Queue, stop: threading.Event, dataset, order, start: int, global_batch_size: int,
-             dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
+             dp_rank: int, dp_size: int, micro_batch_size: int, eod_id: Optional[int]) -> None:
     """Prefetch loop: put ("ok", step batches) for successive steps until ``stop`` is set."""
     while not stop.is_set():
         try:
-            item = ("ok", _build_step(dataset, order, start, global_batch_size, dp_rank, dp_size, micro_batch_size))
+            item = ("ok", _build_step(dataset, order, start, global_batch_size, dp_rank, dp_size, micro_batch_size,
+                                      eod_id))
         except Exception as exc:  # hand the error to the training thread instead of dying silently
             item = ("error", exc)
         while not stop.is_set():
@@ -67,13 +86,15 @@ class TrainBatches:
     :func:`sample_order_for`) and keeps its own contiguous share, so the data seen by a step does
     not depend on the dp/micro-batch layout; tp/pp peers (same dp rank) get the same micro-batches.
     With ``prefetch`` a daemon thread prepares upcoming steps while the current one trains; it is
-    then the only reader of ``dataset`` (a stream is read by one thread).
+    then the only reader of ``dataset`` (a stream is read by one thread). With ``eod_id`` the
+    micro-batches also carry their documents (model.attention_mask=document).
     """
 
     _QUEUE_SIZE = 2
 
     def __init__(self, dataset, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0, prefetch: bool = True):
+                 dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0, prefetch: bool = True,
+                 eod_id: Optional[int] = None):
         if global_batch_size % (micro_batch_size * dp_size) != 0:
             raise ValueError(f"a global batch of {global_batch_size} is not divisible by "
                              f"micro-batch x dp = {micro_batch_size} x {dp_size}")
@@ -81,6 +102,7 @@ class TrainBatches:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.eod_id = eod_id
         self.sampler = sample_order_for(dataset, global_batch_size, seed)
         self.consumed_samples = consumed_samples
         self.last_wait_sec = 0.0  # seconds the last next_step() spent waiting for data
@@ -93,7 +115,7 @@ class TrainBatches:
             # (__del__ then stops the thread). It also gets its own order: no shared cache.
             order = sample_order_for(dataset, global_batch_size, seed)
             args = (self._queue, self._stop, dataset, order, consumed_samples, global_batch_size,
-                    dp_rank, dp_size, micro_batch_size)
+                    dp_rank, dp_size, micro_batch_size, eod_id)
             self._thread = threading.Thread(target=_produce, args=args, name="nanoexp-prefetch", daemon=True)
             self._thread.start()
 
@@ -105,7 +127,7 @@ class TrainBatches:
         t0 = time.perf_counter()
         if self._queue is None:
             batches = _build_step(self.dataset, self.sampler, self.consumed_samples, self.global_batch_size,
-                                  self.dp_rank, self.dp_size, self.micro_batch_size)
+                                  self.dp_rank, self.dp_size, self.micro_batch_size, self.eod_id)
         else:
             kind, payload = self._queue.get()
             if kind == "error":
@@ -148,7 +170,7 @@ def eval_rounds(num_samples: int, global_batch_size: int, limit_batches: Optiona
 
 
 def eval_batches(dataset, global_batch_size: int, micro_batch_size: int, limit_batches: Optional[int],
-                 dp_rank: int, dp_size: int, sequence_length: int) -> list[Batch]:
+                 dp_rank: int, dp_size: int, sequence_length: int, eod_id: Optional[int] = None) -> list[Batch]:
     """This rank's validation micro-batches, in a fixed order (no shuffling).
 
     The held-out set is read in global batches of the training size, so the samples evaluated do
@@ -160,6 +182,6 @@ def eval_batches(dataset, global_batch_size: int, micro_batch_size: int, limit_b
     batches = []
     for b in range(eval_rounds(len(dataset), global_batch_size, limit_batches)):
         mine = shard_for_dp(list(range(b * global_batch_size, (b + 1) * global_batch_size)), dp_rank, dp_size)
-        batches += [collate_padded(dataset, indices, sequence_length)
+        batches += [collate_padded(dataset, indices, sequence_length, eod_id)
                     for indices in split_micro_batches(mine, micro_batch_size)]
     return batches

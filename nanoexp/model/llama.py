@@ -113,6 +113,19 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def document_attention(q, k, v, document_ids, position_ids, kv_document_ids=None, kv_position_ids=None):
+    """Causal attention within each document of packed samples: query i sees key j when both carry the same
+    document id and j's position is not after i's (positions restart at 0 in each document, so within one document
+    they order tokens as the sequence does). q [b, nh, s, d], k/v [b, nkv, s, d]; ids and positions [b, s] for the
+    queries, and for the keys when those differ (a context-parallel chunk attending to keys it received)."""
+    kv_document_ids = document_ids if kv_document_ids is None else kv_document_ids
+    kv_position_ids = position_ids if kv_position_ids is None else kv_position_ids
+    same_document = document_ids[:, None, :, None] == kv_document_ids[:, None, None, :]
+    not_after = position_ids[:, None, :, None] >= kv_position_ids[:, None, None, :]
+    mask = same_document & not_after                         # [b, 1, s, s]: one mask for every head
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
         super().__init__()
@@ -127,7 +140,7 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
         self.o_proj = RowParallelLinear(shape.num_attention_heads * d, shape.hidden_size, ctx, **sp)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, documents=None):
         x = column_input(x, self.ctx, self.sequence_parallel)   # one tp communication for q, k and v
         q = self.q_proj(x, input_is_ready=True)              # [b, s, heads*d] (full s even under SP)
         b, s, _ = q.shape
@@ -135,7 +148,8 @@ class Attention(nn.Module):
         k = self.k_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v)                      # [b, heads, s, d]
+        # [b, heads, s, d]; documents: (document_ids, position_ids) [b, s] with model.attention_mask=document
+        out = causal_attention(q, k, v) if documents is None else document_attention(q, k, v, *documents)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -162,8 +176,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape, ctx, sequence_parallel)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, documents=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -232,19 +246,25 @@ class LlamaForCausalLM(nn.Module):
             modules += [self.model.norm, self.lm_head]
         return [p for module in modules for p in module.parameters()]
 
-    def forward(self, input_ids=None, hidden_states=None, labels=None, chunk: int = 0):
+    def forward(self, input_ids=None, hidden_states=None, labels=None, chunk: int = 0, position_ids=None,
+                document_ids=None):
         """First stage (chunk 0): input_ids [b, s]. Otherwise: hidden_states from the previous stage.
         The last stage's last chunk returns the per-token losses [b, s] when labels are given (0 where
         a label is -100; the caller chooses the normalisation), else this rank's logits shard; other
-        stages and chunks return hidden states."""
+        stages and chunks return hidden states. With document_ids and position_ids [b, s] (every stage
+        gets them) attention stays within each document and rotary positions restart in each."""
         x = self.model.embed_tokens(input_ids) if self.has_embedding(chunk) else hidden_states
         seq_len = x.shape[1] * (self.ctx.tp if self.sequence_parallel else 1)   # SP: x holds s/tp
         cos, sin = rotary_tables(self.shape, seq_len, x.device)
+        documents = None
+        if document_ids is not None:
+            cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)   # [b, 1, s, d]
+            documents = (document_ids, position_ids)
         for layer in (self.model.layers[str(i)] for i in self.chunks[chunk]):
             if self.recompute_layer and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, documents)
         if not self.has_head(chunk):
             return x
         logits = self.lm_head(self.model.norm(x))           # [b, s, vocab/tp]

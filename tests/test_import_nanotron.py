@@ -1,0 +1,139 @@
+"""scripts/import_nanotron_config.py on nanotron configs written for these tests (tests/nanotron_configs/): the
+experiment composes, validates and trains with the source's layout, shapes, schedule, steps and data stages;
+every key without a counterpart is listed with its reason; a file that is not a nanotron config is refused and
+nothing is written."""
+import json
+import math
+import shutil
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from nanoexp.run import check_config, run
+import scripts.import_nanotron_config as importer
+from tests.data_files import random_documents, write_jsonl
+from tests.helpers import CONF_DIR, read_metrics
+from tests.test_nanoset import write_nanoset
+
+SOURCES = __file__.rsplit("/", 1)[0] + "/nanotron_configs/"
+LR = "optimizer.learning_rate_scheduler."
+
+
+@pytest.fixture
+def conf(tmp_path, monkeypatch):
+    """A copy of conf/ that the importer writes its experiments into (conf/experiment/<name>.yaml)."""
+    shutil.copytree(CONF_DIR, tmp_path / "conf")
+    monkeypatch.setattr(importer, "CONF_DIR", str(tmp_path / "conf"))
+    return tmp_path / "conf"
+
+
+def imported(conf, source: str, name: str, edit=lambda text: text):
+    """Import tests/nanotron_configs/<source> (DATA -> the test's folder); return (exit code, experiment text, a
+    function composing `+experiment=<name>` with overrides)."""
+    nanotron = conf.parent / f"{name}.nanotron.yaml"
+    nanotron.write_text(edit(open(SOURCES + source).read()).replace("DATA", str(conf.parent)))
+    out = conf / "experiment" / f"{name}.yaml"
+    code = importer.main([str(nanotron), "--name", name])
+
+    def composed(overrides=()):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            return compose(config_name="config", overrides=[f"+experiment={name}", *overrides])
+    return code, out.read_text() if out.exists() else None, composed
+
+
+def not_carried_over(text: str) -> str:
+    return text.split("# Not carried over")[1].split("# Nothing to set")[0]
+
+
+def test_hf_stages_on_a_sequence_parallel_pipeline(tmp_path, conf, capsys):
+    write_jsonl(tmp_path / "web.jsonl", random_documents(200, seed=1))
+    write_jsonl(tmp_path / "curated.jsonl", random_documents(200, seed=2), key="content")
+    code, text, composed = imported(conf, "hf_two_stages.yaml", "hf_stages")
+    printed = capsys.readouterr().out
+    assert code == 0
+    for listed in ("lighteval = ", "s3_upload = ", "parallelism.tp_linear_async_communication = true",
+                   "data_stages[0].data.num_loading_workers = 2", "logging.log_level = \"warning\"",
+                   "profiler.profiler_export_path = ", "general.ignore_sanity_checks = true"):
+        assert listed in not_carried_over(text) and listed in printed, listed
+    cfg = composed()
+    p, m, lr = cfg.parallelism, cfg.model.model_config, cfg.optimizer.learning_rate_scheduler
+    assert (p.dp, p.tp, p.pp, p.pp_engine, p.tp_mode) == (1, 2, 2, "1f1b", "reduce_scatter")
+    assert (m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
+            m.vocab_size, m.rope_theta, m.tie_word_embeddings) == (64, 128, 4, 4, 2, 257, 500000.0, True)
+    assert cfg.model.make_vocab_size_divisible_by == 64   # nanotron pads to a multiple of 32 x tp
+    assert (cfg.model.dtype, cfg.model.init_method.std, cfg.general.seed) == ("bfloat16", 0.05, 7)
+    prof = cfg.logging.profiler   # nanotron's profiler defaults: 3 skipped + 1 waiting step, 1 warm-up, 1 recorded
+    assert (prof.enabled, prof.wait, prof.warmup, prof.active) == (True, 4, 1, 1)
+    assert (cfg.tokens.train_steps, cfg.tokens.micro_batch_size, cfg.tokens.batch_accumulation_per_replica,
+            cfg.tokens.global_batch_size) == (5, 2, 2, 4)
+    assert [(s.name, s.start_training_step, s.data.text_column_name) for s in cfg.data_stages] == [
+        ("Stable Training Stage", 1, "text"), ("Annealing Phase", 4, "content")]
+    check_config(cfg, world_size=4)
+    run(cfg, str(tmp_path / "run"))
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["stage"] for r in records] == ["Stable Training Stage"] * 3 + ["Annealing Phase"] * 2
+    # The source's schedule: warm-up to 1e-3 at step 1, the peak until lr_decay_starting_step=3, a 2-step cosine.
+    expected = [1e-3, 1e-3, 1e-3, 1e-4 + 0.9e-3 * 0.5, 1e-4]
+    assert all(math.isclose(r["lr"], e, rel_tol=1e-12) for r, e in zip(records, expected)), [r["lr"] for r in records]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["layout"], summary["train_steps"]) == ("completed", "dp1tp2pp2", 5)
+    assert (tmp_path / "checkpoints" / "4" / "meta.json").exists()   # checkpoints_path and interval carried over
+
+
+def test_nanoset_forms_and_nanotron_defaults(tmp_path, conf):
+    web = write_nanoset(tmp_path / "web", random_documents(200, seed=3))
+    code_folder = write_nanoset(tmp_path / "code", random_documents(100, seed=4))
+    code, text, composed = imported(conf, "nanoset_forms.yaml", "nanosets")
+    assert code == 0
+    assert "parallelism.expert_parallel_size = 2" in not_carried_over(text)
+    assert "general.seed = 42: nanoexp has one seed" in not_carried_over(text)   # the stages agree on 1234
+    cfg = composed()
+    tokens = [json.load(open(f"{f}/metadata.json"))["num_tokens"] for f in (web, code_folder)]
+    assert [(s.data.name, list(s.data.dataset_folder), s.data.dataset_weights and list(s.data.dataset_weights))
+            for s in cfg.data_stages] == [("nanoset", [web], None),
+                                         ("nanoset", [web, code_folder], tokens),   # nanotron blends a list by size
+                                         ("nanoset", [web, code_folder], [0.8, 0.2])]
+    lr = cfg.optimizer.learning_rate_scheduler
+    # nanotron's defaults where the file is silent: afab, linear decay over train - warm-up, min = the peak.
+    assert (cfg.parallelism.pp_engine, lr.lr_decay_style, lr.lr_decay_steps, lr.min_decay_lr) == (
+        "afab", "linear", 4, 3e-3)
+    assert (cfg.general.seed, cfg.optimizer.zero_stage, cfg.optimizer.clip_grad,
+            cfg.model.model_config.num_key_value_heads, cfg.checkpoint.save_final_state) == (1234, 1, None, None, False)
+    check_config(cfg, world_size=2)
+    run(cfg, str(tmp_path / "run"))
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["stage"] for r in records] == ["one folder"] * 2 + ["a list"] * 2 + ["weighted"] * 2
+    assert [r["lr"] for r in records] == [1.5e-3] + [3e-3] * 5
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["layout"] == "dp2tp1pp1"
+
+
+def test_stages_with_different_seeds_are_listed(conf, capsys):
+    def first_stage_seed_differs(text):
+        return text.replace("seed: 1234", "seed: 5", 1)
+
+    code, text, composed = imported(conf, "nanoset_forms.yaml", "seeds", edit=first_stage_seed_differs)
+    assert code == 0 and composed().general.seed == 42
+    for i in range(3):
+        assert f"data_stages[{i}].data.seed = " in not_carried_over(text)
+    capsys.readouterr()
+    assert imported(conf, "nanoset_forms.yaml", "seeds")[0] == 2   # an existing experiment needs --force
+    assert "seeds.yaml exists: pass --force to replace it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda t: "model: [unclosed\n", "is not YAML"),
+    (lambda t: "- a list\n- of things\n", "is not a nanotron config: expected a mapping of sections"),
+    (lambda t: t.replace("parallelism:", "parallelism_settings:"), "is not a nanotron config: no parallelism section"),
+    (lambda t: t.replace("model_config:", "config:"), "no model.model_config section"),
+    (lambda t: t.replace("dp: 2", "dp: two"), "parallelism.dp: expected an integer, got 'two'"),
+    (lambda t: t.replace("learning_rate: 3e-3", "learning_rate: fast"), LR + "learning_rate: expected a number"),
+    (lambda t: t.replace("tokens:", "tokens: 5\nunused:"), "section tokens is 5, expected a mapping"),
+    (lambda t: t.replace("dataset_folder: DATA/web", "dataset_folder: 5"),
+     "data_stages[0].data.dataset.dataset_folder: expected a folder, a list of folders or a folder: weight mapping"),
+], ids=["not yaml", "a list", "no parallelism", "no model_config", "dp not an int", "lr not a number",
+        "section not a mapping", "folder not a path"])
+def test_not_a_nanotron_config_is_refused_and_nothing_written(edit, needle, conf, capsys):
+    code, text, _ = imported(conf, "nanoset_forms.yaml", "bad", edit)
+    err = capsys.readouterr().err
+    assert code == 2 and text is None
+    assert needle in err and len(err.splitlines()) == 1, err
