@@ -58,9 +58,16 @@ class InitMethod:
 
 
 @dataclass
+class MupConfig:
+    base_width: Optional[int] = None   # µP: the hidden size at which it equals standard (m = hidden_size / base_width)
+
+
+@dataclass
 class ModelConfig:
     dtype: str = "float32"   # float32 | bfloat16 (bf16 autocast, float32 master weights and grads)
     init_method: InitMethod = field(default_factory=InitMethod)
+    parametrization: str = "standard"   # standard | mup (nanoexp/model/mup.py)
+    mup: MupConfig = field(default_factory=MupConfig)
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
