@@ -62,6 +62,10 @@ CASES = [
      "tokenizer.tokenizer_name_or_path"),
     ("unknown dtype", ["model.dtype=float16"], {}, "model.dtype=float16"),
     ("unknown wandb mode", ["logging.wandb.mode=cloud"], {}, "logging.wandb.mode=cloud"),
+    ("unknown parametrization", ["model.parametrization=sp"], {}, "model.parametrization=sp"),
+    ("mup without base width", ["model.parametrization=mup"], {}, "model.mup.base_width=None: must be a positive"),
+    ("mup from HF weights", ["model.parametrization=mup", "model.mup.base_width=48", "model.init_method.path=/no/hf"],
+     {}, "model.init_method.path=/no/hf: Hugging Face Llama weights are a standard-parametrization model"),
 ]
 
 
