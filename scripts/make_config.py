@@ -2,7 +2,7 @@
 
     python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80 --tokenizer /data/llama3_tokenizer
     python scripts/make_config.py --model tiny --gpus 2 --gpu-memory-gb 24 --out my_experiment.yaml
-    python scripts/make_config.py --show-lrs model.parametrization=mup model.mup.base_width=32   # any train.py overrides
+    python scripts/make_config.py --show-lrs model.parametrization=mup model.mup.base_width=32   # train.py overrides
 
 Promises:
 - Every dp x tp x pp layout of --gpus processes is checked with nanoexp's own `validate` (heads, KV heads,

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for activation in ACTIVATIONS:
             rms = [r["rms"] for r in rows if (r["parametrization"], r["activation"], r["step"])
                    == (parametrization, activation, last)]
-            print(f"{parametrization:<16}{activation:<11}" + "".join(f"{v:>9.3g}" for v in rms) + f"  {rms[-1] / rms[0]:.2f}")
+            print(f"{parametrization:<16}{activation:<11}" + "".join(f"{v:>9.3g}" for v in rms)
+                  + f"  {rms[-1] / rms[0]:.2f}")
     try:
         plot(rows, os.path.join(args.out, "coord_check.png"))
     except ImportError:

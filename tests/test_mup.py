@@ -1,6 +1,7 @@
 """µP (model.parametrization=mup): the init and learning rates it promises, what --show-lrs prints, and the
 coordinate check's property (activations keep their size as the width grows). Parity across layouts is
 in tests/test_parallel.py, the HF export in tests/test_hf_conversion.py."""
+import json
 import math
 import re
 
@@ -9,7 +10,7 @@ import pytest
 from nanoexp.model.build import build_model
 from nanoexp.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
-from scripts import make_config
+from scripts import make_config, summarize_sweep
 from scripts.mup_coord_check import coord_check, width_overrides
 from tests.helpers import compose_config
 
@@ -72,3 +73,31 @@ def test_coord_check_mup_keeps_logits_steady_as_width_grows():
         mup, standard = rms("mup", activation), rms("standard", activation)
         assert max(mup) / min(mup) < 1.5, (activation, mup)
         assert standard == sorted(standard) and standard[-1] / standard[0] > 2, (activation, standard)
+
+
+def fake_job(folder, number: int, parametrization: str, width: int, lr: float, eval_loss: float | None) -> None:
+    """A finished sweep job as summarize_sweep.py reads it: .hydra/ config and overrides, summary.json."""
+    job = folder / str(number)
+    (job / ".hydra").mkdir(parents=True)
+    config = {"parallelism": {"dp": 1, "tp": 1, "pp": 1},
+              "optimizer": {"learning_rate_scheduler": {"learning_rate": lr}},
+              "model": {"parametrization": parametrization, "model_config": {"hidden_size": width}}}
+    (job / ".hydra" / "config.yaml").write_text(json.dumps(config))   # JSON is YAML
+    (job / ".hydra" / "overrides.yaml").write_text(json.dumps([f"model.parametrization={parametrization}",
+                                                               f"width={width}", f"lr={lr}"]))
+    status = {"status": "completed", "eval_loss": eval_loss} if eval_loss else {"status": "failed", "error": "NaN"}
+    (job / "summary.json").write_text(json.dumps(status))
+
+
+def test_summarize_sweep_prints_the_best_lr_per_width_and_plots_the_transfer(tmp_path, capsys):
+    losses = {("standard", 64): [2.0, 1.9, 2.1], ("standard", 256): [1.8, 1.95, None],
+              ("mup", 64): [2.0, 1.9, 2.1], ("mup", 256): [1.9, 1.7, 1.8]}
+    lrs = [2 ** -9, 2 ** -8, 2 ** -7]
+    jobs = [(key, lr, loss) for key, row in losses.items() for lr, loss in zip(lrs, row)]
+    for number, ((parametrization, width), lr, loss) in enumerate(jobs):
+        fake_job(tmp_path / "sweep", number, parametrization, width, lr, loss)
+    assert summarize_sweep.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")]) == 0
+    best = re.findall(r"^(standard|mup)\s+(\d+)\s+(\S+) \(2\^(\S+)\)\s+(\S+)", capsys.readouterr().out, re.MULTILINE)
+    assert best == [("standard", "64", "0.003906", "-8", "1.9000"), ("standard", "256", "0.001953", "-9", "1.8000"),
+                    ("mup", "64", "0.003906", "-8", "1.9000"), ("mup", "256", "0.003906", "-8", "1.7000")]
+    assert (tmp_path / "out" / "lr_transfer.png").stat().st_size > 10_000
