@@ -31,6 +31,7 @@ from nanoexp.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
 
 ACTIVATIONS = ("embedding", "attention", "mlp", "logits")
+TITLES = {"embedding": "embedding output", "attention": "attention output", "mlp": "MLP output", "logits": "logits"}
 PARAMETRIZATIONS = ("standard", "mup")
 
 
@@ -121,9 +122,9 @@ def plot(rows: list[dict], path: str) -> None:
                        == (parametrization, activation, step)}
                 ax.plot(widths, [rms[w] for w in widths], marker="o", markersize=3,
                         color=colours(step / (len(steps) + 1)), label=f"step {step}")
-            ax.set(xscale="log", yscale="log", title=f"{parametrization}: {activation} output")
+            ax.set(xscale="log", yscale="log", title=f"{parametrization}: {TITLES[activation]}")
             ax.set_xticks(widths, [str(w) for w in widths])
-            ax.minorticks_off()
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.grid(alpha=0.3)
         row_axes[0].set_ylabel("RMS of activations")
     for ax in axes[-1]:
