@@ -60,6 +60,7 @@ class InitMethod:
 @dataclass
 class MupConfig:
     base_width: Optional[int] = None   # µP: the hidden size at which it equals standard (m = hidden_size / base_width)
+    attention_multiplier: float = 1.0  # µP: attention scores attention_multiplier * q·k / d_head
 
 
 @dataclass

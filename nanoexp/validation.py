@@ -74,6 +74,7 @@ def parametrization_rules(cfg: Any) -> list[Rule]:
     return [
         must(cfg, "model.mup.base_width", lambda width: width is not None and width > 0, "a positive hidden size with "
              "model.parametrization=mup: the width at which µP equals standard (e.g. the smallest width of a sweep)"),
+        must(cfg, "model.mup.attention_multiplier", lambda alpha: alpha > 0, "positive"),
         (not model.init_method.path, f"model.init_method.path={model.init_method.path}: Hugging Face Llama weights "
          "are a standard-parametrization model; load them with model.parametrization=standard"),
     ]

@@ -64,6 +64,8 @@ CASES = [
     ("unknown wandb mode", ["logging.wandb.mode=cloud"], {}, "logging.wandb.mode=cloud"),
     ("unknown parametrization", ["model.parametrization=sp"], {}, "model.parametrization=sp"),
     ("mup without base width", ["model.parametrization=mup"], {}, "model.mup.base_width=None: must be a positive"),
+    ("mup attention multiplier zero", ["model.parametrization=mup", "model.mup.base_width=48",
+                                       "model.mup.attention_multiplier=0"], {}, "model.mup.attention_multiplier=0.0"),
     ("mup from HF weights", ["model.parametrization=mup", "model.mup.base_width=48", "model.init_method.path=/no/hf"],
      {}, "model.init_method.path=/no/hf: Hugging Face Llama weights are a standard-parametrization model"),
 ]

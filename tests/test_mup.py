@@ -12,7 +12,7 @@ from nanoexp.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
 from scripts import make_config, summarize_sweep
 from scripts.mup_coord_check import coord_check, width_overrides
-from tests.helpers import compose_config
+from tests.helpers import FAST, compose_config, train, train_losses
 
 MUP = ["model.parametrization=mup", "model.mup.base_width=32"]
 STD = 0.08   # conf/model/tiny.yaml's init_method.std
@@ -41,6 +41,16 @@ def test_mup_init_and_learning_rates_scale_with_the_width():
     assert group_lrs(width_overrides(128, 16) + MUP, 1e-3) == pytest.approx(
         {"matrices": 1e-3, "hidden": 1e-3 / 4, "vectors": 1e-3}, rel=1e-12)
     assert group_lrs(width_overrides(128, 16), 1e-3) == {"matrices": 1e-3, "vectors": 1e-3}
+
+
+def test_mup_at_its_base_width_is_the_standard_parametrization(tmp_path):
+    """m = 1 and attention_multiplier = sqrt(d_head) = 4: every multiplier is 1 and the attention scale is
+    standard's, so the same seed trains the same model, loss for loss (the groups differ, the updates not)."""
+    steps = FAST + ["tokens.train_steps=3", "tokens.val_check_interval=0", "checkpoint.save_final_state=false"]
+    standard = train_losses(train(tmp_path / "standard", steps))
+    mup = train_losses(train(tmp_path / "mup", steps + ["model.parametrization=mup", "model.mup.base_width=64",
+                                                        "model.mup.attention_multiplier=4"]))
+    assert mup == standard
 
 
 def test_show_lrs_prints_the_rates_the_optimizer_uses(capsys):

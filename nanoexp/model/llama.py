@@ -278,7 +278,7 @@ def init_weights(model: LlamaForCausalLM, std: float, seed: int, parametrization
         full_shape = list(param.shape)
         if dim is not None:
             full_shape[dim] *= ctx.tp
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(value_name(name, param).encode()))
-        full = torch.empty(full_shape).normal_(0.0, parametrization.init_std(value_name(name, param), param.ndim, std),
-                                               generator=gen)
+        source = value_name(name, param)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
+        full = torch.empty(full_shape).normal_(0.0, parametrization.init_std(source, param.ndim, std), generator=gen)
         param.copy_(shard_tensor(full, dim, ctx))

@@ -13,9 +13,12 @@ formulation with multipliers), with the width multiplier m = hidden_size / model
   starting at zero) so that a tied embedding, which is also the input layer, obeys the same rule:
   a tied LM head is the embedding and follows the embedding's rules, the 1/m on the logits included;
 - norm weights: ones, learning rate η;
-- attention scores q·k / d_head instead of q·k / √d_head.
+- attention scores α·q·k / d_head instead of q·k / √d_head, α = model.mup.attention_multiplier (1 by
+  default). What µP fixes is the 1/d_head law (as the head dimension grows, q and k become correlated
+  and their dot product grows like d_head, not √d_head); α is a constant: α = √d_head makes µP equal the
+  standard parametrization at the base width when a sweep keeps d_head fixed.
 m comes from the global hidden size, so no tp or pp layout changes it. At m = 1 µP is the standard
-parametrization except for the attention scale.
+parametrization except for the attention scale (not even that when α = √d_head).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ GROUPS = ("matrices", "hidden", "vectors")
 class Parametrization:
     mup: bool = False
     width_multiplier: float = 1.0   # m = hidden_size / base_width (1 under standard)
+    attention_multiplier: float = 1.0   # α in α·q·k / d_head (µP only)
 
     def group(self, name: str, ndim: int) -> str:
         """The optimizer group of a parameter, named by the values it holds (see placement.value_name)."""
@@ -52,7 +56,7 @@ class Parametrization:
 
     def attention_scale(self, head_dim: int) -> float | None:
         """The factor on q·k; None: scaled_dot_product_attention's default 1/√head_dim."""
-        return 1.0 / head_dim if self.mup else None
+        return self.attention_multiplier / head_dim if self.mup else None
 
     @property
     def logit_multiplier(self) -> float:
@@ -67,7 +71,8 @@ def parametrization_of(cfg: Any) -> Parametrization:
     model = cfg.model
     if model.get("parametrization", "standard") != "mup":
         return STANDARD
-    return Parametrization(mup=True, width_multiplier=model.model_config.hidden_size / model.mup.base_width)
+    return Parametrization(mup=True, width_multiplier=model.model_config.hidden_size / model.mup.base_width,
+                           attention_multiplier=model.mup.get("attention_multiplier", 1.0))
 
 
 def describe(p: Parametrization, hidden_size: int, head_dim: int) -> str:
@@ -76,4 +81,5 @@ def describe(p: Parametrization, hidden_size: int, head_dim: int) -> str:
         return "standard (one learning rate, init std for every matrix, attention 1/sqrt(d_head))"
     m = p.width_multiplier
     return (f"mup, width multiplier m = {hidden_size} / {hidden_size / m:g} = {m:g}: hidden matrices init std/sqrt(m) "
-            f"and lr/m, logits x 1/m = {p.logit_multiplier:.4g}, attention 1/d_head = 1/{head_dim}")
+            f"and lr/m, logits x 1/m = {p.logit_multiplier:.4g}, attention {p.attention_multiplier:g}/d_head = "
+            f"{p.attention_multiplier:g}/{head_dim}")
