@@ -58,9 +58,17 @@ class InitMethod:
 
 
 @dataclass
+class MupConfig:
+    base_width: Optional[int] = None   # µP: the hidden size at which it equals standard (m = hidden_size / base_width)
+    attention_multiplier: float = 1.0  # µP: attention scores attention_multiplier * q·k / d_head
+
+
+@dataclass
 class ModelConfig:
     dtype: str = "float32"   # float32 | bfloat16 (bf16 autocast, float32 master weights and grads)
     init_method: InitMethod = field(default_factory=InitMethod)
+    parametrization: str = "standard"   # standard | mup (nanoexp/model/mup.py)
+    mup: MupConfig = field(default_factory=MupConfig)
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
     ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)

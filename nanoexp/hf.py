@@ -13,7 +13,9 @@ them), and generate.py never samples them.
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import replace
 
 import torch
 from safetensors import safe_open
@@ -36,6 +38,22 @@ def hf_config(shape: LlamaShape, eod_id: int) -> dict:
             "tie_word_embeddings": shape.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
             "attention_dropout": 0.0, "bos_token_id": eod_id, "eos_token_id": eod_id,
             "torch_dtype": "float32", "initializer_range": 0.02}
+
+
+def bake_multipliers(tensors: dict[str, torch.Tensor], shape: LlamaShape) -> tuple[dict, LlamaShape]:
+    """Full weights and shape of a transformers Llama that computes the logits of this model, whose
+    forward may carry multipliers (µP): the attention scale goes into q_proj (HF scales q·k by
+    1/sqrt(head_dim); rotary embeddings are linear in q), the logit multiplier into the LM head. A
+    tied LM head gets its own scaled tensor (the embedding keeps its values): exported untied."""
+    tensors = dict(tensors)
+    if shape.attention_scale is not None:
+        factor = shape.attention_scale * math.sqrt(shape.head_dim)
+        for name in [f"model.layers.{n}.self_attn.q_proj.weight" for n in range(shape.num_hidden_layers)]:
+            tensors[name] = tensors[name] * factor
+    if shape.logit_multiplier != 1.0:
+        tensors["lm_head.weight"] = tensors.get("lm_head.weight", tensors[EMBEDDING]) * shape.logit_multiplier
+        shape = replace(shape, tie_word_embeddings=False)
+    return tensors, replace(shape, attention_scale=None, logit_multiplier=1.0)
 
 
 # The model_config keys an HF config must match, and the HF key each one is read from.

@@ -42,7 +42,8 @@ UNMAPPED = {
     "parallelism.tp_recompute_allgather": (lambda v: not v, "nanoexp keeps the all-gathered input for backward"),
     "model.init_method.path": (NULL, "a nanotron checkpoint, which nanoexp cannot read: export it to a Hugging "
                                "Face folder and set model.init_method.path (weights start from init_method.std)"),
-    "model.init_method.use_mup": (lambda v: not v, "spectral muP initialisation is not in nanoexp"),
+    "model.init_method.use_mup": (lambda v: not v, "nanotron's spectral µP is not nanoexp's µP (Tensor Programs "
+                                  "V): choose model.parametrization=mup and model.mup.base_width yourself"),
     "model.init_method.scaling_method": (ALWAYS, "nanoexp draws every matrix with model.init_method.std"),
     "model.model_config.bos_token_id": (ALWAYS, "nanoexp takes token ids from the tokenizer"),
     "model.model_config.eos_token_id": (ALWAYS, "nanoexp takes the end-of-document id from the tokenizer"),

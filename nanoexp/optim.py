@@ -1,4 +1,5 @@
-"""AdamW parameter groups, the learning-rate schedule, and clipping by the true global norm."""
+"""AdamW parameter groups (with µP's per-group learning rates), the learning-rate schedule, and clipping
+by the true global norm."""
 from __future__ import annotations
 
 import math
@@ -7,17 +8,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization_of
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.data_parallel import GradientBuckets
-from nanoexp.parallel.placement import counted_here
+from nanoexp.parallel.placement import counted_here, value_name
 from nanoexp.parallel.zero import ZeroAdamW
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: norms (and biases, if any) are 1-D and are not decayed."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
+    """Weight decay on matrices only: norms (and biases, if any) are 1-D and are not decayed. Each group
+    has its `lr_scale` (the µP multiplier on the scheduled rate, see set_lr); standard has two groups,
+    matrices and vectors, µP splits the hidden matrices off the matrices."""
+    members: dict[str, list] = {group: [] for group in GROUPS}
+    for name, param in model.named_parameters():
+        members[parametrization.group(value_name(name, param), param.ndim)].append(param)
+    return [{"params": params, "weight_decay": 0.0 if group == "vectors" else weight_decay,
+             "lr_scale": parametrization.lr_scale(group), "group": group}
+            for group, params in members.items() if params]
 
 
 def build_optimizer(cfg, model: nn.Module, grad_syncs: list[GradientBuckets]):
@@ -28,7 +35,7 @@ def build_optimizer(cfg, model: nn.Module, grad_syncs: list[GradientBuckets]):
     fused = bool(f.torch_adam_is_fused)
     adamw = dict(lr=o.learning_rate_scheduler.learning_rate, betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
                  fused=fused or None, foreach=None if fused else True)
-    groups = parameter_groups(model, o.weight_decay)
+    groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
     if o.zero_stage == 1:
         return ZeroAdamW(grad_syncs, groups, **adamw)
     return torch.optim.AdamW(groups, **adamw)
@@ -59,8 +66,9 @@ def lr_at(step: int, cfg) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
+    """Every group trains at the scheduled `lr` times its lr_scale (µP: 1/m for hidden matrices)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def gradients(optimizer, params: list[nn.Parameter], ctx: ParallelContext) -> tuple[list, list, object]:

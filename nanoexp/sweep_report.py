@@ -89,6 +89,8 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         p = cfg["parallelism"]
         row["layout"] = f"dp{p['dp']}tp{p['tp']}pp{p['pp']}"
         row["lr"] = cfg["optimizer"]["learning_rate_scheduler"]["learning_rate"]
+        row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
+        row["parametrization"] = cfg["model"].get("parametrization", "standard")
     records = []
     if os.path.exists(os.path.join(folder, "metrics.jsonl")):
         with open(os.path.join(folder, "metrics.jsonl")) as f:

@@ -26,6 +26,7 @@ from nanoexp.memory import peak_memory_mb, start_measuring
 from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
 from nanoexp.model.llama import count_parameters
+from nanoexp.model.mup import describe, parametrization_of
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
@@ -294,6 +295,8 @@ class Trainer:
         log.info("model: %s parameters (hidden %d, %d layers, %d heads / %d KV heads, vocabulary %d), %s",
                  f"{num_parameters:,}", shape.hidden_size, shape.num_hidden_layers, shape.num_attention_heads,
                  shape.num_key_value_heads, shape.vocab_size, cfg.model.dtype)
+        if cfg.model.parametrization == "mup":
+            log.info("parametrization: %s", describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim))
         if cfg.model.init_method.path:
             log.info("initial weights: Hugging Face model %s (model.init_method.path)", cfg.model.init_method.path)
         engine = f", pipeline {p.pp_engine}" if ctx.pp > 1 else ""

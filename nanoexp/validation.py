@@ -66,6 +66,20 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
          f"tokenizer.tokenizer_name_or_path={tokenizer}): set {M}vocab_size>={tokenizer_vocab_size}"),
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
         one_of(cfg, "model.attention_mask", ("causal", "document")),
+    ] + parametrization_rules(cfg)
+
+
+def parametrization_rules(cfg: Any) -> list[Rule]:
+    """µP needs its base width; HF Llama weights are a standard-parametrization model."""
+    model = cfg.model
+    if model.parametrization != "mup":
+        return [one_of(cfg, "model.parametrization", ("standard", "mup"))]
+    return [
+        must(cfg, "model.mup.base_width", lambda width: width is not None and width > 0, "a positive hidden size with "
+             "model.parametrization=mup: the width at which µP equals standard (e.g. the smallest width of a sweep)"),
+        must(cfg, "model.mup.attention_multiplier", lambda alpha: alpha > 0, "positive"),
+        (not model.init_method.path, f"model.init_method.path={model.init_method.path}: Hugging Face Llama weights "
+         "are a standard-parametrization model; load them with model.parametrization=standard"),
     ]
 
 

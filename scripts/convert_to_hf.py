@@ -5,6 +5,8 @@
 
 Writes config.json (vocab_size = nanoexp's padded vocabulary), model.safetensors (float32) and the
 tokenizer files (generated for the built-in byte tokenizer, copied for an HF tokenizer folder).
+A µP model's multipliers are baked into the weights (q_proj and the LM head; a tied embedding is
+exported untied), so transformers' Llama gives its logits (nanoexp.hf.bake_multipliers).
 """
 import argparse
 import json
@@ -15,7 +17,7 @@ from safetensors.torch import save_file
 
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible
 from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.hf import hf_config, parameter_shapes, write_tokenizer
+from nanoexp.hf import bake_multipliers, hf_config, parameter_shapes, write_tokenizer
 from nanoexp.model.build import model_shape
 
 
@@ -27,6 +29,7 @@ def convert_to_hf(checkpoint: str, out: str) -> None:
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     os.makedirs(out, exist_ok=True)
     tensors = {name: reader.full_tensor(name).contiguous() for name in parameter_shapes(shape)}
+    tensors, shape = bake_multipliers(tensors, shape)
     weights = os.path.join(out, "model.safetensors")
     save_file(tensors, weights, metadata={"format": "pt"})
     umask = os.umask(0)

@@ -2,6 +2,7 @@
 
     python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80 --tokenizer /data/llama3_tokenizer
     python scripts/make_config.py --model tiny --gpus 2 --gpu-memory-gb 24 --out my_experiment.yaml
+    python scripts/make_config.py --show-lrs model.parametrization=mup model.mup.base_width=32   # train.py overrides
 
 Promises:
 - Every dp x tp x pp layout of --gpus processes is checked with nanoexp's own `validate` (heads, KV heads,
@@ -28,6 +29,7 @@ import argparse
 import copy
 import math
 import os
+import re
 import sys
 
 from omegaconf import OmegaConf
@@ -115,6 +117,43 @@ def experiment_yaml(args, chosen: list[str], tokenizer: str) -> str:
     return "\n".join(lines) + "\n" + OmegaConf.to_yaml(body)
 
 
+def show_lrs(overrides: list[str]) -> int:
+    """Print each optimizer parameter group that `python train.py <overrides>` trains with: its tensors,
+    init std, learning rate (peak and end of decay) and weight decay, read from the model's full shapes
+    with the optimizer's own grouping rule (nothing is built, so any model size answers at once)."""
+    from nanoexp.model.build import model_shape
+    from nanoexp.model.llama import parameter_shapes
+    from nanoexp.model.mup import GROUPS, describe, parametrization_of
+    from nanoexp.optim import min_decay_lr
+
+    cfg = compose(overrides)
+    try:
+        validate(cfg)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    shape, mup, sched = model_shape(cfg), parametrization_of(cfg), cfg.optimizer.learning_rate_scheduler
+    members: dict[str, list] = {}
+    for name, full in parameter_shapes(shape).items():
+        members.setdefault(mup.group(name, len(full)), []).append((name, full))
+    print(f"parametrization: {describe(mup, shape.hidden_size, shape.head_dim)}")
+    print(f"{'group':<10}{'tensors':>8}{'parameters':>12}{'init std':>10}{'lr scale':>10}{'peak lr':>11}"
+          f"{'final lr':>11}{'decay':>7}  holds")
+    for group in (g for g in GROUPS if g in members):
+        name, full = members[group][0]
+        std = "ones" if group == "vectors" else f"{mup.init_std(name, len(full), cfg.model.init_method.std):.4g}"
+        scale = mup.lr_scale(group)
+        decay = 0.0 if group == "vectors" else cfg.optimizer.weight_decay
+        held = dict.fromkeys(re.sub(r"^model\.layers\.\d+\.", "", n).removesuffix(".weight") for n, _ in members[group])
+        held = [n for n in held if n.startswith(("model.", "lm_head"))] + [   # the layers' tensors in one entry
+            "model.layers.*.{" + ", ".join(n for n in held if not n.startswith(("model.", "lm_head"))) + "}"]
+        print(f"{group:<10}{len(members[group]):>8}{sum(math.prod(f) for _, f in members[group]):>12,}{std:>10}"
+              f"{scale:>10.4g}{sched.learning_rate * scale:>11.4g}{min_decay_lr(cfg) * scale:>11.4g}{decay:>7g}  "
+              + ", ".join(n for n in held if not n.endswith("{}"))
+              + (" (= lm_head, tied)" if shape.tie_word_embeddings and group == "matrices" else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a file of conf/model/ (tiny, small, llama_1b, llama3_8b, ...)")
@@ -130,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                                             "vocabulary is the byte tokenizer's 257)")
     parser.add_argument("--experiment", help="name of the conf/experiment/ file (default <model>_<gpus>gpu)")
     parser.add_argument("--out", help="write the experiment here instead of conf/experiment/")
+    parser.add_argument("--show-lrs", nargs="*", metavar="OVERRIDE", help="only print the learning rate of each "
+                        "parameter group for the config of these train.py overrides (the other options are not needed)")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--show-lrs" in argv:
+        return show_lrs(argv[argv.index("--show-lrs") + 1:])
     args = parser.parse_args(argv)
 
     overrides = [f"model={args.model}", f"tokens.sequence_length={args.sequence_length}",

@@ -10,12 +10,17 @@ Promises:
 - Writes `<out>/summary.csv`, and with matplotlib `<out>/loss_curves.png` (training loss of every
   job, eval losses as large markers, each job its own colour, line style and marker; failed jobs
   dashed; the legend shows only the overrides that differ) and `<out>/tokens_per_sec.png`.
+- When the jobs try more than one learning rate, prints the best learning rate (lowest eval loss) per
+  parametrization and width, and writes `<out>/lr_transfer.png`: eval loss against learning rate (log-2
+  axis), one curve per width, one panel per parametrization (the µTransfer picture; jobs without an eval
+  loss, e.g. diverged, are crosses on the panel's top edge).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import itertools
+import math
 import os
 import sys
 
@@ -71,6 +76,63 @@ def plot(rows: list[dict], curves: dict[int, list[dict]], out: str) -> list[str]
     return ["loss_curves.png", "tokens_per_sec.png"]
 
 
+def lr_sweep(rows: list[dict]) -> dict[tuple[str, int], list[tuple[float, float | None]]]:
+    """{(parametrization, width): [(lr, eval loss or None), ...] sorted by lr}, or {} if one lr was tried."""
+    if len({row.get("lr") for row in rows if row.get("lr")}) < 2:
+        return {}
+    curves: dict = {}
+    for row in rows:
+        if row.get("lr"):
+            curves.setdefault((row["parametrization"], row["width"]), []).append((row["lr"], row.get("eval_loss")))
+    order = sorted(curves, key=lambda key: (key[0] != "standard", key))   # standard first, then by width
+    return {key: sorted(curves[key]) for key in order}
+
+
+def best_lr_table(curves: dict) -> str:
+    lines = [f"{'parametrization':<16}{'width':>6}{'best lr':>18}{'eval loss':>11}   eval loss at each lr (- : none)"]
+    for (parametrization, width), points in curves.items():
+        done = [(loss, lr) for lr, loss in points if loss is not None and math.isfinite(loss)]
+        loss, lr = min(done) if done else (None, None)
+        best = f"{lr:.4g} (2^{math.log2(lr):.3g})" if lr else "-"
+        each = " ".join("-" if v is None else f"{v:.3f}" for _, v in points)
+        lines.append(f"{parametrization:<16}{width:>6}{best:>18}{loss if loss is None else f'{loss:.4f}':>11}   {each}")
+    return "\n".join(lines)
+
+
+def plot_lr_transfer(curves: dict, out: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys(p for p, _ in curves))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
+    colours = plt.get_cmap("plasma")
+    widths = sorted({w for _, w in curves})
+    for ax, parametrization in zip(axes[0], panels):
+        for i, width in enumerate(widths):
+            points = curves.get((parametrization, width), [])
+            colour = colours(i / max(len(widths), 2))
+            done = [(lr, loss) for lr, loss in points if loss is not None and math.isfinite(loss)]
+            if done:
+                ax.plot(*zip(*done), marker="o", color=colour, label=f"width {width}")
+                ax.plot(*min(done, key=lambda p: p[1]), marker="*", markersize=14, color=colour)
+            for lr in [lr for lr, loss in points if loss is None or not math.isfinite(loss)]:
+                ax.plot(lr, 1.0, marker="x", color=colour, transform=ax.get_xaxis_transform(), clip_on=False)
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"{parametrization}", xlabel="learning rate (log2; µP: the base width's)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("eval loss (nats/token)")
+    losses = [loss for points in curves.values() for _, loss in points if loss is not None and math.isfinite(loss)]
+    if losses:   # the region around the optima; far worse rates leave the panel upwards
+        axes[0][0].set_ylim(min(losses) - 0.02, min(max(losses), min(losses) + 0.6) + 0.02)
+    fig.suptitle("Eval loss against learning rate per width (star: best; x: no eval loss)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "lr_transfer.png"), dpi=90)
+    plt.close(fig)
+    return "lr_transfer.png"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep_dir", help="a Hydra sweep folder, e.g. outputs/multirun/<date>/<time>")
@@ -88,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     write_csv(rows, os.path.join(out, "summary.csv"))
     written = ["summary.csv"]
+    transfer = lr_sweep(rows)
+    if transfer:
+        print("\nbest learning rate per width:\n" + best_lr_table(transfer))
     if not args.no_plots:
         try:
-            written += plot(rows, curves, out)
+            written += plot(rows, curves, out) + ([plot_lr_transfer(transfer, out)] if transfer else [])
         except ImportError:
             print("matplotlib is not installed (pip install -e '.[plots]'): no plots", file=sys.stderr)
     failed = sum(row["state"] == "failed" for row in rows)

@@ -79,6 +79,12 @@ CASES = [
     ("data stage folder missing", [f"data_stages=[{S}a, start_training_step: 1{E}, {S}b, start_training_step: 3, "
                                    "data: {name: nanoset, dataset_folder: [/no/such/folder]}}]"], {},
      "data_stages[1].data.dataset_folder: /no/such/folder does not exist"),
+    ("unknown parametrization", ["model.parametrization=sp"], {}, "model.parametrization=sp"),
+    ("mup without base width", ["model.parametrization=mup"], {}, "model.mup.base_width=None: must be a positive"),
+    ("mup attention multiplier zero", ["model.parametrization=mup", "model.mup.base_width=48",
+                                       "model.mup.attention_multiplier=0"], {}, "model.mup.attention_multiplier=0.0"),
+    ("mup from HF weights", ["model.parametrization=mup", "model.mup.base_width=48", "model.init_method.path=/no/hf"],
+     {}, "model.init_method.path=/no/hf: Hugging Face Llama weights are a standard-parametrization model"),
 ]
 
 

@@ -70,6 +70,28 @@ def test_hf_export_of_a_document_masked_model_scores_a_single_document_like_nano
                                    atol=LOGITS_ATOL, rtol=0)
 
 
+def test_mup_export_bakes_the_multipliers_into_the_weights(tmp_path):
+    """A tied µP model (m = 64/16 = 4, attention 1/16): transformers' Llama, which knows no multipliers,
+    gives the same logits from the exported weights; the tied head is exported as its own tensor.
+    KV-cache decoding applies the same multipliers as the full forward."""
+    train(tmp_path / "run", FAST + ["tokens.train_steps=2", "tokens.val_check_interval=0",
+                                    "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
+                                    "model.model_config.tie_word_embeddings=true", "model.parametrization=mup",
+                                    "model.mup.base_width=16"])
+    convert_to_hf(str(tmp_path / "run" / "checkpoints" / "2"), str(tmp_path / "hf"))
+    ours, _ = load_single_process(str(tmp_path / "run" / "checkpoints" / "2"))
+    hf = HFLlama.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.tie_word_embeddings is False
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+    cache = KVCache()
+    steps = [forward_with_cache(ours, ids[:, :16], cache)]
+    steps += [forward_with_cache(ours, ids[:, i:i + 1], cache) for i in range(16, 32)]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(steps, dim=1), ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+
+
 def test_exported_files_get_the_usual_permissions(exported):
     """Files written for others to read get the umask's normal mode, not a temporary file's 0600."""
     umask = os.umask(0)

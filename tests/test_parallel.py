@@ -57,6 +57,15 @@ TIED_CASES = {
     "tied-dp1tp2pp2-interleaved": ["parallelism=dp1tp2pp2"] + INTERLEAVED,
 }
 
+# µP with m = 64 / 16 = 4: its init, per-group learning rates (torch AdamW and ZeRO-1) and
+# multipliers come from global shapes, so every layout still trains the one-process model.
+MUP = ["model.parametrization=mup", "model.mup.base_width=16"]
+MUP_CASES = {
+    "mup-dp2tp2pp2-reduce_scatter-zero1": ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter",
+                                           "optimizer.zero_stage=1"],
+    "mup-tied-dp1tp2pp2-afab": TIED + ["parallelism=dp1tp2pp2", "parallelism.pp_engine=afab"],
+}
+
 
 # model.attention_mask=document on data with many document boundaries (short documents in a Nanoset).
 DOCUMENT_CASES = {
@@ -111,6 +120,19 @@ def documents(tmp_path_factory):
 def test_document_masking_on_a_layout_reproduces_single_process_losses(name, documents, tmp_path):
     run, expected = documents
     assert_same_curve(train(tmp_path, run + DOCUMENT_CASES[name]), expected)
+
+
+@pytest.fixture(scope="module")
+def mup_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mup_reference")
+    return {"untied": train(root / "untied", FAST + STEPS + MUP),
+            "tied": train(root / "tied", FAST + STEPS + MUP + TIED)}
+
+
+@pytest.mark.parametrize("name", list(MUP_CASES))
+def test_mup_layout_reproduces_single_process_losses(name, mup_reference, tmp_path):
+    records = train(tmp_path, FAST + STEPS + MUP + MUP_CASES[name])
+    assert_same_curve(records, mup_reference["tied" if TIED[0] in MUP_CASES[name] else "untied"])
 
 
 def _first_step(rank, world_size, overrides):

@@ -5,17 +5,20 @@ from __future__ import annotations
 from nanoexp import config as C
 from nanoexp.hf import load_hf_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, init_weights
+from nanoexp.model.mup import parametrization_of
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.pipeline import split_layers
 
 
 def model_shape(cfg) -> LlamaShape:
-    m = cfg.model.model_config
+    m, mup = cfg.model.model_config, parametrization_of(cfg)
     return LlamaShape(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                       num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=C.num_kv_heads(cfg), vocab_size=C.padded_vocab_size(cfg),
                       max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-                      rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings)
+                      rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings,
+                      attention_scale=mup.attention_scale(m.hidden_size // m.num_attention_heads),
+                      logit_multiplier=mup.logit_multiplier)
 
 
 def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
@@ -29,7 +32,7 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     layer_ids = [stages[c * ctx.pp + ctx.pp_rank] for c in range(v)] if v > 1 else stages[ctx.pp_rank]
     model = LlamaForCausalLM(shape, ctx, layer_ids, sequence_parallel=cfg.parallelism.tp_mode == "reduce_scatter",
                              recompute_layer=cfg.parallelism.recompute_layer)
-    init_weights(model, cfg.model.init_method.std, cfg.general.seed)
+    init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
         load_hf_weights(model, cfg.model.init_method.path, ctx)
     if cfg.model.compile:

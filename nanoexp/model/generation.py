@@ -42,7 +42,8 @@ def _attend(attn, x, cos, sin, cache: KVCache, layer: str, start: int):
     k, v = cache.extend(layer, k, v)
     # New query i sits at position start + i and sees keys 0 .. start + i.
     mask = torch.arange(k.shape[2], device=x.device)[None, :] <= (start + torch.arange(s, device=x.device))[:, None]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.heads != attn.kv_heads)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale,
+                                         enable_gqa=attn.heads != attn.kv_heads)
     return attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
 
 
@@ -58,7 +59,7 @@ def forward_with_cache(model: LlamaForCausalLM, input_ids: torch.Tensor, cache: 
     for name, layer in model.model.layers.items():
         x = x + _attend(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, name, start)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.model.norm(x))
+    return model.logits(x)
 
 
 @torch.no_grad()

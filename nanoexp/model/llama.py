@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanoexp.model.mup import STANDARD, Parametrization
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, place, placement, value_name
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -32,7 +33,8 @@ except ImportError:  # pragma: no cover - not installable on CPU machines
 
 @dataclass
 class LlamaShape:
-    """The model's shape, as in `model.model_config` (vocab_size already padded)."""
+    """The model's shape, as in `model.model_config` (vocab_size already padded), and the multipliers of
+    its forward pass (set by model.parametrization=mup, see nanoexp/model/mup.py)."""
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -43,6 +45,8 @@ class LlamaShape:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    attention_scale: float | None = None   # the factor on q·k (None: 1/sqrt(head_dim))
+    logit_multiplier: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -105,25 +109,29 @@ def apply_rotary(x, cos, sin):
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def causal_attention(q, k, v):
-    """q [b, nh, s, d], k/v [b, nkv, s, d] -> [b, nh, s, d]; flash-attn on CUDA half precision."""
+def causal_attention(q, k, v, scale: float | None = None):
+    """q [b, nh, s, d], k/v [b, nkv, s, d] -> [b, nh, s, d], scores q·k * scale (None: 1/sqrt(d));
+    flash-attn on CUDA half precision."""
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                              softmax_scale=scale)
         return out.transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def document_attention(q, k, v, document_ids, position_ids, kv_document_ids=None, kv_position_ids=None):
+def document_attention(q, k, v, document_ids, position_ids, kv_document_ids=None, kv_position_ids=None,
+                       scale: float | None = None):
     """Causal attention within each document of packed samples: query i sees key j when both carry the same
     document id and j's position is not after i's (positions restart at 0 in each document, so within one document
     they order tokens as the sequence does). q [b, nh, s, d], k/v [b, nkv, s, d]; ids and positions [b, s] for the
-    queries, and for the keys when those differ (a context-parallel chunk attending to keys it received)."""
+    queries, and for the keys when those differ (a context-parallel chunk attending to keys it received). Scores
+    q·k * scale (None: 1/sqrt(d))."""
     kv_document_ids = document_ids if kv_document_ids is None else kv_document_ids
     kv_position_ids = position_ids if kv_position_ids is None else kv_position_ids
     same_document = document_ids[:, None, :, None] == kv_document_ids[:, None, None, :]
     not_after = position_ids[:, None, :, None] >= kv_position_ids[:, None, None, :]
     mask = same_document & not_after                         # [b, 1, s, s]: one mask for every head
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -132,7 +140,7 @@ class Attention(nn.Module):
         d = shape.head_dim
         self.heads = shape.num_attention_heads // ctx.tp          # heads on this tp rank
         self.kv_heads = shape.num_key_value_heads // ctx.tp
-        self.head_dim = d
+        self.head_dim, self.scale = d, shape.attention_scale
         self.ctx, self.sequence_parallel = ctx, sequence_parallel
         sp = dict(sequence_parallel=sequence_parallel)
         self.q_proj = ColumnParallelLinear(shape.hidden_size, shape.num_attention_heads * d, ctx, **sp)
@@ -149,7 +157,8 @@ class Attention(nn.Module):
         v = self.v_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [b, heads, s, d]; documents: (document_ids, position_ids) [b, s] with model.attention_mask=document
-        out = causal_attention(q, k, v) if documents is None else document_attention(q, k, v, *documents)
+        out = (causal_attention(q, k, v, self.scale) if documents is None
+               else document_attention(q, k, v, *documents, scale=self.scale))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -267,16 +276,22 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, cos, sin, documents)
         if not self.has_head(chunk):
             return x
-        logits = self.lm_head(self.model.norm(x))           # [b, s, vocab/tp]
+        logits = self.logits(x)                              # [b, s, vocab/tp]
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.ctx)
 
+    def logits(self, x):
+        """The LM head on the final norm of the last hidden states (times 1/m under µP)."""
+        logits = self.lm_head(self.model.norm(x))
+        return logits if self.shape.logit_multiplier == 1.0 else logits * self.shape.logit_multiplier
+
 
 @torch.no_grad()
-def init_weights(model: LlamaForCausalLM, std: float, seed: int) -> None:
+def init_weights(model: LlamaForCausalLM, std: float, seed: int, parametrization: Parametrization = STANDARD) -> None:
     """Fill every parameter independently of the layout: draw the full tensor from a generator
-    seeded by (seed, the name of the values it holds) and keep this rank's tensor-parallel slice."""
+    seeded by (seed, the name of the values it holds) and keep this rank's tensor-parallel slice.
+    Norm weights are ones; matrices have std `std`, under µP scaled by their width (see mup.py)."""
     ctx = model.ctx
     for name, param in model.named_parameters():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
@@ -286,6 +301,7 @@ def init_weights(model: LlamaForCausalLM, std: float, seed: int) -> None:
         full_shape = list(param.shape)
         if dim is not None:
             full_shape[dim] *= ctx.tp
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(value_name(name, param).encode()))
-        full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+        source = value_name(name, param)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
+        full = torch.empty(full_shape).normal_(0.0, parametrization.init_std(source, param.ndim, std), generator=gen)
         param.copy_(shard_tensor(full, dim, ctx))
