@@ -126,6 +126,7 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
         _rebuild_log_handlers(*log_handlers)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    code = 0
     try:
         device = setup_device(rank, world_size)
         init_distributed(rank, world_size, device, timeout_s)
@@ -133,7 +134,20 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - any failure must reach the parent
         errors.put((rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
-        raise SystemExit(1)
+        code = 1
+    _leave(code, errors)
+
+
+def _leave(code: int, errors) -> None:
+    """End a worker as multiprocessing ends a forked one: without the interpreter's teardown. A spawned
+    worker that tore down would destroy torch's C++ state while its threads still run, and abort
+    ("terminate called without an active exception", signal 6) after its work was done."""
+    errors.close()
+    errors.join_thread()   # the report, if any, has reached the parent
+    logging.shutdown()     # flushes the log files
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 600.0, poll_s: float = 0.2,

@@ -3,6 +3,7 @@
     python scripts/bench.py                                    # tiny and small, default options
     python scripts/bench.py --models small --variants default,compile,recompute,fused
     python scripts/bench.py --models tiny --steps 20 tokens.micro_batch_size=8   # extra overrides
+    python scripts/bench.py --wall --models small             # fresh runs timed from outside
 
 For each model and variant, in one process, side by side:
   * nanoexp: the real `Trainer` built from the composed config, timed around `train_step`
@@ -18,6 +19,12 @@ nanoexp time (> 1: nanoexp is faster), by wall clock and by process CPU time (le
 sensitive to other load on the machine). The first-step losses of both are printed too: they
 start from the same weights, so they must agree (a check that the comparison is fair).
 
+With --wall, the comparison is made from outside instead, as a user would time it: fresh processes of
+`python train.py model=M tokens.train_steps=S` (everything default: metrics, TensorBoard, the final
+evaluation and checkpoint) and of the plain loop (`--plain-run S`: HF's init, the same batches, nothing
+else), each with S = 25 and 50; tokens/s = 25 steps' tokens / (wall(50) - wall(25)), so start-up and
+the end of the run cancel out. The four runs alternate, `--repeats` times; medians are reported.
+
 Variants switch the same option on both sides: compile (each decoder block compiled),
 recompute (activation checkpointing per block), fused (fused AdamW); the saved-activation
 bytes of one micro-batch are reported for every variant (recompute saves most of them).
@@ -26,7 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -60,11 +70,11 @@ def build_trainer(cfg, run_dir: str):
 
 
 class PlainLoop:
-    """HF LlamaForCausalLM, same shape and weights as `trainer.model`, trained the obvious way."""
+    """HF LlamaForCausalLM of the model's shape, trained the obvious way; with `weights` (a state dict,
+    e.g. `trainer.model`'s) it starts from those, else from HF's own init."""
 
-    def __init__(self, cfg, trainer):
+    def __init__(self, cfg, s, weights: dict | None = None):
         from transformers import LlamaConfig, LlamaForCausalLM
-        s = trainer.shape
         hf_cfg = LlamaConfig(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
                              num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
                              num_key_value_heads=s.num_key_value_heads, vocab_size=s.vocab_size,
@@ -72,9 +82,10 @@ class PlainLoop:
                              rms_norm_eps=s.rms_norm_eps, tie_word_embeddings=s.tie_word_embeddings,
                              attn_implementation="sdpa")
         self.model = LlamaForCausalLM(hf_cfg)
-        missing = self.model.load_state_dict(trainer.model.state_dict(), strict=False)
-        if missing.missing_keys or missing.unexpected_keys:
-            raise RuntimeError(f"weights do not map onto the HF model: {missing}")
+        if weights is not None:
+            missing = self.model.load_state_dict(weights, strict=False)
+            if missing.missing_keys or missing.unexpected_keys:
+                raise RuntimeError(f"weights do not map onto the HF model: {missing}")
         self.model.train()
         if cfg.parallelism.recompute_layer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -132,7 +143,7 @@ def bench_one(model: str, variant: str, args, extra: list[str]) -> dict:
                    *VARIANTS[variant], *extra])
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = build_trainer(cfg, run_dir)
-        plain = PlainLoop(cfg, trainer)
+        plain = PlainLoop(cfg, trainer.shape, trainer.model.state_dict())
         steps = [trainer.batches.next_step() for _ in range(args.warmup + args.steps)]
         trainer.batches.close()
         act_nano = nanoexp_activation_bytes(trainer, steps[0][0])
@@ -164,6 +175,58 @@ def bench_one(model: str, variant: str, args, extra: list[str]) -> dict:
             "act_mb_nanoexp": act_nano / 2**20, "act_mb_plain": act_plain / 2**20}
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plain_run(model: str, steps: int, extra: list[str]) -> None:
+    """The plain side of --wall: HF Llama (its own init) trained `steps` steps on the run's batches."""
+    from nanoexp.data import build_datasets
+    from nanoexp.data.loader import TrainBatches
+    from nanoexp.model.build import model_shape
+    cfg = compose([f"model={model}", *extra])
+    train_set, _, _ = build_datasets(cfg)
+    batches = TrainBatches(train_set, C.global_batch_size(cfg), cfg.tokens.micro_batch_size, 0, 1, cfg.general.seed,
+                           prefetch=False)
+    plain = PlainLoop(cfg, model_shape(cfg))
+    for _ in range(steps):
+        plain.train_step(batches.next_step(), cfg.optimizer.learning_rate_scheduler.learning_rate)
+
+
+def wall_seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - start
+
+
+def bench_wall(model: str, repeats: int, extra: list[str]) -> dict:
+    """Tokens/s of each side from the wall time of 50-step minus 25-step runs, fresh processes."""
+    cfg = compose([f"model={model}", *extra])
+    tokens = C.global_batch_size(cfg) * cfg.tokens.sequence_length
+    seconds = {("nanoexp", 25): [], ("nanoexp", 50): [], ("plain", 25): [], ("plain", 50): []}
+    with tempfile.TemporaryDirectory() as out:
+        for i in range(repeats):
+            for side, steps in (list(seconds) if i % 2 == 0 else list(seconds)[::-1]):
+                command = ([sys.executable, "train.py", f"model={model}", f"tokens.train_steps={steps}",
+                            f"hydra.run.dir={out}/{i}_{steps}", *extra] if side == "nanoexp" else
+                           [sys.executable, "scripts/bench.py", "--plain-run", str(steps), "--models", model, *extra])
+                seconds[side, steps].append(wall_seconds(command))
+    per_25 = {side: statistics.median(seconds[side, 50]) - statistics.median(seconds[side, 25])
+              for side in ("nanoexp", "plain")}
+    return {"model": model, "nanoexp_tok_s": 25 * tokens / per_25["nanoexp"], "plain_tok_s": 25 * tokens / per_25["plain"],
+            "ratio": per_25["plain"] / per_25["nanoexp"], "seconds": {f"{k[0]} {k[1]}": v for k, v in seconds.items()}}
+
+
+def main_wall(args) -> None:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (torch's default, as train.py); wall time "
+          f"of fresh 50-step minus 25-step runs, medians of {args.repeats}; ratio = nanoexp tok/s / plain tok/s")
+    for model in args.models:
+        r = bench_wall(model, args.repeats, args.overrides)
+        print(f"{model}: nanoexp {r['nanoexp_tok_s']:,.0f} tok/s, plain {r['plain_tok_s']:,.0f} tok/s, "
+              f"ratio {r['ratio']:.3f}", flush=True)
+        for run, times in r["seconds"].items():
+            print(f"  {run:>11} steps: " + ", ".join(f"{t:.2f} s" for t in times))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
@@ -172,8 +235,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: robust on a shared machine; CPU ms then = compute)")
+    parser.add_argument("--wall", action="store_true", help="time fresh runs from outside (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="--wall: runs of each kind (medians reported)")
+    parser.add_argument("--plain-run", type=int, metavar="STEPS", help=argparse.SUPPRESS)   # --wall's plain side
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both sides")
     args = parser.parse_args()
+    if args.plain_run is not None:
+        return plain_run(args.models[0], args.plain_run, args.overrides)
+    if args.wall:
+        return main_wall(args)
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
     for v in variants:
