@@ -197,6 +197,7 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_tflops: Optional[float] = None   # null: look the device up in the known-peak table
     pipeline_trace: bool = False          # per-rank pipeline timeline in <run>/pipeline_trace/
+    exact_cpu_memory: bool = False        # CPU: glibc returns freed tensor memory at once (slower; see README Memory)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 

@@ -101,7 +101,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Pea
     from nanoexp.trainer import Trainer
 
     setup_rank_logging(run_dir, rank)
-    if device.type == "cpu":
+    if device.type == "cpu" and cfg.logging.exact_cpu_memory:
         return_freed_memory()
     p = cfg.parallelism
     ctx = ParallelContext(p.dp, p.tp, p.pp, device=device, collective_timeout_s=p.collective_timeout_s)

@@ -44,7 +44,14 @@ class Trainer:
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
         torch.manual_seed(cfg.general.seed)
-        self.baseline_mb = start_measuring(ctx.device)   # the runtime, before the model
+        self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
+        self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
+        self.global_batch = C.global_batch_size(cfg)
+        # The data of the stage being trained (data_stages; without them the data group), switched by step.
+        self.batches = StagedBatches(cfg, self.global_batch, ctx.dp_rank, ctx.dp, self.resume.step + 1,
+                                     self.resume.consumed_samples, self.resume.stage_consumed_samples,
+                                     on_stage_start=self.announce_stage)
+        self.baseline_mb = start_measuring(ctx.device)   # the runtime and the data, before the model
         self.shape = model_shape(cfg)
         self.model = build_model(cfg, ctx)
         self.params = list(self.model.parameters())
@@ -60,16 +67,10 @@ class Trainer:
                                            shard=cfg.optimizer.zero_stage == 1, deferred=special, bucket_cap_mb=bucket_mb,
                                            trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
         self.optimizer = build_optimizer(cfg, self.model, self.grad_syncs)
-        self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
-        self.resume = self.checkpoints.restore(self.model, self.optimizer)
+        self.checkpoints.restore(self.model, self.optimizer)
         self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
-        self.global_batch = C.global_batch_size(cfg)
-        # The data of the stage being trained (data_stages; without them the data group), switched by step.
-        self.batches = StagedBatches(cfg, self.global_batch, ctx.dp_rank, ctx.dp, self.resume.step + 1,
-                                     self.resume.consumed_samples, self.resume.stage_consumed_samples,
-                                     on_stage_start=self.announce_stage)
         sp = cfg.parallelism.tp_mode == "reduce_scatter"
         seq = cfg.tokens.sequence_length // (ctx.tp if sp else 1)
         self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)

@@ -8,7 +8,9 @@ in a temporary directory); per rank it prints the measured peak above the rank's
 (summary.json: peak_memory_mb_per_rank - baseline_memory_mb), the estimate for that rank
 (nanoexp/memory.py, the same as scripts/estimate_memory.py), and the analytic model-state bytes
 (parameters + gradients + AdamW moments, 16 B a parameter without ZeRO). A case is
-`layout[:override,override...]`.
+`layout[:override,override...]`. Every case runs with `logging.exact_cpu_memory=true` (glibc returns
+freed memory, so the peak tracks the live tensors, which is what the estimate counts); add
+`logging.exact_cpu_memory=false` to a case to see the default allocator's peak.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def case_overrides(case: str, model: str, steps: int) -> list[str]:
     return [f"model={model}", f"parallelism={layout}", f"tokens.train_steps={steps}", "tokens.val_check_interval=0",
             "tokens.limit_val_batches=1", "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
             "checkpoint.save_final_state=false", "logging.tensorboard=false",
+            *([] if "exact_cpu_memory" in extra else ["logging.exact_cpu_memory=true"]),
             *[o for o in extra.split(",") if o]]
 
 

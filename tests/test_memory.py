@@ -17,7 +17,7 @@ SHAPES = [["model.model_config.num_key_value_heads=2"], ["model.model_config.num
 SMALL = ["model=small", "tokens.train_steps=2", "tokens.val_check_interval=0", "tokens.limit_val_batches=1",
          "tokens.global_batch_size=8",   # 2 micro-batches of 4 x 128: the peak holds one (two under pp2 1F1B)
          "optimizer.learning_rate_scheduler.lr_warmup_steps=1", "checkpoint.save_final_state=false",
-         "logging.tensorboard=false"]
+         "logging.tensorboard=false", "logging.exact_cpu_memory=true"]
 
 
 def saved_per_layer(overrides, ctx) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """What the trainer calls: where checkpoints live, what to resume from, when to save.
 
     checkpoints = CheckpointManager(cfg, ctx, run_dir)
-    resume = checkpoints.restore(model, optimizer)      # -> Resume(step, consumed_samples, lr_step_offset, ...)
+    resume = checkpoints.where_to_start()   # -> Resume(step, consumed_samples, lr_step_offset, ...), from meta.json
+    checkpoints.restore(model, optimizer)   # its weights, optimizer state and RNG
     ... after each optimizer step:
     if checkpoints.after_step(step, is_last, model, optimizer, progress): stop (a signal came)
 
@@ -103,12 +104,23 @@ class CheckpointManager:
             return c.resume_checkpoint_path, "checkpoint.resume_checkpoint_path (this run has no checkpoint yet)"
         return None, f"no checkpoint in {self.root}" if c.resume == "auto" else "checkpoint.resume=never"
 
-    def restore(self, model, optimizer) -> Resume:
+    def where_to_start(self) -> Resume:
+        """The step and data position this run continues from, read from the checkpoint's meta.json
+        alone (before any model exists: the data can be built first)."""
+        folder, _ = self.resume_folder()
+        if folder is None:
+            return Resume()
+        meta, reload_lr = CheckpointReader(folder).meta, self.cfg.checkpoint.load_lr_scheduler
+        return Resume(meta["step"], meta["consumed_samples"], 0 if reload_lr else meta["step"],
+                      meta.get("skipped_steps", 0), meta.get("consumed_tokens", 0),
+                      meta.get("stage_consumed_samples", {}))
+
+    def restore(self, model, optimizer) -> None:
         """Load the checkpoint to resume from (if any) into this rank's model and optimizer."""
         folder, origin = self.resume_folder()
         if folder is None:
             log.info("%s: starting from step 1", origin)
-            return Resume()
+            return
         c, ctx = self.cfg.checkpoint, self.ctx
         reader = CheckpointReader(folder)
         check_compatible(reader, model.shape)
@@ -127,9 +139,6 @@ class CheckpointManager:
                  "" if same_layout else ", re-sliced for this layout")
         self.last_saved = step
         self.abandon_after = step
-        return Resume(step, meta["consumed_samples"], 0 if c.load_lr_scheduler else step,
-                      meta.get("skipped_steps", 0), meta.get("consumed_tokens", 0),
-                      meta.get("stage_consumed_samples", {}))
 
     def layout(self) -> dict:
         ctx = self.ctx
