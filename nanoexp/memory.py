@@ -7,7 +7,7 @@ starts so that a forked worker does not inherit its parent's peak; on CUDA it is
 torch, the data; on CUDA the allocator starts at 0 and the context is not counted there). On CPU with
 `logging.exact_cpu_memory=true`, run.py first makes glibc return freed tensor memory
 (`return_freed_memory`), so the peak tracks the live tensors; by default glibc keeps freed blocks
-in its heap for reuse (no page faults, much faster) and the peak RSS reads up to ~50 % higher.
+in its heap for reuse (no page faults, much faster) and the peak RSS reads 30-50 % higher.
 
 Estimated, for one rank (bytes, float32 master weights and gradients):
   parameters   4 B x the parameters the rank holds (its layers, tp slices, embedding / head)
@@ -56,7 +56,7 @@ def return_freed_memory() -> None:
     """On CPU (glibc): allocate tensors of 128 KiB and more with mmap, so that freed memory goes back
     to the system. glibc otherwise raises that threshold as large blocks are freed and serves later
     ones from its heap, which keeps each step's freed activations: the peak RSS of `model=small`
-    was ~50 % above the live tensors that way (scripts/bench_memory.py). The price: every large
+    was 30-50 % above the live tensors that way (scripts/bench_memory.py). The price: every large
     tensor's pages are faulted in afresh, ~1.5x the step time of `model=small` on a 2-core VM."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD, fixed from now on
