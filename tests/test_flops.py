@@ -22,12 +22,12 @@ from nanoexp.model.build import build_model, model_shape
 from tests.helpers import FAST, compose_config
 
 
-def math_attention(q, k, v):
-    """Causal attention as plain matmuls over the full s x s score matrix."""
+def math_attention(q, k, v, scale=None):
+    """Causal attention as plain matmuls over the full s x s score matrix (scores q·k * scale, None: 1/sqrt(d))."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     s = q.shape[-2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     return scores.softmax(-1) @ v
 
