@@ -111,6 +111,8 @@ class ParallelismConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                    # context parallel: each sample's sequence split over cp ranks
+    cp_mode: str = "ring"          # ring (K/V blocks passed round the cp ranks, zig-zag load balance)
     pp_engine: str = "1f1b"        # afab | 1f1b | interleaved_1f1b
     pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b only)
     tp_mode: str = "all_reduce"    # all_reduce | reduce_scatter (sequence parallel)
@@ -264,9 +266,20 @@ def batch_accumulation(cfg: Any) -> int:
 
 
 def layout_name(cfg: Any) -> str:
-    """The layout as ParallelContext names it: dp2tp2pp2."""
+    """The layout as ParallelContext names it: dp2tp2pp2 (dp1cp2tp2pp2 with context parallelism)."""
     p = cfg.parallelism
-    return f"dp{p.dp}tp{p.tp}pp{p.pp}"
+    return layout_string(p.dp, p.cp, p.tp, p.pp)
+
+
+def layout_string(dp: int, cp: int, tp: int, pp: int) -> str:
+    """dp2tp2pp2; cp is named only when it is used (dp1cp2tp2pp2), so 3D names never change."""
+    return f"dp{dp}" + (f"cp{cp}" if cp > 1 else "") + f"tp{tp}pp{pp}"
+
+
+def world_size(cfg: Any) -> int:
+    """Processes a run needs: dp * cp * tp * pp."""
+    p = cfg.parallelism
+    return int(p.dp) * int(p.get("cp", 1)) * int(p.tp) * int(p.pp)
 
 
 def global_batch_size(cfg: Any) -> int:

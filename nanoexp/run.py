@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.checkpoint.manager import check_resume
 from nanoexp.checkpoint.signals import handle_stop_signals
-from nanoexp.config import ConfigError, layout_name
+from nanoexp.config import ConfigError, layout_name, world_size as processes_needed
 from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
@@ -104,7 +104,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Pea
     if device.type == "cpu" and cfg.logging.exact_cpu_memory:
         return_freed_memory()
     p = cfg.parallelism
-    ctx = ParallelContext(p.dp, p.tp, p.pp, device=device, collective_timeout_s=p.collective_timeout_s)
+    ctx = ParallelContext(p.dp, p.tp, p.pp, p.cp, device=device, collective_timeout_s=p.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, node_peak)
     trainer = Trainer(cfg, ctx, run_dir, peak)
@@ -132,7 +132,7 @@ def node_cpu_peak(cfg) -> Peak | None:
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     """Validate, then train in this process, in the launcher's world, or in local workers."""
     env = launcher_env()
-    world = cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp
+    world = processes_needed(cfg)
     check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved
     fill_wandb_identity(cfg, job or HydraJob())

@@ -20,9 +20,9 @@ from nanoexp.launch import launcher_env
 
 
 def world_size(cfg) -> int:
-    """Processes one run of this config needs: dp * tp * pp."""
+    """Processes one run of this config needs: dp * cp * tp * pp."""
     p = cfg.parallelism
-    return int(p.dp) * int(p.tp) * int(p.pp)
+    return int(p.dp) * int(p.get("cp", 1)) * int(p.tp) * int(p.pp)
 
 
 def slurm_tasks_per_node(world_sizes: Sequence[int], nodes: int, tasks_per_node: Optional[int],

@@ -22,6 +22,8 @@ import subprocess
 
 import yaml
 
+from nanoexp.config import layout_string
+
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "state", "reason"]
 # One format per column (None: as is).
@@ -87,7 +89,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         row["overrides"] = read_yaml(os.path.join(hydra_dir, "overrides.yaml")) or []
         cfg = read_yaml(os.path.join(hydra_dir, "config.yaml"))
         p = cfg["parallelism"]
-        row["layout"] = f"dp{p['dp']}tp{p['tp']}pp{p['pp']}"
+        row["layout"] = layout_string(p["dp"], p.get("cp", 1), p["tp"], p["pp"])
         row["lr"] = cfg["optimizer"]["learning_rate_scheduler"]["learning_rate"]
         row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
         row["parametrization"] = cfg["model"].get("parametrization", "standard")

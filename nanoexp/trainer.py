@@ -31,6 +31,7 @@ from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
 from nanoexp.parallel.pipeline import build_engine
+from nanoexp.parallel.ring_attention import zigzag_split
 from nanoexp.parallel.placement import placement
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
 from nanoexp.profiling import StepProfiler, saved_activation_bytes
@@ -60,11 +61,13 @@ class Trainer:
                       if cfg.logging.pipeline_trace else NO_TRACE)
         # Flat parameter and gradient buffers, one set of buckets per chunk: a chunk's gradients
         # are final after its own last backward. Gradients summed over tp or the pipeline ends
-        # first (sync_special_grads) are reduced over dp last.
+        # first (sync_special_grads) are reduced over dp last. Every cp rank holds the weights and
+        # part of each sample's tokens: gradients are averaged (and ZeRO-1 sharded) over dp x cp.
         special = [q for q in self.params if placement(q).sequence_parallel or placement(q).tied_across_stages]
         bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
-        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_group, ctx.dp, ctx.dp_rank,
-                                           shard=cfg.optimizer.zero_stage == 1, deferred=special, bucket_cap_mb=bucket_mb,
+        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_cp_group, ctx.dp * ctx.cp,
+                                           ctx.dp_cp_rank, shard=cfg.optimizer.zero_stage == 1, deferred=special,
+                                           bucket_cap_mb=bucket_mb,
                                            trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
         self.optimizer = build_optimizer(cfg, self.model, self.grad_syncs)
         self.checkpoints.restore(self.model, self.optimizer)
@@ -72,7 +75,7 @@ class Trainer:
         self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
         self.accumulation = C.batch_accumulation(cfg)
         sp = cfg.parallelism.tp_mode == "reduce_scatter"
-        seq = cfg.tokens.sequence_length // (ctx.tp if sp else 1)
+        seq = cfg.tokens.sequence_length // ctx.cp // (ctx.tp if sp else 1)   # what one stage passes on
         self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)
         self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
                          if cfg.model.dtype == "bfloat16" else contextlib.nullcontext())
@@ -105,18 +108,27 @@ class Trainer:
             self.saved_bytes = saved.bytes
         return out.sum() / (loss_denominator or self.loss_denominator) if last else out
 
+    def context_part(self, micro_batch: dict) -> dict:
+        """This cp rank's zig-zag part of every sample's tokens (the whole micro-batch when cp = 1);
+        the model puts them at their positions (LlamaForCausalLM.rotary)."""
+        ctx = self.ctx
+        if ctx.cp == 1:
+            return micro_batch
+        return {key: zigzag_split(value, ctx.cp, ctx.cp_rank) for key, value in micro_batch.items()}
+
     def replica_target_tokens(self, micro_batches: list[dict]) -> float:
-        """The real (not IGNORE_INDEX) target tokens of the global batch / dp. Each micro-batch's
-        loss is its token-loss sum over this, so the dp average of the replicas' losses (and
-        gradients) is the mean over every real target token of the global batch, whatever the
-        layout. Only the loss stage needs it (one dp all-reduce of a scalar there)."""
+        """The real (not IGNORE_INDEX) target tokens of the global batch / (dp * cp), counted in
+        this rank's (cp part of its) micro-batches. Each micro-batch's loss is its token-loss sum
+        over this, so the dp x cp average of the ranks' losses (and gradients) is the mean over
+        every real target token of the global batch, whatever the layout. Only the loss stage
+        needs it (one dp x cp all-reduce of a scalar there)."""
         if not self.ctx.is_last_stage:
             return 1.0
         count = torch.tensor(float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)))
-        if self.ctx.dp > 1:
+        if self.ctx.dp * self.ctx.cp > 1:
             count = count.to(self.ctx.device)
-            dist.all_reduce(count, group=self.ctx.dp_group)
-        return max(count.item(), 1.0) / self.ctx.dp
+            dist.all_reduce(count, group=self.ctx.dp_cp_group)
+        return max(count.item(), 1.0) / (self.ctx.dp * self.ctx.cp)
 
     def sync_special_grads(self) -> None:
         """Sum gradients that live twice in one replica: sequence-parallel norm weights (each tp
@@ -127,20 +139,21 @@ class Trainer:
         all_reduce_grads([p for p in self.params if placement(p).tied_across_stages], ctx.embedding_group)
 
     def replica_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp."""
+        """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp x cp."""
         if self.ctx.pp > 1:
             dist.all_reduce(values, group=self.ctx.pp_group)
-        if self.ctx.dp > 1:
-            dist.all_reduce(values, group=self.ctx.dp_group)
+        if self.ctx.dp * self.ctx.cp > 1:
+            dist.all_reduce(values, group=self.ctx.dp_cp_group)
         return values
 
     def step_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean token loss of the global batch, identical on every rank."""
         loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
-        return (self.replica_sum(loss) / self.ctx.dp).item()
+        return (self.replica_sum(loss) / (self.ctx.dp * self.ctx.cp)).item()
 
     def compute_gradients(self, micro_batches: list[dict]) -> float:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""
+        micro_batches = [self.context_part(mb) for mb in micro_batches]
         self.loss_denominator = self.replica_target_tokens(micro_batches)
         losses = self.engine.run(self.forward_step, micro_batches, self.activation_shape, torch.float32,
                                  on_last_backward=lambda chunk: self.grad_syncs[chunk].arm())
@@ -179,6 +192,7 @@ class Trainer:
         t = self.cfg.tokens
         batches = eval_batches(self.batches.val_set, self.global_batch, t.micro_batch_size, t.limit_val_batches,
                                self.ctx.dp_rank, self.ctx.dp, t.sequence_length, self.batches.eod_id)
+        batches = [self.context_part(mb) for mb in batches]
         forward_step = functools.partial(self.forward_step, loss_denominator=1.0)   # token-loss sums
         sums = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
         self.model.train()
@@ -301,8 +315,10 @@ class Trainer:
         if cfg.model.init_method.path:
             log.info("initial weights: Hugging Face model %s (model.init_method.path)", cfg.model.init_method.path)
         engine = f", pipeline {p.pp_engine}" if ctx.pp > 1 else ""
-        log.info("layout: %s (%d process%s%s%s)", ctx.layout, ctx.world_size, "es" if ctx.world_size > 1 else "", engine,
-                 f", tensor parallel {p.tp_mode}" if ctx.tp > 1 else "")
+        log.info("layout: %s (%d process%s%s%s%s)", ctx.layout, ctx.world_size, "es" if ctx.world_size > 1 else "",
+                 engine, f", tensor parallel {p.tp_mode}" if ctx.tp > 1 else "",
+                 f", context parallel {p.cp_mode}: {cfg.tokens.sequence_length // ctx.cp} tokens per rank"
+                 if ctx.cp > 1 else "")
         log.info("global batch: %d sequences x %d tokens = %s tokens per step (dp %d x micro-batch %d x "
                  "accumulation %d)", self.global_batch, cfg.tokens.sequence_length, f"{self.tokens_per_step:,}",
                  ctx.dp, cfg.tokens.micro_batch_size, self.accumulation)

@@ -17,7 +17,8 @@ M, LR, ADAM = "model.model_config.", "optimizer.learning_rate_scheduler.", "opti
 POSITIVE_SIZES = [M + "hidden_size", M + "intermediate_size", M + "num_hidden_layers", M + "num_attention_heads",
                   M + "vocab_size", M + "max_position_embeddings", "model.make_vocab_size_divisible_by",
                   "tokens.sequence_length", "tokens.micro_batch_size", "tokens.global_batch_size", "tokens.train_steps",
-                  "parallelism.dp", "parallelism.tp", "parallelism.pp", "parallelism.pp_virtual_stages"]
+                  "parallelism.dp", "parallelism.cp", "parallelism.tp", "parallelism.pp",
+                  "parallelism.pp_virtual_stages"]
 
 
 def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None) -> None:
@@ -47,7 +48,7 @@ def one_of(cfg: Any, key: str, allowed: tuple) -> Rule:
 def normalize(cfg: Any) -> None:
     """Accept nanotron's upper-case enum spellings (ALL_REDUCE, 1F1B, ...)."""
     p, lr = cfg.parallelism, cfg.optimizer.learning_rate_scheduler
-    p.tp_mode, p.pp_engine = str(p.tp_mode).lower(), str(p.pp_engine).lower()
+    p.tp_mode, p.pp_engine, p.cp_mode = str(p.tp_mode).lower(), str(p.pp_engine).lower(), str(p.cp_mode).lower()
     lr.lr_decay_style, lr.lr_warmup_style = str(lr.lr_decay_style).lower(), str(lr.lr_warmup_style).lower()
 
 
@@ -99,7 +100,7 @@ def batch_rules(cfg: Any) -> list[Rule]:
 def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
     p, m, t, kv = cfg.parallelism, cfg.model.model_config, cfg.tokens, num_kv_heads(cfg)
     v, micro, padded_vocab = p.pp_virtual_stages, batch_accumulation(cfg), padded_vocab_size(cfg)
-    interleaved = p.pp_engine == "interleaved_1f1b"
+    interleaved, processes = p.pp_engine == "interleaved_1f1b", p.dp * p.cp * p.tp * p.pp
     # Fewer micro-batches than stages is allowed: the pipeline stays correct, only the bubble grows.
     return [
         one_of(cfg, "parallelism.pp_engine", ("afab", "1f1b", "interleaved_1f1b")),
@@ -114,8 +115,8 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
          f"{m.num_hidden_layers}: every pipeline stage needs at least one layer"),
         (p.tp_mode != "reduce_scatter" or t.sequence_length % p.tp == 0, f"tokens.sequence_length={t.sequence_length} "
          f"is not divisible by parallelism.tp={p.tp} (needed by parallelism.tp_mode=reduce_scatter)"),
-        (world_size is None or p.dp * p.tp * p.pp == world_size, f"parallelism.dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = "
-         f"{p.dp * p.tp * p.pp} but the world size is {world_size}: make the product equal the number of processes"),
+        (world_size is None or processes == world_size, f"parallelism.dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = "
+         f"{processes} but the world size is {world_size}: make the product equal the number of processes"),
         (not interleaved or p.pp >= 2,
          f"parallelism.pp_engine=interleaved_1f1b needs parallelism.pp >= 2 (got {p.pp})"),
         (not interleaved or v >= 2, f"parallelism.pp_virtual_stages={v}: interleaved_1f1b needs at least 2 chunks "
@@ -128,6 +129,24 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         (interleaved or v == 1, f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine=interleaved_1f1b "
          f"(got {p.pp_engine})"),
         must(cfg, "parallelism.collective_timeout_s", lambda seconds: seconds > 0, "positive (seconds)"),
+    ] + context_parallel_rules(cfg)
+
+
+def context_parallel_rules(cfg: Any) -> list[Rule]:
+    """cp splits each sequence into 2·cp zig-zag chunks (two per cp rank); tp's sequence parallelism then splits
+    a rank's s/cp tokens."""
+    p, s = cfg.parallelism, cfg.tokens.sequence_length
+    rules = [one_of(cfg, "parallelism.cp_mode", ("ring",))]
+    if p.cp == 1:
+        return rules
+    return rules + [
+        (s % (2 * p.cp) == 0, f"tokens.sequence_length={s} is not divisible by 2 * parallelism.cp = {2 * p.cp}: "
+         "context parallelism gives each cp rank two of 2·cp equal chunks"),
+        (p.tp_mode != "reduce_scatter" or s % (2 * p.cp) or (s // p.cp) % p.tp == 0,
+         f"tokens.sequence_length / parallelism.cp = {s}/{p.cp} is not divisible by parallelism.tp={p.tp} (needed "
+         "by parallelism.tp_mode=reduce_scatter): change tokens.sequence_length"),
+        (cfg.model.attention_mask != "document", f"model.attention_mask=document is not supported with "
+         f"parallelism.cp={p.cp} yet: use model.attention_mask=causal or parallelism.cp=1"),
     ]
 
 

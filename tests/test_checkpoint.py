@@ -62,6 +62,23 @@ def test_resume_across_layouts_both_directions(tmp_path):
     np.testing.assert_allclose(a + b + c, reference, atol=LATER_STEP_ATOL, rtol=0)
 
 
+def test_resume_across_context_parallel_layouts(tmp_path):
+    """Saved on cp2 (with dp2 and ZeRO-1), resumed on cp1, saved there and resumed on cp2: the curve stays the
+    one-process run's, and the data position (samples and tokens consumed) is exact."""
+    reference = train(tmp_path / "ref", CONSTANT_LR + ["tokens.train_steps=6"])
+    a = train(tmp_path / "a", CONSTANT_LR + ["parallelism=dp2cp2tp1pp1", "optimizer.zero_stage=1",
+                                            "tokens.train_steps=2"])
+    b = train(tmp_path / "b", CONSTANT_LR + ["tokens.train_steps=4",
+                                            f"checkpoint.resume_checkpoint_path={tmp_path}/a/checkpoints/2"])
+    c = train(tmp_path / "c", CONSTANT_LR + ["parallelism=dp1cp2tp1pp1", "tokens.train_steps=6",
+                                            f"checkpoint.resume_checkpoint_path={tmp_path}/b/checkpoints/4"])
+    meta = json.loads((tmp_path / "a" / "checkpoints" / "2" / "meta.json").read_text())
+    assert meta["layout"] == {"dp": 2, "cp": 2, "tp": 1, "pp": 1, "zero_stage": 1} and meta["consumed_samples"] == 16
+    np.testing.assert_allclose(train_losses(a + b + c), train_losses(reference), atol=LATER_STEP_ATOL, rtol=0)
+    assert [r["consumed_tokens"] for r in a + b + c if "loss" in r] == [
+        r["consumed_tokens"] for r in reference if "loss" in r]
+
+
 def test_resume_in_the_middle_of_a_data_stage_same_layout_and_another(tmp_path):
     """Two data stages (built-in corpus, then a Nanoset from step 4). Resumed in the middle of the second stage on
     the same layout the run continues bit for bit; resumed in the first stage on another layout it crosses the

@@ -23,7 +23,7 @@ def test_defaults_compose_and_validate():
 def test_every_shipped_layout_keeps_the_global_batch(layout):
     cfg = compose_config([f"parallelism={layout}"])
     p = cfg.parallelism
-    validate(cfg, world_size=p.dp * p.tp * p.pp, tokenizer_vocab_size=257)
+    validate(cfg, world_size=C.world_size(cfg), tokenizer_vocab_size=257)
     assert C.global_batch_size(cfg) == 32
 
 
@@ -90,8 +90,7 @@ def test_wrong_type_is_rejected():
 def test_invalid_values_name_the_key(overrides, key):
     cfg = compose_config(overrides)
     with pytest.raises(C.ConfigError) as info:
-        validate(cfg, world_size=cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp,
-                   tokenizer_vocab_size=257)
+        validate(cfg, world_size=C.world_size(cfg), tokenizer_vocab_size=257)
     assert key in str(info.value)
 
 

@@ -195,7 +195,7 @@ def load_single_process(folder: str):
     """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode."""
     reader = CheckpointReader(folder)
     cfg = OmegaConf.create(reader.meta["config"])
-    for key in ("dp", "tp", "pp"):
+    for key in ("dp", "cp", "tp", "pp"):
         cfg.parallelism[key] = 1
     cfg.model.init_method.path = None
     ctx = ParallelContext()

@@ -127,7 +127,7 @@ class CheckpointManager:
         load_model(reader, model, ctx)
         meta = reader.meta
         loaded_optimizer = c.load_optimizer and load_optimizer(reader, model, optimizer, ctx)
-        same_layout = meta["layout"] == self.layout()
+        same_layout = {"cp": 1, **meta["layout"]} == self.layout()   # checkpoints before cp have no "cp"
         if same_layout:
             load_rng(reader, ctx)
         step = meta["step"]
@@ -142,7 +142,7 @@ class CheckpointManager:
 
     def layout(self) -> dict:
         ctx = self.ctx
-        return {"dp": ctx.dp, "tp": ctx.tp, "pp": ctx.pp, "zero_stage": self.cfg.optimizer.zero_stage}
+        return {"dp": ctx.dp, "cp": ctx.cp, "tp": ctx.tp, "pp": ctx.pp, "zero_stage": self.cfg.optimizer.zero_stage}
 
     def save(self, step: int, model, optimizer, progress: "Progress") -> str:
         meta = {"consumed_samples": progress.consumed_samples, "skipped_steps": progress.skipped_steps,

@@ -3,9 +3,9 @@
 Layout of `<checkpoints_path>/<step>/`:
   rank_<r>.safetensors   what global rank r owns: its parameter slices and optimizer state, keyed by
                          HF parameter name, plus its RNG states. Every value is stored once: model
-                         weights and plain AdamW state by dp rank 0, tp-replicated ones by tp rank 0,
+                         weights and plain AdamW state by dp (and cp) rank 0, tp-replicated ones by tp rank 0,
                          a pipeline's tied LM-head copy not at all (it equals the embedding); ZeRO-1
-                         state by the dp rank that owns it, as flat ranges of each parameter.
+                         state by the dp x cp rank that owns it, as flat ranges of each parameter.
   meta.json              step, data position, layout, the composed config, format version, and an
                          index: which file holds which piece of which tensor (enough to re-slice).
 The folder is written as `.tmp-<step>/` and renamed into place by rank 0 only after every rank
@@ -55,7 +55,7 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
 
     zero = isinstance(optimizer, ZeroAdamW)
     names = {id(p): n for n, p in model.named_parameters()}
-    if ctx.dp_rank == 0:
+    if ctx.dp_cp_rank == 0:   # dp and cp replicas hold the same weights: one of them writes
         for name, p in model.named_parameters():
             if not counted_here(p, ctx.tp_rank):
                 continue

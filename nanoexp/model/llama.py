@@ -7,6 +7,8 @@ With tp == 1 the parallel layers are plain linear/embedding ops.
 
 Shapes: b = batch, s = sequence, h = hidden, d = head dim; under sequence parallelism the
 activations between blocks are [b, s/tp, h] and the attention/MLP insides see the full s.
+Under context parallelism (cp > 1) a rank holds s/cp tokens of every sample, its two zig-zag
+chunks (nanoexp/parallel/ring_attention.py), everywhere; only attention meets the other chunks.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from nanoexp.model.mup import STANDARD, Parametrization
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, place, placement, value_name
+from nanoexp.parallel.ring_attention import ring_attention, zigzag_indices
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               column_input, shard_tensor, vocab_parallel_cross_entropy)
 
@@ -157,8 +160,12 @@ class Attention(nn.Module):
         v = self.v_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [b, heads, s, d]; documents: (document_ids, position_ids) [b, s] with model.attention_mask=document
-        out = (causal_attention(q, k, v, self.scale) if documents is None
-               else document_attention(q, k, v, *documents, scale=self.scale))
+        if self.ctx.cp > 1:   # this rank's zig-zag chunks attend to the whole sequence round the cp ring
+            out = ring_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale)
+        elif documents is None:
+            out = causal_attention(q, k, v, self.scale)
+        else:
+            out = document_attention(q, k, v, *documents, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -264,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         gets them) attention stays within each document and rotary positions restart in each."""
         x = self.model.embed_tokens(input_ids) if self.has_embedding(chunk) else hidden_states
         seq_len = x.shape[1] * (self.ctx.tp if self.sequence_parallel else 1)   # SP: x holds s/tp
-        cos, sin = rotary_tables(self.shape, seq_len, x.device)
+        cos, sin = self.rotary(seq_len, x.device)
         documents = None
         if document_ids is not None:
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)   # [b, 1, s, d]
@@ -280,6 +287,16 @@ class LlamaForCausalLM(nn.Module):
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.ctx)
+
+    def rotary(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [s_local, d] at the positions of this rank's tokens: 0..s-1, or under cp the
+        positions of its two zig-zag chunks of the s = local_len * cp tokens."""
+        cp = self.ctx.cp
+        cos, sin = rotary_tables(self.shape, local_len * cp, device)
+        if cp == 1:
+            return cos, sin
+        positions = zigzag_indices(local_len * cp, cp, self.ctx.cp_rank).to(device)
+        return cos[positions], sin[positions]
 
     def logits(self, x):
         """The LM head on the final norm of the last hidden states (times 1/m under µP)."""

@@ -1,9 +1,14 @@
 """ParallelContext: the one object that owns the rank grid and every process group.
 
-Ranks are laid out on a (pp, dp, tp) grid with tp innermost, so that the ranks of one
-tensor-parallel group are neighbours (on GPUs: the same node, the fastest links):
+Ranks are laid out on a (pp, dp, cp, tp) grid with tp innermost, so that the ranks of one
+tensor-parallel group are neighbours (on GPUs: the same node, the fastest links), and the
+context-parallel ring next to them:
 
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+With cp = 1 this is the (pp, dp, tp) grid of every layout before cp, rank for rank. Every cp rank
+holds the full weights of its stage and part of each sample's tokens, so gradients are averaged
+(and ZeRO-1 shards) over dp x cp (`dp_cp_group`), which is the dp group when cp = 1.
 
 Everything else asks this object for its group, rank or neighbour; nothing else creates
 process groups. With one process no group is created and every collective is skipped.
@@ -16,57 +21,78 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanoexp.config import layout_string
+
 
 @dataclass
 class ParallelContext:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     collective_timeout_s: float = 600.0   # groups made here do not inherit the world's timeout
 
     def __post_init__(self):
-        self.world_size = self.dp * self.tp * self.pp
+        self.world_size = self.dp * self.cp * self.tp * self.pp
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         actual = dist.get_world_size() if dist.is_initialized() else 1
         if actual != self.world_size:
             raise ValueError(
-                f"world size {actual} != dp*tp*pp = {self.dp}*{self.tp}*{self.pp}")
+                f"world size {actual} != dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp}")
         self.backend = dist.get_backend() if dist.is_initialized() else None
-        self.pp_rank, rest = divmod(self.rank, self.dp * self.tp)
-        self.dp_rank, self.tp_rank = divmod(rest, self.tp)
-        self.dp_group = self.tp_group = self.pp_group = None
+        self.pp_rank, rest = divmod(self.rank, self.dp * self.cp * self.tp)
+        self.dp_rank, rest = divmod(rest, self.cp * self.tp)
+        self.cp_rank, self.tp_rank = divmod(rest, self.tp)
+        self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank   # rank order within dp_cp_group
+        self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
         self.model_parallel_group = self.embedding_group = None
         if self.world_size > 1:
             self._build_groups()
 
     # -- grid helpers ------------------------------------------------------------------
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
+        """The rank at this grid position (cp_rank None: this rank's own cp rank)."""
+        cp_rank = self.cp_rank if cp_rank is None else cp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def _build_groups(self):
-        # Every rank must call new_group for every group, in the same order.
-        grid = [[[self.global_rank(p, d, t) for t in range(self.tp)]
-                 for d in range(self.dp)] for p in range(self.pp)]
-        for p in range(self.pp):
-            for d in range(self.dp):
-                self._maybe_keep("tp_group", grid[p][d])
-        for p in range(self.pp):
-            for t in range(self.tp):
-                self._maybe_keep("dp_group", [grid[p][d][t] for d in range(self.dp)])
-        for d in range(self.dp):
-            for t in range(self.tp):
-                self._maybe_keep("pp_group", [grid[p][d][t] for p in range(self.pp)])
-        # Model-parallel group (tp x pp of one replica): where a gradient norm or a loss is
-        # summed, since every parameter lives exactly once in it.
-        for d in range(self.dp):
-            self._maybe_keep("model_parallel_group",
-                             [grid[p][d][t] for p in range(self.pp) for t in range(self.tp)])
+        # Every rank must call new_group for every group, in the same order. The groups of the
+        # 3D layouts come first and in their old order; the cp ones only exist when cp > 1.
+        P, D, C, T = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
+        rank = self.global_rank
+        for p in P:
+            for d in D:
+                for c in C:
+                    self._maybe_keep("tp_group", [rank(p, d, t, c) for t in T])
+        for p in P:
+            for c in C:
+                for t in T:
+                    self._maybe_keep("dp_group", [rank(p, d, t, c) for d in D])
+        for d in D:
+            for c in C:
+                for t in T:
+                    self._maybe_keep("pp_group", [rank(p, d, t, c) for p in P])
+        # Model-parallel group (tp x pp of one replica and cp rank): where a gradient norm or a
+        # loss is summed, since every parameter lives exactly once in it.
+        for d in D:
+            for c in C:
+                self._maybe_keep("model_parallel_group", [rank(p, d, t, c) for p in P for t in T])
         # Tied embeddings live on the first and the last stage: their gradients meet here.
-        for d in range(self.dp):
-            for t in range(self.tp):
-                ends = sorted({grid[0][d][t], grid[-1][d][t]})
-                self._maybe_keep("embedding_group", ends)
+        for d in D:
+            for c in C:
+                for t in T:
+                    self._maybe_keep("embedding_group", sorted({rank(0, d, t, c), rank(self.pp - 1, d, t, c)}))
+        if self.cp == 1:
+            self.dp_cp_group = self.dp_group
+            return
+        for p in P:
+            for d in D:
+                for t in T:
+                    self._maybe_keep("cp_group", [rank(p, d, t, c) for c in C])
+        for p in P:
+            for t in T:
+                self._maybe_keep("dp_cp_group", [rank(p, d, t, c) for d in D for c in C])
 
     def _maybe_keep(self, name: str, ranks: list[int]):
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
@@ -95,4 +121,4 @@ class ParallelContext:
 
     @property
     def layout(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+        return layout_string(self.dp, self.cp, self.tp, self.pp)

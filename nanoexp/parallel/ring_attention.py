@@ -15,7 +15,8 @@ batch_isend_irecv that pairs the sends to the next rank with the receives from t
 ordered, tagless channels cannot deadlock; `ring_plan` writes the exchanges in p2p_plan's format, and
 tests/test_ring_attention.py checks the plan with p2p_plan.check and that the function posts exactly it.
 
-Not yet wired into the config or the trainer (`parallelism.cp` does not exist yet).
+parallelism.cp > 1 runs it in every attention layer (nanoexp/model/llama.py); the trainer gives each cp rank its
+zig-zag part of every micro-batch (Trainer.context_part).
 """
 from __future__ import annotations
 
