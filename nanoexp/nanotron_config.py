@@ -123,6 +123,7 @@ class Import:
 def map_parallelism(imp: Import) -> None:
     for axis in ("dp", "tp", "pp"):
         imp.copy(f"parallelism.{axis}", f"parallelism.{axis}", "int", 1)
+    imp.copy("parallelism.context_parallel_size", "parallelism.cp", "int", 1)   # nanoexp's cp is ring attention
     imp.choose("parallelism.pp_engine", "afab", ("afab", "1f1b"), "parallelism.pp_engine")   # nanotron's default: afab
     imp.choose("parallelism.tp_mode", "ALL_REDUCE", ("all_reduce", "reduce_scatter"), "parallelism.tp_mode")
     imp.copy("parallelism.recompute_layer", "parallelism.recompute_layer", "bool")

@@ -19,7 +19,6 @@ UNMAPPED = {
     "parallelism.tp_linear_async_communication": (lambda v: not v, "nanoexp's tensor-parallel layers communicate "
                                                   "synchronously"),
     "parallelism.expert_parallel_size": (lambda v: v in (None, 1), "nanoexp has no mixture-of-experts layers"),
-    "parallelism.context_parallel_size": (lambda v: v in (None, 1), "nanoexp has no context parallelism"),
     "parallelism.moe_layer_recompute": (lambda v: not v, "nanoexp has no mixture-of-experts layers"),
     "parallelism.tp_recompute_allgather": (lambda v: not v, "nanoexp keeps the all-gathered input for backward"),
     "model.init_method.path": (NULL, "a nanotron checkpoint, which nanoexp cannot read: export it to a Hugging "

@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from nanoexp.run import check_config, run
+from nanoexp.validation import validate
 import scripts.import_nanotron_config as importer
 from tests.data_files import random_documents, write_jsonl
 from tests.helpers import CONF_DIR, read_metrics
@@ -105,6 +106,16 @@ def test_nanoset_forms_and_nanotron_defaults(tmp_path, conf):
     assert [r["stage"] for r in records] == ["one folder"] * 2 + ["a list"] * 2 + ["weighted"] * 2
     assert [r["lr"] for r in records] == [1.5e-3] + [3e-3] * 5
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["layout"] == "dp2tp1pp1"
+
+
+def test_context_parallel_size_becomes_cp(conf):
+    def cp2(text):
+        return text.replace("  dp: 2\n", "  dp: 1\n  context_parallel_size: 2\n", 1)
+    code, text, composed = imported(conf, "nanoset_forms.yaml", "cp", edit=cp2)
+    assert code == 0 and "parallelism.context_parallel_size =" not in text   # mapped, not listed
+    cfg = composed()
+    assert (cfg.parallelism.dp, cfg.parallelism.cp) == (1, 2)
+    validate(cfg, world_size=2)   # dp * cp * tp * pp = 2; the sequence (32) divides by 2 * cp
 
 
 def test_stages_with_different_seeds_are_listed(conf, capsys):

@@ -2,7 +2,7 @@
 all-reduce of a training step started and ended, on this rank.
 
 With `logging.pipeline_trace=true` every rank writes `<run>/pipeline_trace/rank_<r>.jsonl`:
-a first line `{"meta": {...}}` (rank, pp/dp/tp coordinates, pp, virtual stages, engine),
+a first line `{"meta": {...}}` (rank, pp/dp/cp/tp coordinates, pp, virtual stages, engine),
 then one JSON object per event:
 
     {"step": 3, "kind": "forward", "mb": 5, "chunk": 1, "start": 1712.123, "end": 1712.130}
@@ -44,8 +44,9 @@ class PipelineTrace:
 
     @classmethod
     def for_run(cls, run_dir: str, ctx, engine: str, virtual_stages: int) -> "PipelineTrace":
-        meta = {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank,
-                "pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp, "virtual_stages": virtual_stages, "engine": engine}
+        meta = {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "cp_rank": ctx.cp_rank,
+                "tp_rank": ctx.tp_rank, "pp": ctx.pp, "dp": ctx.dp, "cp": ctx.cp, "tp": ctx.tp,
+                "virtual_stages": virtual_stages, "engine": engine}
         return cls(os.path.join(run_dir, TRACE_DIR, f"rank_{ctx.rank}.jsonl"), meta)
 
     def bind(self, **fields) -> "PipelineTrace":
