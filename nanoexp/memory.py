@@ -17,13 +17,19 @@ Estimated, for one rank (bytes, float32 master weights and gradients):
   activations  what autograd saves per token and layer x the layers of the micro-batches in flight
                at once (from the engine's own schedule: AFAB all of them, 1F1B at most pp - stage,
                interleaved its own count), plus one layer recomputed during backward with
-               recomputation, plus the head's logits on the last stage.
+               recomputation, plus the head's logits on the last stage, plus under cp one ring-attention
+               block's scores (`ring_workspace`).
 The saved floats per token of one decoder layer were counted from the tensors autograd keeps
 (saved_tensors_hooks, tests/test_memory.py checks the formula against them): 8h + 2kv + 4i + heads
 + 2 with tp = 1 (h hidden, kv the key/value width, i the MLP width); with tp the heads and the MLP
 are split and the norms' tensors are not: 6h + 2 + (2h + 2kv + heads + 4i) / tp, and sequence
 parallelism also splits the norms' 4h + 2. Recomputation keeps only each layer's input (h, / tp under
 SP). Under bf16 autocast the saved activations are taken at 2 B a float.
+Under context parallelism a rank holds s/cp tokens of each sample and every count above is per token
+of those: ring attention saves this rank's q, k, v, output and log-sum-exp (s/cp rows each), as SDPA
+does for the whole sequence, but its output is laid out [b, heads, s, d] and o_proj keeps a
+[b, s, heads*d] copy, where SDPA's output already has that layout: h/tp floats a token more per layer
+(+ h/tp in both formulas; none under recomputation, which keeps only the layer's input).
 """
 from __future__ import annotations
 
@@ -88,8 +94,10 @@ def peak_memory_mb(device: torch.device) -> float:
     return (hwm if hwm is not None else psutil.Process().memory_info().rss) / MB
 
 
-def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False) -> float:
-    """Floats one decoder layer saves for backward per token on a rank (see the module docstring)."""
+def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
+                           cp: int = 1) -> float:
+    """Floats one decoder layer saves for backward per token on a rank (see the module docstring); under
+    cp > 1 per token of the rank's s/cp."""
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
     if recompute:
@@ -97,7 +105,10 @@ def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence
     # The two residual inputs, their normalised values and norms' 1/rms (sharded along the sequence
     # under SP); the column layers' full inputs; q, k, v, attention output and its log-sum-exp; the MLP.
     norms = 4 * h + 2
-    return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads + 4 * i) / tp
+    # Ring attention keeps its output [b, heads, s, d] for backward, and o_proj saves its [b, s, heads*d]
+    # copy; SDPA's output already has o_proj's layout, so without cp one tensor serves both.
+    ring = h / tp if cp > 1 else 0
+    return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads + 4 * i) / tp + ring
 
 
 def held_parameters(shape: LlamaShape, cfg, pp_rank: int, tp: int) -> tuple[int, list[int]]:
@@ -134,20 +145,31 @@ def in_flight_layers(cfg, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
     return most, most_heads
 
 
+def ring_workspace(cfg, shape: LlamaShape) -> float:
+    """Bytes of ring attention's one block in flight (cp > 1): a block's forward or backward holds up to 3
+    [micro_batch, heads/tp, c, c] float32 tensors at once (scores or probabilities, and two temporaries of
+    the score gradient), c = s / 2cp. SDPA without cp works in small tiles: nothing comparable."""
+    p, t = cfg.parallelism, cfg.tokens
+    if p.cp == 1:
+        return 0
+    c = t.sequence_length // (2 * p.cp)
+    return 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // p.tp) * c * c
+
+
 def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
     """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline."""
     p, t = cfg.parallelism, cfg.tokens
     params, chunks = held_parameters(shape, cfg, pp_rank, p.tp)
     layers, heads = in_flight_layers(cfg, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    tokens = t.micro_batch_size * t.sequence_length
+    tokens = t.micro_batch_size * t.sequence_length // p.cp   # a cp rank holds s/cp tokens of each sample
     sp = p.tp_mode == "reduce_scatter"
-    per_layer = layer_floats_per_token(shape, p.tp, p.recompute_layer, sp)
+    per_layer = layer_floats_per_token(shape, p.tp, p.recompute_layer, sp, p.cp)
     # Recomputation re-materialises one full layer at a time during backward.
-    transient = layer_floats_per_token(shape, p.tp, False, sp) if p.recompute_layer else 0
+    transient = layer_floats_per_token(shape, p.tp, False, sp, p.cp) if p.recompute_layer else 0
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / p.tp   # final norm, its input, the softmax
-    activations = act_bytes * tokens * (layers * per_layer + transient + heads * head)
-    shards = p.dp if cfg.optimizer.zero_stage == 1 else 1
+    activations = act_bytes * tokens * (layers * per_layer + transient + heads * head) + ring_workspace(cfg, shape)
+    shards = p.dp * p.cp if cfg.optimizer.zero_stage == 1 else 1   # ZeRO-1 shards over dp x cp
     return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / shards,
             "activations": activations, "update_workspace": 4 * params / shards}
 

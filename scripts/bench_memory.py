@@ -2,6 +2,7 @@
 
     python scripts/bench_memory.py                              # model=small, the default matrix
     python scripts/bench_memory.py --steps 3 --csv memory.csv dp2tp1pp1:optimizer.zero_stage=1
+    python scripts/bench_memory.py dp1cp2tp1pp1 dp2cp2tp1pp1:optimizer.zero_stage=1 dp1cp2tp2pp1   # context parallel
 
 Each case is `python train.py model=small <case overrides>` for a few steps (its own run folder
 in a temporary directory); per rank it prints the measured peak above the rank's runtime baseline
@@ -59,7 +60,7 @@ def run_case(case: str, args) -> list[dict]:
     cfg, rows = compose(overrides), []
     shape, p = model_shape(cfg), cfg.parallelism
     for rank, peak in enumerate(summary["peak_memory_mb_per_rank"]):
-        pp_rank = rank // (p.dp * p.tp)
+        pp_rank = rank // (p.dp * p.cp * p.tp)   # ranks are laid out (pp, dp, cp, tp)
         parts = estimate(cfg, shape, pp_rank)
         state = parts["parameters"] + parts["gradients"] + parts["optimizer"]
         rows.append({"case": case, "rank": rank, "measured_mb": peak - summary["baseline_memory_mb"],

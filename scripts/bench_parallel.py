@@ -2,28 +2,37 @@
 
     python scripts/bench_parallel.py dp2tp1pp1 dp1tp2pp1 dp1tp2pp1:parallelism.tp_mode=reduce_scatter \
         dp1tp1pp2 dp2tp2pp2 [--model tiny] [--steps 3] [--warmup 1] [--set KEY=VALUE ...]
+    python scripts/bench_parallel.py dp1cp2tp1pp1 dp1cp4tp1pp1 dp2cp2tp1pp1   # context parallel
 
-Each layout ("dpXtpYppZ", optionally ":" and comma-separated overrides for that layout) runs
-dp*tp*pp forked gloo workers with the real Trainer; after warm-up steps, `--steps` optimizer
-steps run inside a `CommCounter` (nanoexp/parallel/comm_counter.py), which records every
-collective and point-to-point call per process group (dp, tp, pp, model-parallel, embedding).
+Each layout ("dpXtpYppZ" or "dpXcpWtpYppZ", optionally ":" and comma-separated overrides for that
+layout) runs dp*cp*tp*pp forked gloo workers with the real Trainer; after warm-up steps, `--steps`
+optimizer steps run inside a `CommCounter` (nanoexp/parallel/comm_counter.py), which records every
+collective and point-to-point call per process group (dp, tp, pp, model-parallel, embedding, and
+with cp > 1 cp and dp_cp).
 
 Reported per group: calls and bytes SENT per rank per optimizer step (ring algorithms; mean
 over the ranks), next to the analytic minimum for the layout, derived from the model's shape and
 the layout alone (nanoexp.memory.held_parameters counts what a rank holds), each rank's own count
-averaged the same way (m micro-batches per step, A = micro_batch x seq x hidden activation bytes,
-N = the parameters this rank holds):
+averaged the same way (m micro-batches per step, s' = seq / cp the tokens of a sample a rank holds,
+A = micro_batch x s' x hidden activation bytes, N = the parameters this rank holds):
   dp  averaging this rank's float32 gradients: 2(dp-1)/dp x 4N, whether as one all-reduce
       (zero_stage 0) or as a reduce-scatter of the gradients plus an all-gather of the updated
       parameters (ZeRO-1: (dp-1)/dp x 4N each); plus the step loss, and on the loss stage the
-      count of target tokens (4 bytes each, all-reduced);
+      count of target tokens (4 bytes each, all-reduced); with cp > 1 all of this runs over the
+      dp x cp group instead ("dp_cp", n = dp·cp: every cp rank holds full weights);
+  cp  ring attention (nanoexp/parallel/ring_attention.py, its ring_plan), per attention layer the rank
+      holds and per micro-batch: the K/V block, K and V stacked, KV = 2 x micro_batch x kv_heads/tp x
+      s' x head_dim x activation bytes, sent cp-1 times forward; in backward KV again cp-1 times
+      plus the float32 dK/dV accumulator (KV's size at 4 bytes a float) cp-1 hops home:
+      cp_min = m x layers x (cp-1) x (2 KV + KV32), and the forward's share once more per layer
+      recomputed under parallelism.recompute_layer;
   tp  Megatron's minimum, per micro-batch: 2 all-reduces forward + 2 backward per layer
       (sequence parallel: 4 all-gathers + 4 reduce-scatters, the same bytes), one for the
       embedding (first stage) and one for the LM head's input (last stage), each 2(tp-1)/tp x A;
-      the vocab-parallel cross-entropy's 3 all-reduces of micro_batch x seq floats; under SP the
+      the vocab-parallel cross-entropy's 3 all-reduces of micro_batch x s' floats; under SP the
       norm-weight gradients;
   pp  per micro-batch the activation to the next stage and its gradient to the previous one
-      (float32, s/tp long under SP), plus the step loss;
+      (float32, s'/tp long under SP), plus the step loss;
   model_parallel  the squared gradient norm (4 bytes; with ZeRO-1 it is summed over all ranks,
       the "world" line).
 tokens/s is the global batch's tokens over rank 0's median step time (workers share the CPUs,
@@ -51,20 +60,19 @@ from nanoexp.parallel.comm_counter import CommCounter
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.validation import validate
 
-GROUPS = ("dp", "tp", "pp", "model_parallel", "embedding")
+GROUPS = ("dp", "dp_cp", "cp", "tp", "pp", "model_parallel", "embedding")
 
 
 def compose(overrides: list[str]):
     """The config `python train.py <overrides>` runs with, checked for its layout and resolved (for the workers)."""
     cfg = C.compose(overrides)
-    p = cfg.parallelism
-    validate(cfg, world_size=p.dp * p.tp * p.pp)
+    validate(cfg, world_size=C.world_size(cfg))
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
 def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     """This rank's minimum bytes sent per optimizer step, per group (see the module docstring)."""
-    m, mb, s = trainer.accumulation, cfg.tokens.micro_batch_size, cfg.tokens.sequence_length
+    m, mb, s = trainer.accumulation, cfg.tokens.micro_batch_size, cfg.tokens.sequence_length // ctx.cp
     h = trainer.shape.hidden_size
     sp = cfg.parallelism.tp_mode == "reduce_scatter"
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4   # TP collectives run in the autocast dtype
@@ -72,9 +80,14 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
     out = {name: 0.0 for name in GROUPS}
     held, chunks = held_parameters(trainer.shape, cfg, ctx.pp_rank, ctx.tp)
-    if ctx.dp > 1:
+    if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO-1) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
-        out["dp"] = ring(ctx.dp) * 4 * (held + scalars)
+        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp * ctx.cp) * 4 * (held + scalars)
+    if ctx.cp > 1:   # ring attention: K/V (cp-1 hops) forward, K/V and the float32 dK/dV (cp-1 hops each) backward
+        kv_heads = trainer.shape.num_key_value_heads // ctx.tp
+        kv = 2 * mb * kv_heads * s * trainer.shape.head_dim   # floats of one K/V message
+        forwards = 2 if cfg.parallelism.recompute_layer else 1
+        out["cp"] = m * sum(chunks) * (ctx.cp - 1) * ((forwards + 1) * kv * act_bytes + kv * 4)
     if ctx.tp > 1:
         layers = sum(chunks)
         first, last = ctx.is_first_stage, ctx.is_last_stage
@@ -100,7 +113,7 @@ def worker(rank, world_size, port, cfg, args, queue):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         from nanoexp.trainer import Trainer
         p = cfg.parallelism
-        ctx = ParallelContext(p.dp, p.tp, p.pp)
+        ctx = ParallelContext(p.dp, p.tp, p.pp, p.cp)
         with tempfile.TemporaryDirectory() as run_dir:
             trainer = Trainer(cfg, ctx, run_dir)
             steps = [trainer.batches.next_step() for _ in range(args.warmup + args.steps)]
@@ -109,7 +122,9 @@ def worker(rank, world_size, port, cfg, args, queue):
             for micro_batches in steps[:args.warmup]:
                 trainer.train_step(micro_batches, lr)
             times = []
-            with CommCounter({name: getattr(ctx, f"{name}_group") for name in GROUPS}) as comm:
+            # with cp = 1 the dp_cp group IS the dp group: count it once, as dp
+            named = [name for name in GROUPS if ctx.cp > 1 or name not in ("dp_cp", "cp")]
+            with CommCounter({name: getattr(ctx, f"{name}_group") for name in named}) as comm:
                 for micro_batches in steps[args.warmup:]:
                     dist.barrier()
                     start = time.perf_counter()
@@ -126,7 +141,7 @@ def worker(rank, world_size, port, cfg, args, queue):
 
 def run_layout(cfg, args) -> list[dict]:
     p = cfg.parallelism
-    world = p.dp * p.tp * p.pp
+    world = C.world_size(cfg)
     context = mp.get_context("fork")
     queue, port = context.Queue(), free_port()
     procs = [context.Process(target=worker, args=(r, world, port, cfg, args, queue)) for r in range(world)]
@@ -168,7 +183,7 @@ def report(name: str, results: list[dict], steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("layouts", nargs="+", help="dpXtpYppZ[:key=value,...]")
+    parser.add_argument("layouts", nargs="+", help="dpXtpYppZ or dpXcpWtpYppZ[:key=value,...]")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=3, help="counted optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted steps first")
@@ -179,11 +194,12 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; bytes are what each rank sends (ring algorithms)")
     for spec in args.layouts:
         layout, _, extra = spec.partition(":")
-        match = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout)
+        match = re.fullmatch(r"dp(\d+)(?:cp(\d+))?tp(\d+)pp(\d+)", layout)
         if match is None:
-            parser.error(f"layout {layout!r} is not of the form dpXtpYppZ")
-        dp, tp, pp = match.groups()
-        overrides = [f"model={args.model}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+            parser.error(f"layout {layout!r} is not of the form dpXtpYppZ or dpXcpWtpYppZ")
+        dp, cp, tp, pp = match.groups()
+        overrides = [f"model={args.model}", f"parallelism.dp={dp}", f"parallelism.cp={cp or 1}", f"parallelism.tp={tp}",
+                     f"parallelism.pp={pp}",
                      "logging.tensorboard=false", "data.prefetch=false", *args.set,
                      *[o for o in extra.split(",") if o]]
         report(spec, run_layout(compose(overrides), args), args.steps)

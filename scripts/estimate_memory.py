@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from nanoexp.config import compose
+from nanoexp.config import compose, world_size
 from nanoexp.memory import MB, busiest_rank_estimate, estimate, runtime_baseline_mb, total
 from nanoexp.model.build import model_shape
 from nanoexp.validation import validate
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = compose(args.overrides)
     p = cfg.parallelism
-    validate(cfg, world_size=p.dp * p.tp * p.pp)
+    validate(cfg, world_size=world_size(cfg))   # dp·cp·tp·pp
     shape = model_shape(cfg)
     busiest, parts = busiest_rank_estimate(cfg, shape)
     result = {"per_rank_mb": {k: parts[k] / MB for k in KINDS}, "total_mb": total(parts) / MB,

@@ -5,9 +5,10 @@
     python scripts/make_config.py --show-lrs model.parametrization=mup model.mup.base_width=32   # train.py overrides
 
 Promises:
-- Every dp x tp x pp layout of --gpus processes is checked with nanoexp's own `validate` (heads, KV heads,
-  vocabulary and MLP width divisible by tp, no more stages than layers, global batch divisible by dp x
-  micro-batch) and with tp <= --gpus-per-node (tensor parallelism stays inside a node).
+- Every dp x cp x tp x pp layout of --gpus processes (cp fixed by --cp, default 1) is checked with nanoexp's
+  own `validate` (heads, KV heads, vocabulary and MLP width divisible by tp, no more stages than layers,
+  global batch divisible by dp x micro-batch, sequence by 2 x cp) and with tp <= --gpus-per-node (tensor
+  parallelism stays inside a node).
 - For each valid layout it prints the estimated memory of the busiest GPU, split into parameters,
   gradients, optimizer state and activations, and picks the fitting layout (estimate <= 90% of
   --gpu-memory-gb) with the least model parallelism: the smallest tp*pp, then the smallest pp (a pipeline
@@ -34,7 +35,8 @@ import sys
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import CONF_DIR, ConfigError, batch_accumulation, compose, num_kv_heads, padded_vocab_size
+from nanoexp.config import (CONF_DIR, ConfigError, batch_accumulation, compose, layout_string, num_kv_heads,
+                            padded_vocab_size)
 from nanoexp.memory import CUDA_CONTEXT_MB, MB, busiest_rank_estimate
 from nanoexp.model.build import model_shape
 from nanoexp.validation import validate
@@ -61,12 +63,14 @@ def estimate(cfg) -> dict[str, float]:
 
 
 def candidates(base, gpus: int, gpus_per_node: int):
-    """(cfg, problem) for every dp*tp*pp == gpus layout; problem is None for a valid one."""
-    for tp in divisors(gpus):
-        for pp in divisors(gpus // tp):
+    """(cfg, problem) for every dp*cp*tp*pp == gpus layout (cp as given, parallelism.cp); problem is None
+    for a valid one."""
+    cp = base.parallelism.cp
+    for tp in divisors(gpus // cp if gpus % cp == 0 else 0):
+        for pp in divisors(gpus // (cp * tp)):
             cfg = copy.deepcopy(base)
-            cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp = gpus // (tp * pp), tp, pp
-            cfg.optimizer.zero_stage = 1 if cfg.parallelism.dp > 1 else 0
+            cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp = gpus // (cp * tp * pp), tp, pp
+            cfg.optimizer.zero_stage = 1 if cfg.parallelism.dp * cp > 1 else 0   # ZeRO-1 shards over dp x cp
             problem = None
             if tp > gpus_per_node:
                 problem = f"tp={tp} > {gpus_per_node} GPUs per node"
@@ -80,7 +84,7 @@ def candidates(base, gpus: int, gpus_per_node: int):
 
 def layout(cfg) -> str:
     p = cfg.parallelism
-    return f"dp{p.dp}tp{p.tp}pp{p.pp}"
+    return layout_string(p.dp, p.cp, p.tp, p.pp)
 
 
 def choose(base, gpus: int, gpus_per_node: int, memory_gb: float):
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--sequence-length", type=int, default=2048)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel ranks per sequence (parallelism.cp)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--global-batch-size", type=int, default=256, help="sequences per optimizer step")
     parser.add_argument("--train-steps", type=int, default=10000)
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     overrides = [f"model={args.model}", f"tokens.sequence_length={args.sequence_length}",
-                 f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.global_batch_size={args.global_batch_size}"]
+                 f"tokens.micro_batch_size={args.micro_batch_size}",
+                 f"tokens.global_batch_size={args.global_batch_size}", *([f"parallelism.cp={args.cp}"] if args.cp > 1 else [])]
     base = compose(overrides)
     m = base.model.model_config
     if args.sequence_length > m.max_position_embeddings:

@@ -53,3 +53,18 @@ def test_tensor_parallel_moves_only_the_analytic_minimum():
         for result in run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120)):
             sent, minimum = result["totals"]["tp"]["sent_bytes"], result["analytic"]["tp"]
             assert abs(sent - minimum) / minimum < 0.01, (mode, sent, minimum)
+
+
+def test_context_parallel_moves_only_the_analytic_minimum():
+    """Ring attention sends K/V cp-1 times forward and backward plus dK/dV home (ring_plan), and the
+    gradients are averaged over dp x cp: both equal bench_parallel's analytic minimum (1 %: the scalars)."""
+    from types import SimpleNamespace
+
+    from scripts.bench_parallel import compose, run_layout
+    from tests.helpers import FAST
+
+    cfg = compose(FAST + ["parallelism=dp2cp2tp1pp1"])
+    for result in run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120)):
+        for group in ("cp", "dp_cp"):
+            sent, minimum = result["totals"][group]["sent_bytes"], result["analytic"][group]
+            assert abs(sent - minimum) / minimum < 0.01, (group, sent, minimum)

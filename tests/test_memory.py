@@ -31,7 +31,8 @@ def saved_per_layer(overrides, ctx) -> tuple[float, float]:
             model(input_ids=ids, labels=ids)
         saved.append(counter.bytes)
     p = cfg.parallelism
-    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), ctx.tp, p.recompute_layer, p.tp_mode == "reduce_scatter")
+    sp = p.tp_mode == "reduce_scatter"
+    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), ctx.tp, p.recompute_layer, sp, ctx.cp)
     return saved[1] - saved[0], formula
 
 
@@ -53,13 +54,27 @@ def test_layer_formula_with_tensor_parallelism(overrides):
         assert measured == formula
 
 
+def _cp2_layer(rank, world, overrides):
+    # each rank's 64 tokens are its zig-zag half of a 128-token sequence; the layer's attention is ring attention
+    tp = world // 2
+    return saved_per_layer(overrides + ["parallelism.cp=2", f"parallelism.tp={tp}"], ParallelContext(cp=2, tp=tp))
+
+
+@pytest.mark.parametrize("overrides,world", [(SHAPES[0], 2), (SHAPES[1], 2), (["parallelism.recompute_layer=true"], 2),
+                                             (SHAPES[0], 4), (["parallelism.tp_mode=reduce_scatter"], 4)],
+                         ids=["gqa", "mha", "recompute", "tp2", "tp2_sequence_parallel"])
+def test_layer_formula_with_context_parallelism(overrides, world):
+    for measured, formula in run_distributed(_cp2_layer, world, overrides):
+        assert measured == formula
+
+
 def measured_and_estimated(tmp_path, overrides) -> list[tuple[float, float]]:
     """(peak above the baseline, estimate) per rank, MB."""
     train(tmp_path, SMALL + overrides)
     summary = json.loads((tmp_path / "summary.json").read_text())
     cfg = compose_config(SMALL + overrides)
     p = cfg.parallelism
-    estimates = [total(estimate(cfg, model_shape(cfg), rank // (p.dp * p.tp))) / MB
+    estimates = [total(estimate(cfg, model_shape(cfg), rank // (p.dp * p.cp * p.tp))) / MB
                  for rank in range(len(summary["peak_memory_mb_per_rank"]))]
     return [(peak - summary["baseline_memory_mb"], est) for peak, est in zip(summary["peak_memory_mb_per_rank"], estimates)]
 

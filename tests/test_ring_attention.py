@@ -220,3 +220,18 @@ def test_bfloat16_ring_is_as_close_to_exact_as_sdpa():
         assert ratio <= 1.5
     kv_nbytes = 2 * BATCH * kv_heads * (SEQ // cp) * HEAD_DIM
     assert [results[r][0][4] for r in range(cp)] == ring_plan(cp, kv_nbytes * 2, kv_nbytes * 4)
+
+
+def test_zigzag_balances_the_attention_work_the_contiguous_split_does_not():
+    """scripts/bench_long_context.py's count of score elements: the zig-zag split gives every rank the same
+    work and the ranks together the full causal triangle; a contiguous split leaves the last rank 2cp − 1
+    times the first's (to leading order)."""
+    from scripts.bench_long_context import balance, contiguous_scores, zigzag_scores
+
+    seq = 4096
+    for cp in (2, 4, 8):
+        zigzag = [zigzag_scores(seq, cp, r) for r in range(cp)]
+        assert balance(zigzag) == 1 and sum(zigzag) == seq * (seq + 1) // 2
+        contiguous = [contiguous_scores(seq, cp, r) for r in range(cp)]
+        assert sum(contiguous) == seq * (seq + 1) // 2
+        assert 2 * cp - 1.05 < balance(contiguous) < 2 * cp - 1
