@@ -65,7 +65,7 @@ class Trainer:
         # part of each sample's tokens: gradients are averaged (and ZeRO-1 sharded) over dp x cp.
         special = [q for q in self.params if placement(q).sequence_parallel or placement(q).tied_across_stages]
         bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
-        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_cp_group, ctx.dp * ctx.cp,
+        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_cp_group, ctx.dp_cp,
                                            ctx.dp_cp_rank, shard=cfg.optimizer.zero_stage == 1, deferred=special,
                                            bucket_cap_mb=bucket_mb,
                                            trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
@@ -125,10 +125,10 @@ class Trainer:
         if not self.ctx.is_last_stage:
             return 1.0
         count = torch.tensor(float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)))
-        if self.ctx.dp * self.ctx.cp > 1:
+        if self.ctx.dp_cp > 1:
             count = count.to(self.ctx.device)
             dist.all_reduce(count, group=self.ctx.dp_cp_group)
-        return max(count.item(), 1.0) / (self.ctx.dp * self.ctx.cp)
+        return max(count.item(), 1.0) / self.ctx.dp_cp
 
     def sync_special_grads(self) -> None:
         """Sum gradients that live twice in one replica: sequence-parallel norm weights (each tp
@@ -142,14 +142,14 @@ class Trainer:
         """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp x cp."""
         if self.ctx.pp > 1:
             dist.all_reduce(values, group=self.ctx.pp_group)
-        if self.ctx.dp * self.ctx.cp > 1:
+        if self.ctx.dp_cp > 1:
             dist.all_reduce(values, group=self.ctx.dp_cp_group)
         return values
 
     def step_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean token loss of the global batch, identical on every rank."""
         loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
-        return (self.replica_sum(loss) / (self.ctx.dp * self.ctx.cp)).item()
+        return (self.replica_sum(loss) / self.ctx.dp_cp).item()
 
     def compute_gradients(self, micro_batches: list[dict]) -> float:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""

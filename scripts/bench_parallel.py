@@ -82,7 +82,7 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     held, chunks = held_parameters(trainer.shape, cfg, ctx.pp_rank, ctx.tp)
     if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO-1) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
-        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp * ctx.cp) * 4 * (held + scalars)
+        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * (held + scalars)
     if ctx.cp > 1:   # ring attention: K/V (cp-1 hops) forward, K/V and the float32 dK/dV (cp-1 hops each) backward
         kv_heads = trainer.shape.num_key_value_heads // ctx.tp
         kv = 2 * mb * kv_heads * s * trainer.shape.head_dim   # floats of one K/V message

@@ -17,10 +17,9 @@ from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train, train_losses
+from tests.test_parallel import INTERLEAVED, TIED
 
 BF16 = FAST + ["model.dtype=bfloat16", "tokens.train_steps=8", "tokens.val_check_interval=0"]
-TIED = ["model.model_config.tie_word_embeddings=true"]
-INTERLEAVED = ["parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2"]
 
 # The contract: within 2e-3 relative loss over 8 steps. Layouts differ from one process only in
 # rounding: each tp rank rounds its partial row-parallel output to bf16 (8-bit mantissa, 2^-8 =

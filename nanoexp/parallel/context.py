@@ -44,6 +44,7 @@ class ParallelContext:
         self.pp_rank, rest = divmod(self.rank, self.dp * self.cp * self.tp)
         self.dp_rank, rest = divmod(rest, self.cp * self.tp)
         self.cp_rank, self.tp_rank = divmod(rest, self.tp)
+        self.dp_cp = self.dp * self.cp                             # ranks sharing a stage's weights
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank   # rank order within dp_cp_group
         self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
         self.model_parallel_group = self.embedding_group = None
