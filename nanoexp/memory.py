@@ -18,7 +18,7 @@ Estimated, for one rank (bytes, float32 master weights and gradients):
                at once (from the engine's own schedule: AFAB all of them, 1F1B at most pp - stage,
                interleaved its own count), plus one layer recomputed during backward with
                recomputation, plus the head's logits on the last stage, plus under cp one ring-attention
-               block's scores (`ring_workspace`).
+               tile's scores (`ring_workspace`).
 The saved floats per token of one decoder layer were counted from the tensors autograd keeps
 (saved_tensors_hooks, tests/test_memory.py checks the formula against them): 8h + 2kv + 4i + heads
 + 2 with tp = 1 (h hidden, kv the key/value width, i the MLP width); with tp the heads and the MLP
@@ -42,6 +42,7 @@ import torch
 
 from nanoexp import config as C
 from nanoexp.model.llama import LlamaShape
+from nanoexp.parallel import attention_blocks
 from nanoexp.parallel.p2p_plan import schedule
 from nanoexp.parallel.pipeline import split_layers
 
@@ -146,14 +147,14 @@ def in_flight_layers(cfg, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
 
 
 def ring_workspace(cfg, shape: LlamaShape) -> float:
-    """Bytes of ring attention's one block in flight (cp > 1): a block's forward or backward holds up to 3
-    [micro_batch, heads/tp, c, c] float32 tensors at once (scores or probabilities, and two temporaries of
-    the score gradient), c = s / 2cp. SDPA without cp works in small tiles: nothing comparable."""
+    """Bytes of ring attention's one tile in flight (cp > 1): a tile's forward or backward holds up to 3
+    [micro_batch, heads/tp, T, T] float32 tensors at once (scores or probabilities, and two temporaries of
+    the score gradient), T = min(attention_blocks.TILE, s / 2cp). SDPA without cp also works in tiles."""
     p, t = cfg.parallelism, cfg.tokens
     if p.cp == 1:
         return 0
-    c = t.sequence_length // (2 * p.cp)
-    return 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // p.tp) * c * c
+    tile = min(attention_blocks.TILE, t.sequence_length // (2 * p.cp))
+    return 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // p.tp) * tile * tile
 
 
 def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import nanoexp.parallel.ring_attention as ring
+import nanoexp.parallel.attention_blocks as attention_blocks
 from nanoexp.model.llama import causal_attention
 from nanoexp.parallel.p2p_plan import PlanError, check
 from nanoexp.parallel.ring_attention import (rank_chunks, ring_attention, ring_blocks, ring_plan, visibility,
@@ -121,14 +121,15 @@ def _ring_worker(rank, world_size, cp, cases, groups):
         group = next(g for g, ranks in zip(made, groups) if rank in ranks)
     cp_rank = dist.get_rank(group)
     scores = [0]
-    block_forward = ring._block_forward
+    tile_forward = attention_blocks._tile_forward
 
-    def counting(q, k, v, scale, causal):
+    def counting(q, k, v, scale, masked):
         n, m = q.shape[2], k.shape[2]
-        scores[0] += q.shape[0] * q.shape[1] * (n * (m + 1) // 2 if causal else n * m)
-        return block_forward(q, k, v, scale, causal)
+        scores[0] += q.shape[0] * q.shape[1] * (n * (m + 1) // 2 if masked else n * m)
+        return tile_forward(q, k, v, scale, masked)
 
-    ring._block_forward = counting   # this forked rank's own module
+    attention_blocks._tile_forward = counting   # this forked rank's own module
+    attention_blocks.TILE = 3   # chunks of 8 (cp 2) and 4 (cp 4) tokens: several tiles a block, the last one short
     out = []
     for heads, kv_heads, dtype, scale in cases:
         q, k, v, grad_out = (zigzag_split(x, cp, cp_rank, dim=2) for x in make_inputs(heads, kv_heads, dtype))

@@ -1,12 +1,12 @@
-"""Ring attention over context-parallel ranks, load-balanced by the zig-zag split (issue #18, first step).
+"""Ring attention over context-parallel ranks, load-balanced by the zig-zag split (issue #18).
 
 The sequence is cut into 2·cp chunks; cp rank r holds chunks r and 2·cp−1−r ("head-tail" or zig-zag), so a
 rank with an early, cheap chunk also holds a late, expensive one. Each rank keeps the queries of its two chunks;
 the K/V blocks travel round the ring (to the next rank, from the previous one), and at step t rank r attends
 to the block of rank (r − t) mod cp. Chunk pairs are fully visible (key chunk before query chunk), causal on
 the diagonal (the same chunk), or invisible (key chunk after): a rank computes only the visible ones, which is
-the same work on every rank (`ring_blocks`). The partial outputs are merged with the log-sum-exp rule; no
-rank ever holds more than one block's scores.
+the same work on every rank (`ring_blocks`). The partial outputs are merged with the log-sum-exp rule; each block
+is computed in tiles (attention_blocks.py), so no rank holds more than one tile's scores.
 
 The backward recomputes each block's probabilities from the saved log-sum-exp (as flash attention does). K/V
 go round the ring again, and with them one float accumulator of dK/dV per block, which reaches its owner
@@ -24,6 +24,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
 
 
 # -- the zig-zag split ------------------------------------------------------------------------
@@ -76,51 +78,6 @@ def ring_blocks(cp: int, cp_rank: int) -> list[list[tuple[int, int, bool]]]:
     return steps
 
 
-# -- one block: scores, softmax statistics, gradients -------------------------------------------
-
-def _grouped(x, kv_heads):
-    """[b, heads, n, d] -> [b, kv_heads, group, n, d]: head i reads KV head i // group, as SDPA's enable_gqa."""
-    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
-
-
-def _scores(q, k, scale, causal):
-    """q [b, kvh, g, n, d] · k [b, kvh, m, d] -> [b, kvh, g, n, m] (masked with −inf above the diagonal)."""
-    scores = q @ k.unsqueeze(2).transpose(-1, -2) * scale
-    if causal:
-        n, m = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return scores
-
-
-def _block_forward(q, k, v, scale, causal):
-    """One block's output [b, h, n, d] and log-sum-exp [b, h, n] (float, in q's dtype)."""
-    scores = _scores(_grouped(q, k.shape[1]), k, scale, causal)
-    lse = scores.logsumexp(-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.unsqueeze(2)
-    return out.flatten(1, 2), lse.flatten(1, 2)
-
-
-def _block_backward(q, k, v, grad_out, lse, delta, scale, causal):
-    """dq [b, h, n, d], dk/dv [b, kvh, m, d] of one block, its probabilities recomputed from the final lse;
-    delta = rowsum(grad_out · out) is the softmax's correction term."""
-    kvh = k.shape[1]
-    q, grad_out = _grouped(q, kvh), _grouped(grad_out, kvh)
-    lse, delta = lse.unflatten(1, (kvh, -1)).unsqueeze(-1), delta.unflatten(1, (kvh, -1)).unsqueeze(-1)
-    probs = torch.exp(_scores(q, k, scale, causal) - lse)               # [b, kvh, g, n, m]
-    grad_v = (probs.transpose(-1, -2) @ grad_out).sum(2)                # a KV head gathers its whole group
-    grad_scores = probs * (grad_out @ v.unsqueeze(2).transpose(-1, -2) - delta)
-    grad_q = (grad_scores @ k.unsqueeze(2)).flatten(1, 2) * scale
-    grad_k = (grad_scores.transpose(-1, -2) @ q).sum(2) * scale
-    return grad_q, grad_k, grad_v
-
-
-def _merge(out, lse, block_out, block_lse):
-    """Fold one block's partial result into the running one (online softmax), in place on rows."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-    lse.copy_(new_lse)
-
-
 def _halves(x, dim=2):
     return x.chunk(2, dim)
 
@@ -157,9 +114,8 @@ class _RingAttention(torch.autograd.Function):
             # post the next exchange first, so it runs while this block computes (kv is only read)
             works, received = _exchange([kv], group, cp, cp_rank) if t < cp - 1 else ([], None)
             k_halves, v_halves = _halves(kv[0].to(acc)), _halves(kv[1].to(acc))
-            for qi, ki, causal in blocks:   # every row of a block sees a key: its lse is finite
-                block_out, block_lse = _block_forward(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal)
-                _merge(out_halves[qi], lse_halves[qi], block_out, block_lse)
+            for qi, ki, causal in blocks:
+                attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi])
             _wait(works)
             kv = received[0] if received else kv
         out = out.to(q.dtype)
@@ -183,11 +139,8 @@ class _RingAttention(torch.autograd.Function):
             gk_halves, gv_halves = _halves(grad_kv[0]), _halves(grad_kv[1])
             for qi, ki, causal in blocks:
                 q_rows, grad_out_rows, lse_rows, delta_rows = rows[qi]
-                gq, gk, gv = _block_backward(q_rows, k_halves[ki], v_halves[ki], grad_out_rows, lse_rows, delta_rows,
-                                             scale, causal)
-                grad_q_halves[qi].add_(gq)
-                gk_halves[ki].add_(gk)
-                gv_halves[ki].add_(gv)
+                attend_block_backward(q_rows, k_halves[ki], v_halves[ki], grad_out_rows, lse_rows, delta_rows, scale,
+                                      causal, grad_q_halves[qi], gk_halves[ki], gv_halves[ki])
 
         kv = torch.stack([k, v]).contiguous()
         own_kv, grad_kv = kv, None

@@ -1,0 +1,92 @@
+"""Exact attention of one block of queries against one block of keys, in tiles, with log-sum-exp statistics.
+
+Ring attention (ring_attention.py) cuts a sequence into chunks and attends chunk against chunk; a whole
+chunk × chunk block of scores would grow as (s/cp)², so each block is computed in TILE × TILE tiles, as
+flash attention does: a tile's scores exist only while it is folded into the running output (forward) or
+into the gradients (backward). A block is either full (every query sees every key) or causal, the
+diagonal block of a chunk against itself, whose tiles above the diagonal are skipped and whose diagonal
+tiles are masked. Every query row sees at least its own key, so no row's log-sum-exp is −inf.
+
+The forward folds tiles into a running (output, log-sum-exp) with the online-softmax rule; the backward
+recomputes each tile's probabilities from the final log-sum-exp and accumulates dq, dk, dv in place.
+Inputs are [b, heads, n, d] queries and [b, kv_heads, m, d] keys/values; a KV head serves heads/kv_heads
+query heads (as SDPA's enable_gqa).
+"""
+from __future__ import annotations
+
+import torch
+
+TILE = 256   # rows and columns of one tile: 256² float32 scores a head, 3 MB for 4 heads and 3 such tensors
+
+
+def _spans(n: int) -> list[tuple[int, int]]:
+    return [(i, min(i + TILE, n)) for i in range(0, n, TILE)]
+
+
+def tile_pairs(n: int, m: int, causal: bool) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key columns, masked) of the tiles an n × m block computes. A causal block (n == m) skips
+    the tiles above its diagonal and masks those on it; every other tile is full."""
+    return [(slice(*rows), slice(*cols), causal and rows == cols)
+            for rows in _spans(n) for cols in _spans(m) if not causal or cols[0] <= rows[0]]
+
+
+def _grouped(x, kv_heads):
+    """[b, heads, n, d] -> [b, kv_heads, group, n, d]: head i reads KV head i // group."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
+
+
+def _scores(q, k, scale, masked):
+    """q [b, kvh, g, n, d] · k [b, kvh, m, d] -> [b, kvh, g, n, m]; masked: −inf above the diagonal."""
+    scores = q @ k.unsqueeze(2).transpose(-1, -2) * scale
+    if masked:
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+def _tile_forward(q, k, v, scale, masked):
+    """One tile's output [b, h, n, d] and log-sum-exp [b, h, n]."""
+    scores = _scores(_grouped(q, k.shape[1]), k, scale, masked)
+    lse = scores.logsumexp(-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.unsqueeze(2)
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _tile_backward(q, k, v, grad_out, lse, delta, scale, masked):
+    """dq [b, h, n, d], dk/dv [b, kvh, m, d] of one tile; delta = rowsum(grad_out · out), the softmax's
+    correction term."""
+    kvh = k.shape[1]
+    q, grad_out = _grouped(q, kvh), _grouped(grad_out, kvh)
+    lse, delta = lse.unflatten(1, (kvh, -1)).unsqueeze(-1), delta.unflatten(1, (kvh, -1)).unsqueeze(-1)
+    probs = torch.exp(_scores(q, k, scale, masked) - lse)               # [b, kvh, g, n, m]
+    grad_v = (probs.transpose(-1, -2) @ grad_out).sum(2)                # a KV head gathers its whole group
+    grad_scores = probs * (grad_out @ v.unsqueeze(2).transpose(-1, -2) - delta)
+    grad_q = (grad_scores @ k.unsqueeze(2)).flatten(1, 2) * scale
+    grad_k = (grad_scores.transpose(-1, -2) @ q).sum(2) * scale
+    return grad_q, grad_k, grad_v
+
+
+def merge(out, lse, part_out, part_lse):
+    """Fold a partial result into the running one (online softmax), in place."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(part_out * torch.exp(part_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def attend_block(q, k, v, scale, causal, out, lse):
+    """Fold the attention of queries q to keys/values k, v into the running out [b, h, n, d] and lse
+    [b, h, n] (−inf where nothing is folded yet), in place."""
+    for rows, cols, masked in tile_pairs(q.shape[2], k.shape[2], causal):
+        tile_out, tile_lse = _tile_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], scale, masked)
+        merge(out[:, :, rows], lse[:, :, rows], tile_out, tile_lse)
+
+
+def attend_block_backward(q, k, v, grad_out, lse, delta, scale, causal, grad_q, grad_k, grad_v):
+    """Add the block's share of the gradients to grad_q [b, h, n, d] and grad_k, grad_v [b, kvh, m, d], in
+    place; lse is the rows' final log-sum-exp over all blocks, delta their rowsum(grad_out · out)."""
+    for rows, cols, masked in tile_pairs(q.shape[2], k.shape[2], causal):
+        gq, gk, gv = _tile_backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], grad_out[:, :, rows],
+                                    lse[:, :, rows], delta[:, :, rows], scale, masked)
+        grad_q[:, :, rows].add_(gq)
+        grad_k[:, :, cols].add_(gk)
+        grad_v[:, :, cols].add_(gv)
