@@ -80,7 +80,8 @@ def expected_collectives(cp, kv_heads, dtype, group_name):
     """One all-gather of this rank's K and V stacked, one reduce-scatter to its dK/dV (float32 or wider)."""
     kv_floats = 2 * BATCH * kv_heads * (SEQ // cp) * HEAD_DIM
     element = torch.finfo(dtype).bits // 8
-    return [("all_gather", group_name, kv_floats * element), ("reduce_scatter", group_name, kv_floats * max(element, 4))]
+    return [("all_gather", group_name, kv_floats * element),
+            ("reduce_scatter", group_name, kv_floats * max(element, 4))]
 
 
 def kinds(posted):
