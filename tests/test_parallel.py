@@ -194,7 +194,9 @@ def full_gradients(results) -> dict:
     ["parallelism=dp1tp1pp4"],
     ["parallelism=dp2tp1pp2"] + INTERLEAVED + TIED,
     ["parallelism=dp1cp2tp2pp2", "parallelism.tp_mode=reduce_scatter"] + TIED,
-], ids=["dp2tp2pp2-sp", "dp2tp2pp2-afab-tied", "dp1tp1pp4", "dp2tp1pp2-interleaved-tied", "dp1cp2tp2pp2-sp-tied"])
+    ["parallelism=dp2cp2tp1pp1", "parallelism.cp_mode=all_gather"],
+], ids=["dp2tp2pp2-sp", "dp2tp2pp2-afab-tied", "dp1tp1pp4", "dp2tp1pp2-interleaved-tied", "dp1cp2tp2pp2-sp-tied",
+        "dp2cp2-all_gather"])
 def test_first_step_gradients_match_single_process(overrides):
     tied = TIED if TIED[0] in overrides else []
     (expected,) = run_distributed(_first_step, 1, ["parallelism=dp1tp1pp1"] + tied)
