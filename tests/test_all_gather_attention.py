@@ -27,14 +27,14 @@ from tests.test_ring_attention import (BATCH, CASES, HEAD_DIM, SEQ, compare_to_r
 
 
 def test_gather_blocks_cover_the_causal_triangle_once_with_equal_work():
-    """Every visible pair of chunks is computed exactly once, by the rank holding its queries, own K/V first,
-    and every rank computes 1/cp of the causal triangle's scores."""
+    """Every visible pair of chunks is computed exactly once, by the rank holding its queries, and every rank
+    computes 1/cp of the causal triangle's scores."""
     chunk = 16
     for cp in range(1, 9):
         pairs, work = [], []
         for r in range(cp):
             blocks = gather_blocks(cp, r)
-            assert sorted(blocks) == list(range(cp)) and next(iter(blocks)) == r
+            assert sorted(blocks) == list(range(cp))
             pairs += [(rank_chunks(cp, r)[qi], rank_chunks(cp, source)[ki], causal)
                       for source, bs in blocks.items() for qi, ki, causal in bs]
             work.append(score_elements([b for bs in blocks.values() for b in bs], chunk))

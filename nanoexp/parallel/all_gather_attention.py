@@ -34,7 +34,7 @@ from nanoexp.parallel.ring_attention import ring_blocks
 def gather_blocks(cp: int, cp_rank: int) -> dict[int, list[tuple[int, int, bool]]]:
     """Per source cp rank, the blocks this rank computes against that rank's K/V: (query half, key half,
     causal), halves 0 and 1 of the local chunks. The ring's blocks, indexed by the K/V's owner instead of
-    by the step at which they arrive (step t holds rank (cp_rank − t) mod cp), own K/V first."""
+    by the step at which they arrive (step t holds rank (cp_rank − t) mod cp)."""
     return {(cp_rank - t) % cp: blocks for t, blocks in enumerate(ring_blocks(cp, cp_rank))}
 
 
@@ -74,14 +74,19 @@ class _AllGatherAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         out_halves, lse_halves, q_halves = _halves(out), _halves(lse), _halves(q.to(acc))
-        for source, blocks in gather_blocks(cp, cp_rank).items():
-            if source != cp_rank and work is not None:   # own K/V first, while the gather runs
-                work.wait()
-                work = None
-            source_kv = kv if source == cp_rank else gathered[source]
+
+        def attend(source_kv, blocks):
             k_halves, v_halves = _halves(source_kv[0].to(acc)), _halves(source_kv[1].to(acc))
             for qi, ki, causal in blocks:
                 attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi])
+
+        blocks = gather_blocks(cp, cp_rank)
+        attend(kv, blocks[cp_rank])   # our own K/V, while the gather is in flight
+        if work is not None:
+            work.wait()
+        for source in range(cp):
+            if source != cp_rank:
+                attend(gathered[source], blocks[source])
         out = out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, lse)
         ctx.gather = group, cp, cp_rank, scale
