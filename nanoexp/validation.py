@@ -145,8 +145,6 @@ def context_parallel_rules(cfg: Any) -> list[Rule]:
         (p.tp_mode != "reduce_scatter" or s % (2 * p.cp) or (s // p.cp) % p.tp == 0,
          f"tokens.sequence_length / parallelism.cp = {s}/{p.cp} is not divisible by parallelism.tp={p.tp} (needed "
          "by parallelism.tp_mode=reduce_scatter): change tokens.sequence_length"),
-        (cfg.model.attention_mask != "document", f"model.attention_mask=document is not supported with "
-         f"parallelism.cp={p.cp} yet: use model.attention_mask=causal or parallelism.cp=1"),
     ]
 
 

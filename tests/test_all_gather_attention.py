@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import nanoexp.parallel.attention_blocks as attention_blocks
-from nanoexp.model.llama import causal_attention
+from nanoexp.model.llama import causal_attention, document_attention
 from nanoexp.parallel.all_gather_attention import all_gather_attention, gather_blocks
 from nanoexp.parallel.comm_counter import CommCounter
-from nanoexp.parallel.ring_attention import rank_chunks, visibility, zigzag_gather, zigzag_split
+from nanoexp.parallel.ring_attention import document_starts, rank_chunks, visibility, zigzag_gather, zigzag_split
 from tests.distributed import run_distributed
-from tests.test_ring_attention import (BATCH, CASES, HEAD_DIM, SEQ, compare_to_reference, make_inputs, score_elements,
-                                       tolerance)
+from tests.test_ring_attention import (BATCH, CASES, HEAD_DIM, SEQ, compare_to_reference, make_inputs, packed_documents,
+                                       score_elements, tolerance)
 
 # compare_to_reference uses the ring's tolerances (float64 1e-12, float32 1e-5): only the order of the softmax sums
 # differs from SDPA here too. Measured worst cases over CASES, cp 2 and 4 (values and gradients up to ~5):
@@ -55,10 +55,10 @@ def _gather_worker(rank, world_size, cp, cases, groups):
     scores = [0]
     tile_forward = attention_blocks._tile_forward
 
-    def counting(q, k, v, scale, masked):
+    def counting(q, k, v, scale, mask):   # without document masking only diagonal tiles have a mask
         n, m = q.shape[2], k.shape[2]
-        scores[0] += q.shape[0] * q.shape[1] * (n * (m + 1) // 2 if masked else n * m)
-        return tile_forward(q, k, v, scale, masked)
+        scores[0] += q.shape[0] * q.shape[1] * (n * (m + 1) // 2 if mask is not None else n * m)
+        return tile_forward(q, k, v, scale, mask)
 
     attention_blocks._tile_forward = counting   # this forked rank's own module
     attention_blocks.TILE = 3   # chunks of 8 (cp 2) and 4 (cp 4) tokens: several tiles a block, the last one short
@@ -149,3 +149,30 @@ def test_bfloat16_is_as_close_to_exact_as_sdpa():
         assert ratio <= 1.5, (i, ratio)
     for r in range(cp):
         assert kinds(results[r][0][4]) == expected_collectives(cp, kv_heads, torch.bfloat16, "world")
+
+
+def _document_worker(rank, world_size, cp, heads, kv_heads):
+    attention_blocks.TILE = 3   # tiles that see no key of their document: the −inf rows of the merge
+    q, k, v, grad_out = (zigzag_split(x, cp, rank, dim=2) for x in make_inputs(heads, kv_heads, torch.float64))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    starts = document_starts(zigzag_split(packed_documents(), cp, rank), cp, rank)
+    out = all_gather_attention(q, k, v, None, cp, rank, None, starts)
+    out.backward(grad_out)
+    return rank, [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 4)])
+def test_document_masking_matches_one_process(cp, heads, kv_heads):
+    """model.attention_mask=document: each query sees the keys of its own document up to itself, on cp ranks
+    whose documents cross chunk and rank boundaries (test_ring_attention's packed samples), against
+    document_attention on the whole sequence in float64 (only the order of the sums differs)."""
+    results = dict(run_distributed(_document_worker, cp, cp, heads, kv_heads))
+    q, k, v, grad_out = make_inputs(heads, kv_heads, torch.float64)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    positions = packed_documents()
+    documents = positions.eq(0).long().cumsum(1)   # a new document where its positions restart
+    expected = document_attention(q, k, v, documents, positions)
+    expected.backward(grad_out)
+    for i, want in enumerate((expected.detach(), q.grad, k.grad, v.grad)):
+        got = zigzag_gather([torch.from_numpy(results[r][i]) for r in range(cp)], dim=2)
+        torch.testing.assert_close(got, want, **tolerance(torch.float64))

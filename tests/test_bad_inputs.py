@@ -51,8 +51,6 @@ CASES = [
     ("sequence / cp not divisible by tp under SP", ["tokens.sequence_length=12", "parallelism.cp=2",
                                                     "parallelism.tp=4", "parallelism.tp_mode=reduce_scatter"], {},
      "tokens.sequence_length / parallelism.cp = 12/2 is not divisible by parallelism.tp=4"),
-    ("document masking with cp", ["model.attention_mask=document", "parallelism.cp=2"], {},
-     "model.attention_mask=document is not supported with parallelism.cp=2"),
     ("unknown tp mode", ["parallelism.tp_mode=ring"], {}, "parallelism.tp_mode=ring"),
     ("unknown optimizer", ["optimizer.optimizer_factory.name=sgd"], {}, "optimizer.optimizer_factory.name=sgd"),
     ("unknown decay style", [T + "lr_decay_style=exp"], {}, "lr_decay_style=exp"),

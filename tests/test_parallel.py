@@ -96,6 +96,11 @@ DOCUMENT_CASES = {
     "document-dp1tp2pp2-reduce_scatter-recompute": ["parallelism=dp1tp2pp2", "parallelism.tp_mode=reduce_scatter",
                                                     "parallelism.recompute_layer=true"],
     "document-dp2tp1pp2-interleaved": ["parallelism=dp2tp1pp2"] + INTERLEAVED,
+    # under cp documents cross the chunks and ranks; recomputation re-runs ring attention with them
+    "document-dp1cp4tp1pp1": ["parallelism=dp1cp4tp1pp1"],
+    "document-dp1cp2tp2pp1-reduce_scatter-recompute": ["parallelism=dp1cp2tp2pp1", "parallelism.tp_mode=reduce_scatter",
+                                                       "parallelism.recompute_layer=true"],
+    "document-dp1cp4tp1pp1-all_gather": ["parallelism=dp1cp4tp1pp1", "parallelism.cp_mode=all_gather"],
 }
 
 

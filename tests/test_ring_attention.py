@@ -15,10 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import nanoexp.parallel.attention_blocks as attention_blocks
-from nanoexp.model.llama import causal_attention
+from nanoexp.data.loader import document_positions
+from nanoexp.model.llama import causal_attention, document_attention
 from nanoexp.parallel.p2p_plan import PlanError, check
-from nanoexp.parallel.ring_attention import (rank_chunks, ring_attention, ring_blocks, ring_plan, visibility,
-                                             zigzag_gather, zigzag_indices, zigzag_split)
+from nanoexp.parallel.ring_attention import (document_starts, rank_chunks, ring_attention, ring_blocks, ring_plan,
+                                             visibility, zigzag_gather, zigzag_indices, zigzag_split)
 from tests.distributed import run_distributed
 from tests.test_p2p_plan import recorded_p2p
 
@@ -123,10 +124,10 @@ def _ring_worker(rank, world_size, cp, cases, groups):
     scores = [0]
     tile_forward = attention_blocks._tile_forward
 
-    def counting(q, k, v, scale, masked):
+    def counting(q, k, v, scale, mask):   # without document masking only diagonal tiles have a mask
         n, m = q.shape[2], k.shape[2]
-        scores[0] += q.shape[0] * q.shape[1] * (n * (m + 1) // 2 if masked else n * m)
-        return tile_forward(q, k, v, scale, masked)
+        scores[0] += q.shape[0] * q.shape[1] * (n * (m + 1) // 2 if mask is not None else n * m)
+        return tile_forward(q, k, v, scale, mask)
 
     attention_blocks._tile_forward = counting   # this forked rank's own module
     attention_blocks.TILE = 3   # chunks of 8 (cp 2) and 4 (cp 4) tokens: several tiles a block, the last one short
@@ -227,12 +228,59 @@ def test_zigzag_balances_the_attention_work_the_contiguous_split_does_not():
     """scripts/bench_long_context.py's count of score elements: the zig-zag split gives every rank the same
     work and the ranks together the full causal triangle; a contiguous split leaves the last rank 2cp − 1
     times the first's (to leading order)."""
-    from scripts.bench_long_context import balance, contiguous_scores, zigzag_scores
+    from scripts.bench_long_context import (balance, contiguous_blocks, contiguous_scores, zigzag_blocks,
+                                            zigzag_scores)
+
+    def elements(blocks):   # the blocks the script times hold exactly the scores it counts
+        return sum(n * (n + 1) // 2 if causal else n * m for n, m, causal in blocks)
 
     seq = 4096
     for cp in (2, 4, 8):
+        for r in range(cp):
+            assert elements(zigzag_blocks(seq, cp, r)) == zigzag_scores(seq, cp, r)
+            assert elements(contiguous_blocks(seq, cp, r)) == contiguous_scores(seq, cp, r)
         zigzag = [zigzag_scores(seq, cp, r) for r in range(cp)]
         assert balance(zigzag) == 1 and sum(zigzag) == seq * (seq + 1) // 2
         contiguous = [contiguous_scores(seq, cp, r) for r in range(cp)]
         assert sum(contiguous) == seq * (seq + 1) // 2
         assert 2 * cp - 1.05 < balance(contiguous) < 2 * cp - 1
+
+
+# -- document masking --------------------------------------------------------------------------
+
+EOD = 1
+
+
+def packed_documents():
+    """position_ids [BATCH, SEQ] of packed samples whose documents start at assorted places: one sample
+    with documents of 1, 2 and 12 tokens among longer ones, one with a single document."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    ids[0, [0, 2, 5, 17, 29]] = EOD   # documents [0], [1, 2], [3..5], [6..17], [18..29], [30, 31]
+    return document_positions(ids, EOD)[0]
+
+
+def _document_worker(rank, world_size, cp, heads, kv_heads):
+    attention_blocks.TILE = 3   # tiles that see no key of their document: the −inf rows of the merge
+    q, k, v, grad_out = (zigzag_split(x, cp, rank, dim=2) for x in make_inputs(heads, kv_heads, torch.float64))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    starts = document_starts(zigzag_split(packed_documents(), cp, rank), cp, rank)
+    out = ring_attention(q, k, v, None, cp, rank, None, starts)
+    out.backward(grad_out)
+    return rank, [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 4)])
+def test_ring_attention_with_document_masking_matches_one_process(cp, heads, kv_heads):
+    """Each query sees the keys of its own document up to itself (model.attention_mask=document), on cp
+    ranks whose documents cross chunk and rank boundaries, against document_attention on the whole sequence
+    (float64: only the order of the sums differs, as above)."""
+    results = dict(run_distributed(_document_worker, cp, cp, heads, kv_heads))
+    q, k, v, grad_out = make_inputs(heads, kv_heads, torch.float64)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    positions = packed_documents()
+    documents = positions.eq(0).long().cumsum(1)   # a new document where its positions restart
+    expected = document_attention(q, k, v, documents, positions)
+    expected.backward(grad_out)
+    for i, want in enumerate((expected.detach(), q.grad, k.grad, v.grad)):
+        got = zigzag_gather([torch.from_numpy(results[r][i]) for r in range(cp)], dim=2)
+        torch.testing.assert_close(got, want, **tolerance(torch.float64))

@@ -26,7 +26,7 @@ from nanoexp.model.mup import STANDARD, Parametrization
 from nanoexp.parallel.all_gather_attention import all_gather_attention
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, place, placement, value_name
-from nanoexp.parallel.ring_attention import ring_attention, zigzag_indices
+from nanoexp.parallel.ring_attention import document_starts, ring_attention, zigzag_indices
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               column_input, shard_tensor, vocab_parallel_cross_entropy)
 
@@ -168,7 +168,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [b, heads, s, d]; documents: (document_ids, position_ids) [b, s] with model.attention_mask=document
         if self.ctx.cp > 1:   # this rank's zig-zag chunks attend to the whole sequence (ring or all-gather)
-            out = self.context_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale)
+            starts = None if documents is None else document_starts(documents[1], self.ctx.cp, self.ctx.cp_rank)
+            out = self.context_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale, starts)
         elif documents is None:
             out = causal_attention(q, k, v, self.scale)
         else:
@@ -282,7 +283,8 @@ class LlamaForCausalLM(nn.Module):
         seq_len = x.shape[1] * (self.ctx.tp if self.sequence_parallel else 1)   # SP: x holds s/tp
         cos, sin = self.rotary(seq_len, x.device)
         documents = None
-        if document_ids is not None:
+        if document_ids is not None:   # positions restart in each document (under cp: of the whole sequence)
+            cos, sin = rotary_tables(self.shape, seq_len * self.ctx.cp, x.device)
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)   # [b, 1, s, d]
             documents = (document_ids, position_ids)
         for layer in (self.model.layers[str(i)] for i in self.chunks[chunk]):

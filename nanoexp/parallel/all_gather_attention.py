@@ -10,6 +10,7 @@ with compute to hide their latency, at the price of communication that overlaps 
 The layout is the ring's zig-zag split (ring_attention.rank_chunks): rank r holds queries and K/V of chunks
 r and 2·cp − 1 − r. After the gather a rank computes exactly the blocks ring_blocks lists for it (the same
 visibility rules, so the same balanced work), each in tiles (attention_blocks.py), merged by log-sum-exp.
+Document masking hides, tile by tile, the keys before each query's document start, as the ring does.
 
 Forward: ONE all-gather of K and V stacked ([2, b, kv_heads, s/cp, d] per rank into [cp, 2, ...]); the
 attention to the rank's own K/V runs while it is in flight. The gathered K/V are saved for backward
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
 from nanoexp.parallel.data_parallel import collective
-from nanoexp.parallel.ring_attention import ring_blocks
+from nanoexp.parallel.ring_attention import rank_chunks, ring_blocks
 
 
 def gather_blocks(cp: int, cp_rank: int) -> dict[int, list[tuple[int, int, bool]]]:
@@ -40,6 +41,14 @@ def gather_blocks(cp: int, cp_rank: int) -> dict[int, list[tuple[int, int, bool]
 
 def _halves(x, dim=2):
     return x.chunk(2, dim)
+
+
+def _documents(starts, q_half: int, source: int, k_half: int, local_len: int, cp: int) -> dict:
+    """attend_block's document-masking arguments (none without document masking): the query half's document
+    starts and the sequence index of the first key of half k_half of rank `source`'s chunks."""
+    if starts is None:
+        return {}
+    return dict(starts=_halves(starts, dim=1)[q_half], key_start=rank_chunks(cp, source)[k_half] * (local_len // 2))
 
 
 def _start_gather(kv, group, cp):
@@ -67,7 +76,7 @@ def _reduce_scatter(grad_gathered, group, cp):
 class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, cp, cp_rank, scale):
+    def forward(ctx, q, k, v, group, cp, cp_rank, scale, starts):
         acc = torch.promote_types(q.dtype, torch.float32)   # softmax statistics and sums in at least float32
         q, kv = q.contiguous(), torch.stack([k, v]).contiguous()   # K and V are gathered as one message
         work, gathered = _start_gather(kv, group, cp)
@@ -75,27 +84,28 @@ class _AllGatherAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         out_halves, lse_halves, q_halves = _halves(out), _halves(lse), _halves(q.to(acc))
 
-        def attend(source_kv, blocks):
+        def attend(source, source_kv, blocks):
             k_halves, v_halves = _halves(source_kv[0].to(acc)), _halves(source_kv[1].to(acc))
             for qi, ki, causal in blocks:
-                attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi])
+                attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi],
+                             **_documents(starts, qi, source, ki, q.shape[2], cp))
 
         blocks = gather_blocks(cp, cp_rank)
-        attend(kv, blocks[cp_rank])   # our own K/V, while the gather is in flight
+        attend(cp_rank, kv, blocks[cp_rank])   # our own K/V, while the gather is in flight
         if work is not None:
             work.wait()
         for source in range(cp):
             if source != cp_rank:
-                attend(gathered[source], blocks[source])
+                attend(source, gathered[source], blocks[source])
         out = out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, lse)
-        ctx.gather = group, cp, cp_rank, scale
+        ctx.gather = group, cp, cp_rank, scale, starts
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, gathered, out, lse = ctx.saved_tensors
-        group, cp, cp_rank, scale = ctx.gather
+        group, cp, cp_rank, scale, starts = ctx.gather
         acc = lse.dtype
         delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
         rows = list(zip(_halves(q.to(acc)), _halves(grad_out.to(acc)), _halves(lse), _halves(delta)))
@@ -108,20 +118,24 @@ class _AllGatherAttention(torch.autograd.Function):
             for qi, ki, causal in blocks:
                 q_rows, grad_out_rows, lse_rows, delta_rows = rows[qi]
                 attend_block_backward(q_rows, k_halves[ki], v_halves[ki], grad_out_rows, lse_rows, delta_rows,
-                                      scale, causal, grad_q_halves[qi], gk_halves[ki], gv_halves[ki])
+                                      scale, causal, grad_q_halves[qi], gk_halves[ki], gv_halves[ki],
+                                      **_documents(starts, qi, source, ki, q.shape[2], cp))
         grad_kv = _reduce_scatter(grad_gathered, group, cp)
         return (grad_q.to(q.dtype), grad_kv[0].to(gathered.dtype), grad_kv[1].to(gathered.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-def all_gather_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: float | None = None):
+def all_gather_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: float | None = None,
+                         starts: torch.Tensor | None = None):
     """Exact causal attention over the whole sequence from this cp rank's two zig-zag chunks, by one
     all-gather of K/V forward and one reduce-scatter of dK/dV backward. The interface of ring_attention:
     q [b, heads, s_local, d], k/v [b, kv_heads, s_local, d] (kv_heads divides heads), s_local = 2 chunks in
     the order zigzag_split gives; returns [b, heads, s_local, d]. Scores q·k · scale (None: 1/sqrt(d)).
-    `group` is the cp process group (None: the default group) of cp ranks; cp = 1 communicates nothing."""
+    `group` is the cp process group (None: the default group) of cp ranks; cp = 1 communicates nothing.
+    Document masking: starts [b, s_local] (ring_attention.document_starts) hides the keys before each query's
+    document, as in ring_attention; no ids travel."""
     if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(f"all_gather_attention needs q [b, h, s, d], k/v [b, kvh, s, d] with kvh dividing h and "
                          f"s even; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _AllGatherAttention.apply(q, k, v, group, cp, cp_rank, scale)
+    return _AllGatherAttention.apply(q, k, v, group, cp, cp_rank, scale, starts)

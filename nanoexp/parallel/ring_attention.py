@@ -82,6 +82,24 @@ def _halves(x, dim=2):
     return x.chunk(2, dim)
 
 
+def key_start(local_len: int, cp: int, cp_rank: int, step: int, half: int) -> int:
+    """The sequence index of the first key of half `half` of the K/V block rank `cp_rank` holds at ring step
+    `step` (the block of rank cp_rank − step); local_len = the 2 chunks a rank holds."""
+    return rank_chunks(cp, (cp_rank - step) % cp)[half] * (local_len // 2)
+
+
+def document_starts(position_ids: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """Under document masking: the sequence index where each local token's document starts, [b, s_local]
+    (position_ids count from 0 in each document, and a document is contiguous in the sequence)."""
+    local = zigzag_indices(position_ids.shape[1] * cp, cp, cp_rank).to(position_ids.device)
+    return local - position_ids
+
+
+def _documents(starts, half: int, key_start: int) -> dict:
+    """attend_block's document-masking arguments for query half `half` (none without document masking)."""
+    return {} if starts is None else dict(starts=_halves(starts, dim=1)[half], key_start=key_start)
+
+
 # -- the ring ---------------------------------------------------------------------------------
 
 def _exchange(sends, group, cp, cp_rank):
@@ -104,7 +122,7 @@ def _wait(works):
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, cp, cp_rank, scale):
+    def forward(ctx, q, k, v, group, cp, cp_rank, scale, starts):
         acc = torch.promote_types(q.dtype, torch.float32)   # softmax statistics and sums in at least float32
         q, kv = q.contiguous(), torch.stack([k, v]).contiguous()   # K and V travel as one message
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -115,32 +133,34 @@ class _RingAttention(torch.autograd.Function):
             works, received = _exchange([kv], group, cp, cp_rank) if t < cp - 1 else ([], None)
             k_halves, v_halves = _halves(kv[0].to(acc)), _halves(kv[1].to(acc))
             for qi, ki, causal in blocks:
-                attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi])
+                attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi],
+                             **_documents(starts, qi, key_start(q.shape[2], cp, cp_rank, t, ki)))
             _wait(works)
             kv = received[0] if received else kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = group, cp, cp_rank, scale
+        ctx.ring = group, cp, cp_rank, scale, starts
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, cp, cp_rank, scale = ctx.ring
+        group, cp, cp_rank, scale, starts = ctx.ring
         acc = lse.dtype
         delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
         rows = list(zip(_halves(q.to(acc)), _halves(grad_out.to(acc)), _halves(lse), _halves(delta)))
         grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
         grad_q_halves, steps = _halves(grad_q), ring_blocks(cp, cp_rank)
 
-        def add_block(blocks, kv, grad_kv):
-            """Accumulate one step's blocks into grad_q and the travelling dK/dV accumulator grad_kv [2, ...]."""
+        def add_block(t, kv, grad_kv):
+            """Accumulate step t's blocks into grad_q and the travelling dK/dV accumulator grad_kv [2, ...]."""
             k_halves, v_halves = _halves(kv[0].to(acc)), _halves(kv[1].to(acc))
             gk_halves, gv_halves = _halves(grad_kv[0]), _halves(grad_kv[1])
-            for qi, ki, causal in blocks:
+            for qi, ki, causal in steps[t]:
                 q_rows, grad_out_rows, lse_rows, delta_rows = rows[qi]
                 attend_block_backward(q_rows, k_halves[ki], v_halves[ki], grad_out_rows, lse_rows, delta_rows, scale,
-                                      causal, grad_q_halves[qi], gk_halves[ki], gv_halves[ki])
+                                      causal, grad_q_halves[qi], gk_halves[ki], gv_halves[ki],
+                                      **_documents(starts, qi, key_start(q.shape[2], cp, cp_rank, t, ki)))
 
         kv = torch.stack([k, v]).contiguous()
         own_kv, grad_kv = kv, None
@@ -150,29 +170,31 @@ class _RingAttention(torch.autograd.Function):
             _wait(works)
             kv = received[0]
             grad_kv = received[1] if len(received) > 1 else torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            add_block(steps[t], kv, grad_kv)
+            add_block(t, kv, grad_kv)
         own_grad_kv = torch.zeros(own_kv.shape, dtype=acc, device=own_kv.device)
         if cp > 1:   # the last accumulator goes to its owner, the next rank; ours comes from the previous one
             works, received = _exchange([grad_kv], group, cp, cp_rank)
-            add_block(steps[0], own_kv, own_grad_kv)   # our own block, while the exchange runs
+            add_block(0, own_kv, own_grad_kv)   # our own block, while the exchange runs
             _wait(works)
             own_grad_kv += received[0]
         else:
-            add_block(steps[0], own_kv, own_grad_kv)
+            add_block(0, own_kv, own_grad_kv)
         return (grad_q.to(q.dtype), own_grad_kv[0].to(k.dtype), own_grad_kv[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-def ring_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: float | None = None):
+def ring_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: float | None = None,
+                   starts: torch.Tensor | None = None):
     """Exact causal attention over the whole sequence from this cp rank's two zig-zag chunks.
     q [b, heads, s_local, d], k/v [b, kv_heads, s_local, d] (kv_heads divides heads), s_local = 2 chunks in
     the order zigzag_split gives; returns [b, heads, s_local, d]. Scores q·k · scale (None: 1/sqrt(d)).
-    `group` is the cp process group (None: the default group) of cp ranks; cp = 1 communicates nothing."""
+    `group` is the cp process group (None: the default group) of cp ranks; cp = 1 communicates nothing.
+    Document masking: starts [b, s_local] (document_starts) hides the keys before each query's document."""
     if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(f"ring_attention needs q [b, h, s, d], k/v [b, kvh, s, d] with kvh dividing h and s even; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, cp, cp_rank, scale)
+    return _RingAttention.apply(q, k, v, group, cp, cp_rank, scale, starts)
 
 
 def ring_plan(cp: int, kv_nbytes: int = 0, grad_kv_nbytes: int = 0, named: bool = False) -> list:
