@@ -29,7 +29,9 @@ Under context parallelism a rank holds s/cp tokens of each sample and every coun
 of those: ring attention saves this rank's q, k, v, output and log-sum-exp (s/cp rows each), as SDPA
 does for the whole sequence, but its output is laid out [b, heads, s, d] and o_proj keeps a
 [b, s, heads*d] copy, where SDPA's output already has that layout: h/tp floats a token more per layer
-(+ h/tp in both formulas; none under recomputation, which keeps only the layer's input).
+(+ h/tp in both formulas; none under recomputation, which keeps only the layer's input). With
+parallelism.cp_mode=all_gather the attention saves the gathered K/V of all cp ranks in place of its own
+(+ (cp − 1)·2kv/tp), and its backward holds their float32 dK/dV at once (`ring_workspace`).
 """
 from __future__ import annotations
 
@@ -96,9 +98,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
-                           cp: int = 1) -> float:
+                           cp: int = 1, cp_mode: str = "ring") -> float:
     """Floats one decoder layer saves for backward per token on a rank (see the module docstring); under
-    cp > 1 per token of the rank's s/cp."""
+    cp > 1 per token of the rank's s/cp, with cp_mode's attention (ring | all_gather)."""
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
     if recompute:
@@ -109,7 +111,10 @@ def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence
     # Ring attention keeps its output [b, heads, s, d] for backward, and o_proj saves its [b, s, heads*d]
     # copy; SDPA's output already has o_proj's layout, so without cp one tensor serves both.
     ring = h / tp if cp > 1 else 0
-    return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads + 4 * i) / tp + ring
+    # All-gather attention saves the K/V of every cp rank's chunks instead of its own: cp − 1 more K/V.
+    gathered = (cp - 1) * 2 * kv / tp if cp > 1 and cp_mode == "all_gather" else 0
+    return (norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads + 4 * i) / tp
+            + ring + gathered)
 
 
 def held_parameters(shape: LlamaShape, cfg, pp_rank: int, tp: int) -> tuple[int, list[int]]:
@@ -149,12 +154,18 @@ def in_flight_layers(cfg, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
 def ring_workspace(cfg, shape: LlamaShape) -> float:
     """Bytes of ring attention's one tile in flight (cp > 1): a tile's forward or backward holds up to 3
     [micro_batch, heads/tp, T, T] float32 tensors at once (scores or probabilities, and two temporaries of
-    the score gradient), T = min(attention_blocks.TILE, s / 2cp). SDPA without cp also works in tiles."""
+    the score gradient), T = min(attention_blocks.TILE, s / 2cp). SDPA without cp also works in tiles.
+    cp_mode=all_gather: the backward also holds the float32 dK/dV of all cp ranks' K/V (the whole sequence's)
+    and the reduce-scatter's 1/cp of it for this rank."""
     p, t = cfg.parallelism, cfg.tokens
     if p.cp == 1:
         return 0
     tile = min(attention_blocks.TILE, t.sequence_length // (2 * p.cp))
-    return 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // p.tp) * tile * tile
+    scores = 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // p.tp) * tile * tile
+    if p.cp_mode != "all_gather":
+        return scores
+    kv = 2 * t.micro_batch_size * (shape.num_key_value_heads // p.tp) * shape.head_dim   # K and V, per token
+    return scores + 4 * kv * t.sequence_length * (1 + 1 / p.cp)
 
 
 def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
@@ -165,9 +176,9 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     tokens = t.micro_batch_size * t.sequence_length // p.cp   # a cp rank holds s/cp tokens of each sample
     sp = p.tp_mode == "reduce_scatter"
-    per_layer = layer_floats_per_token(shape, p.tp, p.recompute_layer, sp, p.cp)
+    per_layer = layer_floats_per_token(shape, p.tp, p.recompute_layer, sp, p.cp, p.cp_mode)
     # Recomputation re-materialises one full layer at a time during backward.
-    transient = layer_floats_per_token(shape, p.tp, False, sp, p.cp) if p.recompute_layer else 0
+    transient = layer_floats_per_token(shape, p.tp, False, sp, p.cp, p.cp_mode) if p.recompute_layer else 0
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / p.tp   # final norm, its input, the softmax
     activations = act_bytes * tokens * (layers * per_layer + transient + heads * head) + ring_workspace(cfg, shape)
     shards = p.dp * p.cp if cfg.optimizer.zero_stage == 1 else 1   # ZeRO-1 shards over dp x cp

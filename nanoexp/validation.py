@@ -136,7 +136,7 @@ def context_parallel_rules(cfg: Any) -> list[Rule]:
     """cp splits each sequence into 2·cp zig-zag chunks (two per cp rank); tp's sequence parallelism then splits
     a rank's s/cp tokens."""
     p, s = cfg.parallelism, cfg.tokens.sequence_length
-    rules = [one_of(cfg, "parallelism.cp_mode", ("ring",))]
+    rules = [one_of(cfg, "parallelism.cp_mode", ("ring", "all_gather"))]
     if p.cp == 1:
         return rules
     return rules + [

@@ -25,7 +25,11 @@ A = micro_batch x s' x hidden activation bytes, N = the parameters this rank hol
       s' x head_dim x activation bytes, sent cp-1 times forward; in backward KV again cp-1 times
       plus the float32 dK/dV accumulator (KV's size at 4 bytes a float) cp-1 hops home:
       cp_min = m x layers x (cp-1) x (2 KV + KV32), and the forward's share once more per layer
-      recomputed under parallelism.recompute_layer;
+      recomputed under parallelism.recompute_layer. With parallelism.cp_mode=all_gather
+      (nanoexp/parallel/all_gather_attention.py) one all-gather of K/V forward sends (cp-1)/cp of the
+      gathered cp x KV, and one reduce-scatter of the float32 dK/dV backward (cp-1) x KV32; the backward
+      reuses the saved K/V: cp_min = m x layers x (cp-1) x (KV + KV32), plus the forward's share again
+      under recomputation;
   tp  Megatron's minimum, per micro-batch: 2 all-reduces forward + 2 backward per layer
       (sequence parallel: 4 all-gathers + 4 reduce-scatters, the same bytes), one for the
       embedding (first stage) and one for the LM head's input (last stage), each 2(tp-1)/tp x A;
@@ -83,11 +87,14 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO-1) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
         out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * (held + scalars)
-    if ctx.cp > 1:   # ring attention: K/V (cp-1 hops) forward, K/V and the float32 dK/dV (cp-1 hops each) backward
+    if ctx.cp > 1:
         kv_heads = trainer.shape.num_key_value_heads // ctx.tp
         kv = 2 * mb * kv_heads * s * trainer.shape.head_dim   # floats of one K/V message
         forwards = 2 if cfg.parallelism.recompute_layer else 1
-        out["cp"] = m * sum(chunks) * (ctx.cp - 1) * ((forwards + 1) * kv * act_bytes + kv * 4)
+        # ring: K/V cp-1 hops per forward and again in backward, the float32 dK/dV cp-1 hops home;
+        # all_gather: K/V gathered once per forward, the float32 dK/dV reduce-scattered once (K/V saved)
+        kv_sends = forwards + (cfg.parallelism.cp_mode == "ring")
+        out["cp"] = m * sum(chunks) * (ctx.cp - 1) * (kv_sends * kv * act_bytes + kv * 4)
     if ctx.tp > 1:
         layers = sum(chunks)
         first, last = ctx.is_first_stage, ctx.is_last_stage

@@ -43,7 +43,7 @@ CASES = [
                                               "parallelism.tp_mode=reduce_scatter"], {}, "tokens.sequence_length=127"),
     ("unknown engine", ["parallelism.pp_engine=gpipe"], {}, "parallelism.pp_engine=gpipe"),
     ("zero cp", ["parallelism.cp=0"], {}, "parallelism.cp=0"),
-    ("unknown cp mode", ["parallelism.cp_mode=all_gather"], {}, "parallelism.cp_mode=all_gather"),
+    ("unknown cp mode", ["parallelism.cp_mode=ulysses"], {}, "parallelism.cp_mode=ulysses: allowed values are ring, all_gather"),
     ("dp*cp*tp*pp != world size", ["parallelism.cp=2"], {"RANK": "0", "WORLD_SIZE": "4"},
      "parallelism.dp*cp*tp*pp = 1*2*1*1 = 2 but the world size is 4"),
     ("sequence not divisible by 2*cp", ["tokens.sequence_length=100", "parallelism.cp=4"], {},

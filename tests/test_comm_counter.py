@@ -1,6 +1,7 @@
 """CommCounter attributes each collective's bytes to the group it was called with (2 gloo ranks)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -55,15 +56,18 @@ def test_tensor_parallel_moves_only_the_analytic_minimum():
             assert abs(sent - minimum) / minimum < 0.01, (mode, sent, minimum)
 
 
-def test_context_parallel_moves_only_the_analytic_minimum():
-    """Ring attention sends K/V cp-1 times forward and backward plus dK/dV home (ring_plan), and the
-    gradients are averaged over dp x cp: both equal bench_parallel's analytic minimum (1 %: the scalars)."""
+@pytest.mark.parametrize("overrides", [[], ["parallelism.cp_mode=all_gather", "parallelism.recompute_layer=true"]],
+                         ids=["ring", "all_gather-recompute"])
+def test_context_parallel_moves_only_the_analytic_minimum(overrides):
+    """Ring attention sends K/V cp-1 times forward and backward plus dK/dV home (ring_plan); all-gather
+    attention gathers K/V once per forward (twice under recomputation) and reduce-scatters dK/dV once; the
+    gradients are averaged over dp x cp: all equal bench_parallel's analytic minimum (1 %: the scalars)."""
     from types import SimpleNamespace
 
     from scripts.bench_parallel import compose, run_layout
     from tests.helpers import FAST
 
-    cfg = compose(FAST + ["parallelism=dp2cp2tp1pp1"])
+    cfg = compose(FAST + ["parallelism=dp2cp2tp1pp1"] + overrides)
     for result in run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120)):
         for group in ("cp", "dp_cp"):
             sent, minimum = result["totals"][group]["sent_bytes"], result["analytic"][group]

@@ -32,7 +32,7 @@ def saved_per_layer(overrides, ctx) -> tuple[float, float]:
         saved.append(counter.bytes)
     p = cfg.parallelism
     sp = p.tp_mode == "reduce_scatter"
-    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), ctx.tp, p.recompute_layer, sp, ctx.cp)
+    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), ctx.tp, p.recompute_layer, sp, ctx.cp, p.cp_mode)
     return saved[1] - saved[0], formula
 
 
@@ -60,9 +60,15 @@ def _cp2_layer(rank, world, overrides):
     return saved_per_layer(overrides + ["parallelism.cp=2", f"parallelism.tp={tp}"], ParallelContext(cp=2, tp=tp))
 
 
+ALL_GATHER = ["parallelism.cp_mode=all_gather"]   # saves the gathered K/V of both cp ranks
+
+
 @pytest.mark.parametrize("overrides,world", [(SHAPES[0], 2), (SHAPES[1], 2), (["parallelism.recompute_layer=true"], 2),
-                                             (SHAPES[0], 4), (["parallelism.tp_mode=reduce_scatter"], 4)],
-                         ids=["gqa", "mha", "recompute", "tp2", "tp2_sequence_parallel"])
+                                             (SHAPES[0], 4), (["parallelism.tp_mode=reduce_scatter"], 4),
+                                             (SHAPES[0] + ALL_GATHER, 2), (SHAPES[1] + ALL_GATHER, 2),
+                                             (SHAPES[0] + ALL_GATHER, 4)],
+                         ids=["gqa", "mha", "recompute", "tp2", "tp2_sequence_parallel",
+                              "all_gather_gqa", "all_gather_mha", "all_gather_tp2"])
 def test_layer_formula_with_context_parallelism(overrides, world):
     for measured, formula in run_distributed(_cp2_layer, world, overrides):
         assert measured == formula

@@ -31,7 +31,7 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     stages = split_layers(shape.num_hidden_layers, ctx.pp * v)
     layer_ids = [stages[c * ctx.pp + ctx.pp_rank] for c in range(v)] if v > 1 else stages[ctx.pp_rank]
     model = LlamaForCausalLM(shape, ctx, layer_ids, sequence_parallel=cfg.parallelism.tp_mode == "reduce_scatter",
-                             recompute_layer=cfg.parallelism.recompute_layer)
+                             recompute_layer=cfg.parallelism.recompute_layer, cp_mode=cfg.parallelism.cp_mode)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
         load_hf_weights(model, cfg.model.init_method.path, ctx)

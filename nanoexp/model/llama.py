@@ -8,7 +8,8 @@ With tp == 1 the parallel layers are plain linear/embedding ops.
 Shapes: b = batch, s = sequence, h = hidden, d = head dim; under sequence parallelism the
 activations between blocks are [b, s/tp, h] and the attention/MLP insides see the full s.
 Under context parallelism (cp > 1) a rank holds s/cp tokens of every sample, its two zig-zag
-chunks (nanoexp/parallel/ring_attention.py), everywhere; only attention meets the other chunks.
+chunks (nanoexp/parallel/ring_attention.py), everywhere; only attention meets the other chunks, round
+a ring of the cp ranks or by one all-gather of K/V (cp_mode, nanoexp/parallel/all_gather_attention.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanoexp.model.mup import STANDARD, Parametrization
+from nanoexp.parallel.all_gather_attention import all_gather_attention
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, place, placement, value_name
 from nanoexp.parallel.ring_attention import document_starts, ring_attention, zigzag_indices
@@ -137,14 +139,19 @@ def document_attention(q, k, v, document_ids, position_ids, kv_document_ids=None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+# parallelism.cp_mode -> how the cp ranks' chunks attend to the whole sequence (same interface, same layout)
+CONTEXT_PARALLEL_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
+
+
 class Attention(nn.Module):
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool, cp_mode: str = "ring"):
         super().__init__()
         d = shape.head_dim
         self.heads = shape.num_attention_heads // ctx.tp          # heads on this tp rank
         self.kv_heads = shape.num_key_value_heads // ctx.tp
         self.head_dim, self.scale = d, shape.attention_scale
         self.ctx, self.sequence_parallel = ctx, sequence_parallel
+        self.context_attention = CONTEXT_PARALLEL_ATTENTION[cp_mode]
         sp = dict(sequence_parallel=sequence_parallel)
         self.q_proj = ColumnParallelLinear(shape.hidden_size, shape.num_attention_heads * d, ctx, **sp)
         self.k_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
@@ -160,9 +167,9 @@ class Attention(nn.Module):
         v = self.v_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [b, heads, s, d]; documents: (document_ids, position_ids) [b, s] with model.attention_mask=document
-        if self.ctx.cp > 1:   # this rank's zig-zag chunks attend to the whole sequence round the cp ring
+        if self.ctx.cp > 1:   # this rank's zig-zag chunks attend to the whole sequence (ring or all-gather)
             starts = None if documents is None else document_starts(documents[1], self.ctx.cp, self.ctx.cp_rank)
-            out = ring_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale, starts)
+            out = self.context_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale, starts)
         elif documents is None:
             out = causal_attention(q, k, v, self.scale)
         else:
@@ -186,10 +193,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool, cp_mode: str = "ring"):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, ctx, sequence_parallel)
+        self.self_attn = Attention(shape, ctx, sequence_parallel, cp_mode)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape, ctx, sequence_parallel)
 
@@ -201,12 +208,13 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     """HF's `model.*`: embedding (first stage), this stage's layers, final norm (last stage)."""
 
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range, sequence_parallel: bool):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range, sequence_parallel: bool,
+                 cp_mode: str = "ring"):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, ctx,
                                                     sequence_parallel=sequence_parallel)
                              if ctx.is_first_stage else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx, sequence_parallel) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx, sequence_parallel, cp_mode) for i in layer_ids})
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if ctx.is_last_stage else None
 
 
@@ -216,16 +224,17 @@ class LlamaForCausalLM(nn.Module):
     ``layer_ids`` is a range of global layer indices, or, with virtual pipeline stages, a list
     of ranges: this rank's chunks, run one at a time by ``forward(chunk=c)``. The embedding
     belongs to chunk 0 of the first stage, the final norm and LM head to the last chunk of the
-    last stage. Parameter names do not depend on the chunking."""
+    last stage. Parameter names do not depend on the chunking. ``cp_mode`` (ring | all_gather) picks the
+    context-parallel attention when ctx.cp > 1."""
 
     def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range | list[range] | None = None,
-                 sequence_parallel: bool = False, recompute_layer: bool = False):
+                 sequence_parallel: bool = False, recompute_layer: bool = False, cp_mode: str = "ring"):
         super().__init__()
         self.shape, self.ctx = shape, ctx
         self.sequence_parallel, self.recompute_layer = sequence_parallel, recompute_layer
         layer_ids = range(shape.num_hidden_layers) if layer_ids is None else layer_ids
         self.chunks = list(layer_ids) if isinstance(layer_ids, list) else [layer_ids]
-        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk], sequence_parallel)
+        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk], sequence_parallel, cp_mode)
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ColumnParallelLinear(shape.hidden_size, shape.vocab_size, ctx,

@@ -1,0 +1,141 @@
+"""Context-parallel attention by one all-gather of K/V (parallelism.cp_mode=all_gather).
+
+Llama 3 ("The Llama 3 Herd of Models", Dubey et al. 2024, section 3.3.2) trains long contexts this way
+instead of with a ring: every cp rank all-gathers the keys and values of the whole sequence, then attends
+with its own queries only. Two arguments make it worth having next to ring_attention.py: with grouped-query
+attention K/V are small next to Q (kv_heads / heads of its size), so gathering them all costs little memory;
+and one large collective is simpler to run and to tune than cp − 1 point-to-point steps that must overlap
+with compute to hide their latency, at the price of communication that overlaps with less.
+
+The layout is the ring's zig-zag split (ring_attention.rank_chunks): rank r holds queries and K/V of chunks
+r and 2·cp − 1 − r. After the gather a rank computes exactly the blocks ring_blocks lists for it (the same
+visibility rules, so the same balanced work), each in tiles (attention_blocks.py), merged by log-sum-exp.
+Document masking hides, tile by tile, the keys before each query's document start, as the ring does.
+
+Forward: ONE all-gather of K and V stacked ([2, b, kv_heads, s/cp, d] per rank into [cp, 2, ...]); the
+attention to the rank's own K/V runs while it is in flight. The gathered K/V are saved for backward
+(cp × the K/V of s/cp tokens per layer: nanoexp/memory.py counts them), so the backward needs no second
+gather. Backward: the probabilities are recomputed from the saved log-sum-exp, dK/dV of every gathered
+chunk accumulate in one float32 (or wider) [cp, 2, ...] buffer, and ONE reduce-scatter (sum) hands each
+rank the gradient of its own K/V. Collectives need no pairing plan: every cp rank posts the same two, in
+the same order, on its cp group.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
+from nanoexp.parallel.data_parallel import collective
+from nanoexp.parallel.ring_attention import rank_chunks, ring_blocks
+
+
+def gather_blocks(cp: int, cp_rank: int) -> dict[int, list[tuple[int, int, bool]]]:
+    """Per source cp rank, the blocks this rank computes against that rank's K/V: (query half, key half,
+    causal), halves 0 and 1 of the local chunks. The ring's blocks, indexed by the K/V's owner instead of
+    by the step at which they arrive (step t holds rank (cp_rank − t) mod cp)."""
+    return {(cp_rank - t) % cp: blocks for t, blocks in enumerate(ring_blocks(cp, cp_rank))}
+
+
+def _halves(x, dim=2):
+    return x.chunk(2, dim)
+
+
+def _documents(starts, q_half: int, source: int, k_half: int, local_len: int, cp: int) -> dict:
+    """attend_block's document-masking arguments (none without document masking): the query half's document
+    starts and the sequence index of the first key of half k_half of rank `source`'s chunks."""
+    if starts is None:
+        return {}
+    return dict(starts=_halves(starts, dim=1)[q_half], key_start=rank_chunks(cp, source)[k_half] * (local_len // 2))
+
+
+def _start_gather(kv, group, cp):
+    """Post the all-gather of this rank's stacked K/V [2, ...]; returns (work, [cp, 2, ...] buffer)."""
+    gathered = torch.empty((cp,) + kv.shape, dtype=kv.dtype, device=kv.device)
+    if cp == 1:
+        gathered[0] = kv
+        return None, gathered
+    all_gather = collective("all_gather_single", "all_gather_into_tensor")
+    # rank i's [2, ...] lands in rows 2i, 2i+1 of the concatenated view, i.e. gathered[i]
+    work = all_gather(gathered.flatten(0, 1), kv, group=group, async_op=True)
+    return work, gathered
+
+
+def _reduce_scatter(grad_gathered, group, cp):
+    """Sum the [cp, 2, ...] dK/dV of every rank; rank i keeps the [2, ...] sum for its own K/V."""
+    if cp == 1:
+        return grad_gathered[0]
+    grad_kv = torch.empty(grad_gathered.shape[1:], dtype=grad_gathered.dtype, device=grad_gathered.device)
+    reduce_scatter = collective("reduce_scatter_single", "reduce_scatter_tensor")
+    reduce_scatter(grad_kv, grad_gathered.flatten(0, 1), group=group)
+    return grad_kv
+
+
+class _AllGatherAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp, cp_rank, scale, starts):
+        acc = torch.promote_types(q.dtype, torch.float32)   # softmax statistics and sums in at least float32
+        q, kv = q.contiguous(), torch.stack([k, v]).contiguous()   # K and V are gathered as one message
+        work, gathered = _start_gather(kv, group, cp)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        out_halves, lse_halves, q_halves = _halves(out), _halves(lse), _halves(q.to(acc))
+
+        def attend(source, source_kv, blocks):
+            k_halves, v_halves = _halves(source_kv[0].to(acc)), _halves(source_kv[1].to(acc))
+            for qi, ki, causal in blocks:
+                attend_block(q_halves[qi], k_halves[ki], v_halves[ki], scale, causal, out_halves[qi], lse_halves[qi],
+                             **_documents(starts, qi, source, ki, q.shape[2], cp))
+
+        blocks = gather_blocks(cp, cp_rank)
+        attend(cp_rank, kv, blocks[cp_rank])   # our own K/V, while the gather is in flight
+        if work is not None:
+            work.wait()
+        for source in range(cp):
+            if source != cp_rank:
+                attend(source, gathered[source], blocks[source])
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.gather = group, cp, cp_rank, scale, starts
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, gathered, out, lse = ctx.saved_tensors
+        group, cp, cp_rank, scale, starts = ctx.gather
+        acc = lse.dtype
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+        rows = list(zip(_halves(q.to(acc)), _halves(grad_out.to(acc)), _halves(lse), _halves(delta)))
+        grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
+        grad_gathered = torch.zeros(gathered.shape, dtype=acc, device=q.device)   # dK/dV of every rank's chunks
+        grad_q_halves = _halves(grad_q)
+        for source, blocks in gather_blocks(cp, cp_rank).items():
+            k_halves, v_halves = _halves(gathered[source, 0].to(acc)), _halves(gathered[source, 1].to(acc))
+            gk_halves, gv_halves = _halves(grad_gathered[source, 0]), _halves(grad_gathered[source, 1])
+            for qi, ki, causal in blocks:
+                q_rows, grad_out_rows, lse_rows, delta_rows = rows[qi]
+                attend_block_backward(q_rows, k_halves[ki], v_halves[ki], grad_out_rows, lse_rows, delta_rows,
+                                      scale, causal, grad_q_halves[qi], gk_halves[ki], gv_halves[ki],
+                                      **_documents(starts, qi, source, ki, q.shape[2], cp))
+        grad_kv = _reduce_scatter(grad_gathered, group, cp)
+        return (grad_q.to(q.dtype), grad_kv[0].to(gathered.dtype), grad_kv[1].to(gathered.dtype),
+                None, None, None, None, None)
+
+
+def all_gather_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: float | None = None,
+                         starts: torch.Tensor | None = None):
+    """Exact causal attention over the whole sequence from this cp rank's two zig-zag chunks, by one
+    all-gather of K/V forward and one reduce-scatter of dK/dV backward. The interface of ring_attention:
+    q [b, heads, s_local, d], k/v [b, kv_heads, s_local, d] (kv_heads divides heads), s_local = 2 chunks in
+    the order zigzag_split gives; returns [b, heads, s_local, d]. Scores q·k · scale (None: 1/sqrt(d)).
+    `group` is the cp process group (None: the default group) of cp ranks; cp = 1 communicates nothing.
+    Document masking: starts [b, s_local] (ring_attention.document_starts) hides the keys before each query's
+    document, as in ring_attention; no ids travel."""
+    if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"all_gather_attention needs q [b, h, s, d], k/v [b, kvh, s, d] with kvh dividing h and "
+                         f"s even; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _AllGatherAttention.apply(q, k, v, group, cp, cp_rank, scale, starts)
