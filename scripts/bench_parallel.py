@@ -147,7 +147,6 @@ def worker(rank, world_size, port, cfg, args, queue):
 
 
 def run_layout(cfg, args) -> list[dict]:
-    p = cfg.parallelism
     world = C.world_size(cfg)
     context = mp.get_context("fork")
     queue, port = context.Queue(), free_port()

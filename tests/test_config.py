@@ -22,7 +22,6 @@ def test_defaults_compose_and_validate():
 @pytest.mark.parametrize("layout", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "parallelism"))))
 def test_every_shipped_layout_keeps_the_global_batch(layout):
     cfg = compose_config([f"parallelism={layout}"])
-    p = cfg.parallelism
     validate(cfg, world_size=C.world_size(cfg), tokenizer_vocab_size=257)
     assert C.global_batch_size(cfg) == 32
 

@@ -57,7 +57,7 @@ def test_hf_stages_on_a_sequence_parallel_pipeline(tmp_path, conf, capsys):
                    "profiler.profiler_export_path = ", "general.ignore_sanity_checks = true"):
         assert listed in not_carried_over(text) and listed in printed, listed
     cfg = composed()
-    p, m, lr = cfg.parallelism, cfg.model.model_config, cfg.optimizer.learning_rate_scheduler
+    p, m = cfg.parallelism, cfg.model.model_config
     assert (p.dp, p.tp, p.pp, p.pp_engine, p.tp_mode) == (1, 2, 2, "1f1b", "reduce_scatter")
     assert (m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
             m.vocab_size, m.rope_theta, m.tie_word_embeddings) == (64, 128, 4, 4, 2, 257, 500000.0, True)

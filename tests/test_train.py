@@ -8,7 +8,7 @@ import torch
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
-from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
+from tests.helpers import FAST, compose_config, train, train_losses
 
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "consumed_tokens", "peak_memory_mb",
                "model_tflops_per_sec", "mfu", "data_wait_sec"}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
 from nanoexp.parallel.data_parallel import collective

@@ -26,7 +26,6 @@ import functools
 import threading
 from collections import defaultdict
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
