@@ -2,6 +2,7 @@
 
     python scripts/bench_long_context.py                       # model=tiny, 4096 tokens, cp 1 2 4, 2 steps
     python scripts/bench_long_context.py --cp 1 2 --steps 1 --sequence-length 8192
+    python scripts/bench_long_context.py --cp 2 4 --cp-mode all_gather     # peaks of the all-gather cp mode
     python scripts/bench_long_context.py --tiles 64 128 256 512 1024     # the tile size of ring attention
 
 Each cp runs `python train.py model=tiny tokens.sequence_length=S tokens.global_batch_size=4
@@ -37,6 +38,7 @@ import torch
 
 from nanoexp.config import compose
 from nanoexp.memory import MB, estimate, total
+from nanoexp.metrics import measure_cpu_peak
 from nanoexp.model.build import model_shape
 from nanoexp.parallel import attention_blocks
 from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
@@ -97,13 +99,20 @@ def best_cpu_ms(work: list, shape, repeats: int) -> list[float]:
 
 
 def tile_timings(args, shape) -> None:
-    """CPU ms of one full and one causal block of 1024 x 1024 (cp=2's chunk at 4096 tokens) with each tile
-    size of --tiles: the choice of attention_blocks.TILE."""
+    """CPU ms of one full and one causal chunk x chunk block (cp=2's chunk: s/4) with each tile size of
+    --tiles, the choice of attention_blocks.TILE; and the full block's rate as a fraction of this thread's
+    2048² float32 matmul. A block's matmuls: q·k and p·v forward, q·k again and four gradient products
+    backward, 2·n·m·d FLOPs each per head."""
     chunk = args.sequence_length // 4
+    peak = measure_cpu_peak("float32", threads=1, size=2048).tflops * 1e3   # GFLOP/s
+    flops = 7 * 2 * chunk * chunk * shape.head_dim * shape.num_attention_heads
+    print(f"one thread's 2048² float32 matmul: {peak:.1f} GFLOP/s; a full block = {flops / 1e9:.3f} GFLOP")
     for tile in args.tiles:
         attention_blocks.TILE = tile
         ms = best_cpu_ms([[(chunk, chunk, False)], [(chunk, chunk, True)]], shape, args.repeats)
-        print(f"tile {tile:>5}: {chunk} x {chunk} block, forward + backward {ms[0]:.1f} ms full, {ms[1]:.1f} ms causal")
+        rate = flops / ms[0] / 1e6
+        print(f"tile {tile:>5}: {chunk} x {chunk} block, forward + backward {ms[0]:.1f} ms full ({rate:.1f} GFLOP/s, "
+              f"{rate / peak:.2f} of the matmul), {ms[1]:.1f} ms causal")
 
 
 def balance(counts: list[float]) -> float:
@@ -115,7 +124,7 @@ def overrides(args, cp: int, s: int) -> list[str]:
             "tokens.global_batch_size=4", "tokens.micro_batch_size=1", f"parallelism.cp={cp}",
             f"tokens.train_steps={args.steps}", "tokens.val_check_interval=0", "tokens.limit_val_batches=1",
             "optimizer.learning_rate_scheduler.lr_warmup_steps=1", "checkpoint.save_final_state=false",
-            "logging.tensorboard=false", "logging.exact_cpu_memory=true"]
+            "logging.tensorboard=false", "logging.exact_cpu_memory=true", f"parallelism.cp_mode={args.cp_mode}"]
 
 
 def run(args, cp: int, s: int) -> dict:
@@ -156,6 +165,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--cp-mode", default="ring", choices=["ring", "all_gather"], help="parallelism.cp_mode")
     parser.add_argument("--sequence-length", type=int, default=4096)
     parser.add_argument("--short-length", type=int, default=256,
                         help="the same run with this sequence length: the difference of the peaks is what the "
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)   # thread CPU time measures the work of one thread
     if args.tiles:
         return tile_timings(args, model_shape(compose(overrides(args, 1, args.sequence_length))))
-    print(f"model={args.model}, sequence {args.sequence_length}, micro-batch 1, global batch 4, {args.steps} steps; "
+    print(f"model={args.model}, cp_mode={args.cp_mode}, sequence {args.sequence_length}, micro-batch 1, global batch 4, {args.steps} steps; "
           "MB per rank above the runtime baseline (Δ: minus the same at --short-length); attention work per layer and sample: score elements per head "
           "(M) and forward + backward CPU ms (one thread)")
     print(f"{'cp':>3}{'rank':>5}{'measured':>10}{'estimate':>10}{'activ est':>10}{'Δ meas':>9}{'Δ est':>9}"
