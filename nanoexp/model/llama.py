@@ -166,10 +166,11 @@ class Attention(nn.Module):
         k = self.k_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x, input_is_ready=True).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # [b, heads, s, d]; documents: (document_ids, position_ids) [b, s] with model.attention_mask=document
+        # [b, heads, s, d]; documents (model.attention_mask=document): (document_ids, position_ids) [b, s], or
+        # under cp where each token's document starts [b, s/cp] (LlamaForCausalLM.forward)
         if self.ctx.cp > 1:   # this rank's zig-zag chunks attend to the whole sequence (ring or all-gather)
-            starts = None if documents is None else document_starts(documents[1], self.ctx.cp, self.ctx.cp_rank)
-            out = self.context_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale, starts)
+            out = self.context_attention(q, k, v, self.ctx.cp_group, self.ctx.cp, self.ctx.cp_rank, self.scale,
+                                         documents)
         elif documents is None:
             out = causal_attention(q, k, v, self.scale)
         else:
@@ -286,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
         if document_ids is not None:   # positions restart in each document (under cp: of the whole sequence)
             cos, sin = rotary_tables(self.shape, seq_len * self.ctx.cp, x.device)
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)   # [b, 1, s, d]
-            documents = (document_ids, position_ids)
+            documents = ((document_ids, position_ids) if self.ctx.cp == 1    # computed once for every layer
+                         else document_starts(position_ids, self.ctx.cp, self.ctx.cp_rank))
         for layer in (self.model.layers[str(i)] for i in self.chunks[chunk]):
             if self.recompute_layer and self.training:
                 x = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import product
 
 import torch
 import torch.distributed as dist
@@ -61,39 +62,27 @@ class ParallelContext:
         # Every rank must call new_group for every group, in the same order. The groups of the
         # 3D layouts come first and in their old order; the cp ones only exist when cp > 1.
         P, D, C, T = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
-        rank = self.global_rank
-        for p in P:
-            for d in D:
-                for c in C:
-                    self._maybe_keep("tp_group", [rank(p, d, t, c) for t in T])
-        for p in P:
-            for c in C:
-                for t in T:
-                    self._maybe_keep("dp_group", [rank(p, d, t, c) for d in D])
-        for d in D:
-            for c in C:
-                for t in T:
-                    self._maybe_keep("pp_group", [rank(p, d, t, c) for p in P])
+        rank, keep = self.global_rank, self._maybe_keep
+        for p, d, c in product(P, D, C):
+            keep("tp_group", [rank(p, d, t, c) for t in T])
+        for p, c, t in product(P, C, T):
+            keep("dp_group", [rank(p, d, t, c) for d in D])
+        for d, c, t in product(D, C, T):
+            keep("pp_group", [rank(p, d, t, c) for p in P])
         # Model-parallel group (tp x pp of one replica and cp rank): where a gradient norm or a
         # loss is summed, since every parameter lives exactly once in it.
-        for d in D:
-            for c in C:
-                self._maybe_keep("model_parallel_group", [rank(p, d, t, c) for p in P for t in T])
+        for d, c in product(D, C):
+            keep("model_parallel_group", [rank(p, d, t, c) for p in P for t in T])
         # Tied embeddings live on the first and the last stage: their gradients meet here.
-        for d in D:
-            for c in C:
-                for t in T:
-                    self._maybe_keep("embedding_group", sorted({rank(0, d, t, c), rank(self.pp - 1, d, t, c)}))
+        for d, c, t in product(D, C, T):
+            keep("embedding_group", sorted({rank(0, d, t, c), rank(self.pp - 1, d, t, c)}))
         if self.cp == 1:
             self.dp_cp_group = self.dp_group
             return
-        for p in P:
-            for d in D:
-                for t in T:
-                    self._maybe_keep("cp_group", [rank(p, d, t, c) for c in C])
-        for p in P:
-            for t in T:
-                self._maybe_keep("dp_cp_group", [rank(p, d, t, c) for d in D for c in C])
+        for p, d, t in product(P, D, T):
+            keep("cp_group", [rank(p, d, t, c) for c in C])
+        for p, t in product(P, T):
+            keep("dp_cp_group", [rank(p, d, t, c) for d in D for c in C])
 
     def _maybe_keep(self, name: str, ranks: list[int]):
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
