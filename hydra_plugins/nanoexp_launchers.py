@@ -6,7 +6,7 @@ plus, before submission:
 - both: this checkout goes first on PYTHONPATH (jobs inherit the environment), so the jobs import the
   same nanoexp and these launchers whatever folder the sweep was started from;
 - SLURM: every job of the sweep is composed and `tasks_per_node` set (or checked) so that
-  tasks_per_node x nodes == dp*tp*pp (see nanoexp/sweep.py).
+  tasks_per_node x nodes == dp*cp*tp*pp (see nanoexp/sweep.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Sequence
 from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
-from nanoexp.sweep import slurm_tasks_per_node, world_size
+from nanoexp.parallel.layout import Layout
+from nanoexp.sweep import slurm_tasks_per_node
 
 
 def use_this_checkout() -> None:
@@ -27,7 +28,8 @@ def use_this_checkout() -> None:
 class NanoexpSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         loader = self.hydra_context.config_loader
-        sizes = [world_size(loader.load_sweep_config(self.config, list(overrides))) for overrides in job_overrides]
+        sizes = [Layout.from_config(loader.load_sweep_config(self.config, list(overrides))).world_size
+                 for overrides in job_overrides]
         self.params["tasks_per_node"] = slurm_tasks_per_node(
             sizes, self.params["nodes"], self.params.get("tasks_per_node"), first_job=initial_job_idx)
         use_this_checkout()

@@ -1,4 +1,5 @@
-"""The config schema (typed dataclasses in Hydra's ConfigStore) and the values derived from a config.
+"""The config schema (typed dataclasses in Hydra's ConfigStore), composing it, normalising it, and the
+batch and vocabulary values derived from it (the parallel shape is nanoexp.parallel.layout.Layout).
 
 Key names follow nanotron's config. The schema makes an unknown or misspelled key an error at composition
 time; nanoexp/validation.py holds every cross-field check. Defaults are read in conf/: the schema types the
@@ -248,6 +249,14 @@ class ConfigError(ValueError):
     """An invalid configuration: one line per problem, each naming the key and the fix."""
 
 
+def normalize(cfg: Any) -> None:
+    """Accept nanotron's upper-case enum spellings (ALL_REDUCE, 1F1B, ...): lower-case them in place. The
+    first step of checking a config, before validation (which only reads)."""
+    p, lr = cfg.parallelism, cfg.optimizer.learning_rate_scheduler
+    p.tp_mode, p.pp_engine, p.cp_mode = str(p.tp_mode).lower(), str(p.pp_engine).lower(), str(p.cp_mode).lower()
+    lr.lr_decay_style, lr.lr_warmup_style = str(lr.lr_decay_style).lower(), str(lr.lr_warmup_style).lower()
+
+
 def padded_vocab_size(cfg: Any) -> int:
     multiple = cfg.model.make_vocab_size_divisible_by
     return -(-cfg.model.model_config.vocab_size // multiple) * multiple
@@ -264,23 +273,6 @@ def batch_accumulation(cfg: Any) -> int:
     if t.batch_accumulation_per_replica is not None:
         return t.batch_accumulation_per_replica
     return t.global_batch_size // (dp * t.micro_batch_size)
-
-
-def layout_name(cfg: Any) -> str:
-    """The layout as ParallelContext names it: dp2tp2pp2 (dp1cp2tp2pp2 with context parallelism)."""
-    p = cfg.parallelism
-    return layout_string(p.dp, p.cp, p.tp, p.pp)
-
-
-def layout_string(dp: int, cp: int, tp: int, pp: int) -> str:
-    """dp2tp2pp2; cp is named only when it is used (dp1cp2tp2pp2), so 3D names never change."""
-    return f"dp{dp}" + (f"cp{cp}" if cp > 1 else "") + f"tp{tp}pp{pp}"
-
-
-def world_size(cfg: Any) -> int:
-    """Processes a run needs: dp * cp * tp * pp."""
-    p = cfg.parallelism
-    return int(p.dp) * int(p.get("cp", 1)) * int(p.tp) * int(p.pp)
 
 
 def global_batch_size(cfg: Any) -> int:

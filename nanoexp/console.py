@@ -1,8 +1,9 @@
-"""What a researcher reads on the console: the facts of a run at its start, one line per logged step
-with progress and an ETA, the closing summary line, and the command that resumes a stopped run.
+"""What a researcher reads on the console: the facts of a run at its start, its memory after the first
+step, one line per logged step with progress and an ETA, the closing summary line, and the command that
+resumes a stopped run.
 
 Plain lines, not a progress bar: they read the same in a terminal, in train.log and in a SLURM
-log file. Only global rank 0 (and the launching process) prints them.
+log file. Only global rank 0 (and the launching process) prints them; this module only formats.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import shlex
 import sys
 import time
 from collections import deque
+
+from nanoexp.model.mup import describe, parametrization_of
 
 
 def duration(seconds: float) -> str:
@@ -67,3 +70,50 @@ def resume_command(overrides: list[str], run_dir: str) -> str:
     kept = [o for o in overrides if not o.startswith("hydra.run.dir=")]
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train.py"
     return shlex.join(["python", script, *kept, f"hydra.run.dir={run_dir}"])
+
+
+def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak) -> list[str]:
+    """The lines that say what a run is: model, parametrization, initial weights, layout, global batch, data
+    (`data`: describe_data's words) and the peak MFU is measured against."""
+    p, t = cfg.parallelism, cfg.tokens
+    global_batch = layout.dp * t.micro_batch_size * accumulation
+    lines = [f"model: {num_parameters:,} parameters (hidden {shape.hidden_size}, {shape.num_hidden_layers} layers, "
+             f"{shape.num_attention_heads} heads / {shape.num_key_value_heads} KV heads, vocabulary "
+             f"{shape.vocab_size}), {cfg.model.dtype}"]
+    if cfg.model.parametrization == "mup":
+        lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
+    if cfg.model.init_method.path:
+        lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
+    parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]
+    parts += [f"pipeline {layout.engine}"] if layout.pp > 1 else []
+    parts += [f"tensor parallel {p.tp_mode}"] if layout.tp > 1 else []
+    parts += [f"context parallel {layout.cp_mode}: {layout.local_tokens(t.sequence_length)} tokens per rank"
+              ] if layout.cp > 1 else []
+    lines.append(f"layout: {layout.name} ({', '.join(parts)})")
+    lines.append(f"global batch: {global_batch} sequences x {t.sequence_length} tokens = "
+                 f"{global_batch * t.sequence_length:,} tokens per step (dp {layout.dp} x micro-batch "
+                 f"{t.micro_batch_size} x accumulation {accumulation})")
+    lines.append(f"data: {data}")
+    lines.append("peak for MFU: " + (f"{peak.tflops:.3g} TFLOP/s ({peak.source})" if peak.tflops else peak.source))
+    return lines
+
+
+def describe_data(name: str, train_samples: int | None, sequence_length: int, val_samples: int, rounds: int,
+                  global_batch: int) -> str:
+    """What the data of a stage is: training samples per epoch (None: a stream), and what each evaluation
+    reads of the held-out samples in `rounds` global batches."""
+    train = (f"{train_samples:,} training samples per epoch ({train_samples * sequence_length:,} tokens)"
+             if train_samples is not None else "streamed training samples (length unknown until read)")
+    evaluated = min(val_samples, rounds * global_batch)
+    padding = " (the last batch padded)" if evaluated < rounds * global_batch else ""
+    return (f"{name}: {train}; held-out {val_samples:,} samples, each evaluation reads {evaluated:,} of them in "
+            f"{rounds} global batch(es){padding}")
+
+
+def memory_line(memory: dict, baseline_mb: float, peak_mb: float) -> str:
+    """Rank 0's memory after its first step, by kind (summary.json's `memory` of one rank)."""
+    return (f"memory of rank 0: parameters {memory['parameters_mb']:.1f} MB, gradients {memory['gradients_mb']:.1f} "
+            f"MB, optimizer state {memory['optimizer_mb']:.1f} MB, activations {memory['activations_mb']:.1f} MB "
+            f"({memory['activations_per_micro_batch_mb']:.2f} MB per micro-batch x "
+            f"{memory['micro_batches_in_flight']} in flight); runtime baseline {baseline_mb:.0f} MB, peak so far "
+            f"{peak_mb:.0f} MB")

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from nanoexp.model.llama import LlamaShape, parameter_shapes
-from nanoexp.parallel.placement import EMBEDDING, value_name
+from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, value_name
 from nanoexp.parallel.tensor_parallel import shard_tensor
 
 EOD_TOKEN = "<|endoftext|>"
@@ -51,7 +51,7 @@ def bake_multipliers(tensors: dict[str, torch.Tensor], shape: LlamaShape) -> tup
         for name in [f"model.layers.{n}.self_attn.q_proj.weight" for n in range(shape.num_hidden_layers)]:
             tensors[name] = tensors[name] * factor
     if shape.logit_multiplier != 1.0:
-        tensors["lm_head.weight"] = tensors.get("lm_head.weight", tensors[EMBEDDING]) * shape.logit_multiplier
+        tensors[LM_HEAD] = tensors.get(LM_HEAD, tensors[EMBEDDING]) * shape.logit_multiplier
         shape = replace(shape, tie_word_embeddings=False)
     return tensors, replace(shape, attention_scale=None, logit_multiplier=1.0)
 
@@ -117,7 +117,7 @@ def load_hf_weights(model, folder: str, ctx) -> None:
             raise KeyError(f"{folder} has no tensor {source}")
         with safe_open(where[source], "pt") as f:
             hf_tensor = f.get_tensor(source).float()
-        if source in (EMBEDDING, "lm_head.weight"):   # [vocab, h], split over rows
+        if source in (EMBEDDING, LM_HEAD):   # [vocab, h], split over rows
             if hf_tensor.shape[1] != param.shape[1]:
                 raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected "
                                  f"[<= {model.shape.vocab_size}, {param.shape[1]}]")

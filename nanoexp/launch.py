@@ -2,13 +2,13 @@
 
 - Under torchrun or a SLURM task (the environment says so), this process joins that world.
 - With one process in all, the run happens in this process.
-- Otherwise dp*tp*pp local workers are started and watched: if one fails, the others are stopped
+- Otherwise dp*cp*tp*pp local workers are started and watched: if one fails, the others are stopped
   and the command exits non-zero with that rank's error. `parallelism.start_method` says how:
   fork (the default on CPU: workers start in about a second, sharing the imported modules) or
   spawn (the default with CUDA, which a process that has used it cannot fork; each worker starts a
   fresh interpreter and imports torch again). Both behave alike: spawned workers rebuild the
   launcher's console and log-file handlers (forked ones inherit them) and both record stop
-  signals from their first line (nanoexp.checkpoint.signals).
+  signals from their first line (nanoexp.signals).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nanoexp.checkpoint.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
+from nanoexp.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
 
 log = logging.getLogger("nanoexp")
 

@@ -8,6 +8,8 @@ torch, the data; on CUDA the allocator starts at 0 and the context is not counte
 `logging.exact_cpu_memory=true`, run.py first makes glibc return freed tensor memory
 (`return_freed_memory`), so the peak tracks the live tensors; by default glibc keeps freed blocks
 in its heap for reuse (no page faults, much faster) and the peak RSS reads 30-50 % higher.
+`saved_activation_bytes` measures what autograd keeps for backward while a forward runs (what
+activation recomputation saves), with saved_tensors_hooks.
 
 Estimated, for one rank (bytes, float32 master weights and gradients):
   parameters   4 B x the parameters the rank holds (its layers, tp slices, embedding / head)
@@ -35,6 +37,7 @@ parallelism.cp_mode=all_gather the attention saves the gathered K/V of all cp ra
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -42,11 +45,11 @@ import re
 import psutil
 import torch
 
-from nanoexp import config as C
+from nanoexp.config import batch_accumulation
 from nanoexp.model.llama import LlamaShape
 from nanoexp.parallel import attention_blocks
-from nanoexp.parallel.p2p_plan import schedule
-from nanoexp.parallel.pipeline import split_layers
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline.schedules import schedule
 
 MB = 2**20
 CUDA_CONTEXT_MB = 1024   # CUDA context + library workspaces: a nominal allowance (no GPU here to measure)
@@ -97,6 +100,39 @@ def peak_memory_mb(device: torch.device) -> float:
     return (hwm if hwm is not None else psutil.Process().memory_info().rss) / MB
 
 
+class _ByteCounter:
+    def __init__(self):
+        self.bytes = 0
+
+
+@contextlib.contextmanager
+def saved_activation_bytes(params):
+    """Count the bytes of distinct storages that autograd saves for backward inside the block,
+    leaving out the parameters' own storages (weights are kept anyway; only activations count).
+
+        with saved_activation_bytes(model.parameters()) as saved:
+            loss = model(...)
+        saved.bytes   # activations held until backward
+
+    Under activation recomputation (torch.utils.checkpoint, non-reentrant) only what the
+    checkpoints keep is seen: the inner recomputed tensors are saved by checkpoint's own hooks.
+    """
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    seen: set[int] = set()
+    counter = _ByteCounter()
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in param_storages and ptr not in seen and storage.nbytes() > 0:
+            seen.add(ptr)
+            counter.bytes += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counter
+
+
 def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
                            cp: int = 1, cp_mode: str = "ring") -> float:
     """Floats one decoder layer saves for backward per token on a rank (see the module docstring); under
@@ -117,29 +153,28 @@ def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence
             + ring + gathered)
 
 
-def held_parameters(shape: LlamaShape, cfg, pp_rank: int, tp: int) -> tuple[int, list[int]]:
+def held_parameters(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[int, list[int]]:
     """(parameters this pp rank holds per tp rank, layers of each of its chunks)."""
-    p = cfg.parallelism
-    stages = split_layers(shape.num_hidden_layers, p.pp * p.pp_virtual_stages)
-    chunks = [len(stages[c * p.pp + pp_rank]) for c in range(p.pp_virtual_stages)]
+    chunks = [len(layers) for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank)]
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
-    per_layer = (2 * h * h + 2 * h * kv + 3 * h * i) // tp + 2 * h
-    embedding = shape.vocab_size * h // tp
+    per_layer = (2 * h * h + 2 * h * kv + 3 * h * i) // layout.tp + 2 * h
+    embedding = shape.vocab_size * h // layout.tp
     count = sum(chunks) * per_layer
     if pp_rank == 0:
         count += embedding
-    if pp_rank == p.pp - 1:   # final norm and LM head (the embedding itself when tied on one stage)
-        count += h + (0 if shape.tie_word_embeddings and p.pp == 1 else embedding)
+    head = layout.lm_head_weight(pp_rank, shape.tie_word_embeddings)
+    if head is not None:   # the final norm, and the LM head unless it is the embedding itself
+        count += h + (0 if head == "embedding" else embedding)
     return count, chunks
 
 
-def in_flight_layers(cfg, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
+def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
     """(most layers' activations held at once, most loss-chunk micro-batches held at once) on this
     pp rank, replaying its engine's schedule for one step."""
-    p, m = cfg.parallelism, C.batch_accumulation(cfg)
+    m = batch_accumulation(cfg)
     held, most, heads, most_heads = set(), 0, 0, 0
-    loss_chunk = len(chunks) - 1 if pp_rank == p.pp - 1 else None
-    for step in schedule(p.pp_engine, p.pp, p.pp_virtual_stages, m, pp_rank):
+    loss_chunk = len(chunks) - 1 if pp_rank == layout.pp - 1 else None
+    for step in schedule(layout.engine, layout.pp, layout.virtual_stages, m, pp_rank):
         if step[0] == "F":
             held.add(step[1:])
             heads += step[1] == loss_chunk
@@ -151,37 +186,38 @@ def in_flight_layers(cfg, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
     return most, most_heads
 
 
-def ring_workspace(cfg, shape: LlamaShape) -> float:
+def ring_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
     """Bytes of ring attention's one tile in flight (cp > 1): a tile's forward or backward holds up to 3
     [micro_batch, heads/tp, T, T] float32 tensors at once (scores or probabilities, and two temporaries of
     the score gradient), T = min(attention_blocks.TILE, s / 2cp). SDPA without cp also works in tiles.
     cp_mode=all_gather: the backward also holds the float32 dK/dV of all cp ranks' K/V (the whole sequence's)
     and the reduce-scatter's 1/cp of it for this rank."""
-    p, t = cfg.parallelism, cfg.tokens
-    if p.cp == 1:
+    t, cp, tp = cfg.tokens, layout.cp, layout.tp
+    if cp == 1:
         return 0
-    tile = min(attention_blocks.TILE, t.sequence_length // (2 * p.cp))
-    scores = 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // p.tp) * tile * tile
-    if p.cp_mode != "all_gather":
+    tile = min(attention_blocks.TILE, t.sequence_length // (2 * cp))
+    scores = 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // tp) * tile * tile
+    if layout.cp_mode != "all_gather":
         return scores
-    kv = 2 * t.micro_batch_size * (shape.num_key_value_heads // p.tp) * shape.head_dim   # K and V, per token
-    return scores + 4 * kv * t.sequence_length * (1 + 1 / p.cp)
+    kv = 2 * t.micro_batch_size * (shape.num_key_value_heads // tp) * shape.head_dim   # K and V, per token
+    return scores + 4 * kv * t.sequence_length * (1 + 1 / cp)
 
 
 def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
     """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline."""
-    p, t = cfg.parallelism, cfg.tokens
-    params, chunks = held_parameters(shape, cfg, pp_rank, p.tp)
-    layers, heads = in_flight_layers(cfg, pp_rank, chunks)
+    layout, recompute = Layout.from_config(cfg), cfg.parallelism.recompute_layer
+    params, chunks = held_parameters(shape, layout, pp_rank)
+    layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    tokens = t.micro_batch_size * t.sequence_length // p.cp   # a cp rank holds s/cp tokens of each sample
-    sp = p.tp_mode == "reduce_scatter"
-    per_layer = layer_floats_per_token(shape, p.tp, p.recompute_layer, sp, p.cp, p.cp_mode)
+    tokens = cfg.tokens.micro_batch_size * layout.local_tokens(cfg.tokens.sequence_length)
+    floats = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, cp_mode=layout.cp_mode)
+    per_layer = layer_floats_per_token(shape, recompute=recompute, **floats)
     # Recomputation re-materialises one full layer at a time during backward.
-    transient = layer_floats_per_token(shape, p.tp, False, sp, p.cp, p.cp_mode) if p.recompute_layer else 0
-    head = 3 * shape.hidden_size + 1 + shape.vocab_size / p.tp   # final norm, its input, the softmax
-    activations = act_bytes * tokens * (layers * per_layer + transient + heads * head) + ring_workspace(cfg, shape)
-    shards = p.dp * p.cp if cfg.optimizer.zero_stage == 1 else 1   # ZeRO-1 shards over dp x cp
+    transient = layer_floats_per_token(shape, recompute=False, **floats) if recompute else 0
+    head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
+    activations = (act_bytes * tokens * (layers * per_layer + transient + heads * head)
+                   + ring_workspace(cfg, layout, shape))
+    shards = layout.dp_cp if cfg.optimizer.zero_stage == 1 else 1   # ZeRO-1 shards over dp x cp
     return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / shards,
             "activations": activations, "update_workspace": 4 * params / shards}
 
@@ -196,7 +232,7 @@ def total(parts: dict[str, float]) -> float:
 
 def busiest_rank_estimate(cfg, shape: LlamaShape) -> tuple[int, dict[str, float]]:
     """(pp rank, its estimate) of the rank with the largest total."""
-    estimates = [(r, estimate(cfg, shape, r)) for r in range(cfg.parallelism.pp)]
+    estimates = [(r, estimate(cfg, shape, r)) for r in range(Layout.from_config(cfg).pp)]
     return max(estimates, key=lambda item: total(item[1]))
 
 

@@ -9,9 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization_of
-from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.data_parallel import GradientBuckets
-from nanoexp.parallel.placement import counted_here, value_name
+from nanoexp.parallel.gradient_sync import GradientSync
+from nanoexp.parallel.placement import value_name
 from nanoexp.parallel.zero import ZeroAdamW
 
 
@@ -27,9 +26,9 @@ def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Par
             for group, params in members.items() if params]
 
 
-def build_optimizer(cfg, model: nn.Module, grad_syncs: list[GradientBuckets]):
+def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
     """torch AdamW (foreach or fused) over the model's parameters, or, with optimizer.zero_stage=1,
-    over this rank's shard of the gradient buffers (ZeRO-1, zero.py)."""
+    over this rank's shard of `grad_sync`'s buffers (ZeRO-1, zero.py)."""
     o = cfg.optimizer
     f = o.optimizer_factory
     fused = bool(f.torch_adam_is_fused)
@@ -37,7 +36,9 @@ def build_optimizer(cfg, model: nn.Module, grad_syncs: list[GradientBuckets]):
                  fused=fused or None, foreach=None if fused else True)
     groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
     if o.zero_stage == 1:
-        return ZeroAdamW(grad_syncs, groups, **adamw)
+        if grad_sync is None:
+            raise ValueError("optimizer.zero_stage=1 shards the buffers of a GradientSync: pass one")
+        return ZeroAdamW(grad_sync, groups, **adamw)
     return torch.optim.AdamW(groups, **adamw)
 
 
@@ -71,26 +72,13 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def gradients(optimizer, params: list[nn.Parameter], ctx: ParallelContext) -> tuple[list, list, object]:
-    """What clipping reads: the gradients the update will use, those of them that count in the
-    global norm (each element of the model once), and the group their squares are summed over.
-    ZeRO-1: this rank's shard pieces, summed over every rank; else every parameter's gradient
-    (already identical across dp), summed over the replica's model-parallel group."""
-    if isinstance(optimizer, ZeroAdamW):
-        used = [(piece.grad, piece.param) for piece in optimizer.pieces]
-        group = dist.group.WORLD if ctx.world_size > 1 else None
-    else:
-        used = [(p.grad, p) for p in params if p.grad is not None]
-        group = ctx.model_parallel_group if ctx.tp * ctx.pp > 1 else None
-    return [g for g, _ in used], [g for g, p in used if counted_here(p, ctx.tp_rank)], group
-
-
 @torch.no_grad()
-def clip_gradients(optimizer, params: list[nn.Parameter], max_norm: float | None, ctx: ParallelContext) -> float:
-    """Scale the gradients so that the global norm (each parameter counted once across tp and pp)
-    is at most max_norm; returns the norm before."""
-    grads, counted, group = gradients(optimizer, params, ctx)
-    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=ctx.device)
+def clip_gradients(norm_inputs: tuple[list, list, object], max_norm: float | None, device) -> float:
+    """Scale the gradients so that the global norm (each parameter counted once across tp and pp) is at
+    most max_norm; returns the norm before. `norm_inputs`: GradientSync.norm_inputs (the gradients the
+    update reads, those counted in the norm, the group their squares are summed over)."""
+    grads, counted, group = norm_inputs
+    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=device)
     if group is not None:
         dist.all_reduce(sq, group=group)
     norm = sq.sqrt()

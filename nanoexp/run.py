@@ -1,7 +1,7 @@
-"""From a composed config to a finished run: validate, launch, and run the trainer on each rank."""
+"""From a composed config to a finished run: check (normalise, then validate), launch, run the trainer on
+each rank, and report how the run ended."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.checkpoint.manager import check_resume
-from nanoexp.checkpoint.signals import handle_stop_signals
-from nanoexp.config import ConfigError, layout_name, world_size as processes_needed
+from nanoexp.checkpoint.save import CheckpointError
+from nanoexp.config import ConfigError, normalize
 from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
@@ -25,7 +24,9 @@ from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distribu
                             spawn_local)
 from nanoexp.memory import return_freed_memory
 from nanoexp.metrics import Peak, job_peak, measure_cpu_peak
-from nanoexp.sweep import record_failure, stopped_by_signal
+from nanoexp.parallel.layout import Layout
+from nanoexp.signals import handle_stop_signals
+from nanoexp.summary import read_summary, record_failure, stopped_by_signal
 from nanoexp.validation import validate
 
 log = logging.getLogger("nanoexp")
@@ -66,7 +67,9 @@ def setup_rank_logging(run_dir: str, rank: int) -> None:
 
 
 def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> None:
-    """Every config check, before any process group or training work."""
+    """Every config check, before any process group or training work: normalise `cfg` in place (nanotron's
+    spellings), validate it, then check what it points to (tokenizer, data files, the checkpoint to resume)."""
+    normalize(cfg)
     vocab = None
     try:
         vocab = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path).vocab_size
@@ -96,20 +99,18 @@ def stage_error(stage, message: str) -> str:
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
-    from nanoexp.fault_injection import inject_faults
+    from nanoexp.fault_injection import FaultInjection
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.trainer import Trainer
 
     setup_rank_logging(run_dir, rank)
     if device.type == "cpu" and cfg.logging.exact_cpu_memory:
         return_freed_memory()
-    p = cfg.parallelism
-    ctx = ParallelContext(p.dp, p.tp, p.pp, p.cp, device=device, collective_timeout_s=p.collective_timeout_s)
+    ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, node_peak)
-    trainer = Trainer(cfg, ctx, run_dir, peak)
-    inject_faults(trainer, cfg.fault_injection)   # the robustness tests' faults, off by default
-    return trainer.train()
+    faults = FaultInjection(cfg.fault_injection, rank)   # the robustness tests' faults, off by default
+    return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()
 
 
 def fill_wandb_identity(cfg, job: HydraJob) -> None:
@@ -118,7 +119,7 @@ def fill_wandb_identity(cfg, job: HydraJob) -> None:
     w = cfg.logging.wandb
     w.name = w.name or job.override_dirname or cfg.general.run
     w.group = w.group or job.sweep_dir
-    w.tags = list(w.tags) if w.tags is not None else [layout_name(cfg)]
+    w.tags = list(w.tags) if w.tags is not None else [Layout.from_config(cfg).name]
 
 
 def node_cpu_peak(cfg) -> Peak | None:
@@ -132,9 +133,9 @@ def node_cpu_peak(cfg) -> Peak | None:
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     """Validate, then train in this process, in the launcher's world, or in local workers."""
     env = launcher_env()
-    world = processes_needed(cfg)
     check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved
+    world = Layout.from_config(cfg).world_size
     fill_wandb_identity(cfg, job or HydraJob())
     os.makedirs(run_dir, exist_ok=True)
     if env is None or env["rank"] == 0:
@@ -179,12 +180,10 @@ def remove_run_folder(folder: str) -> None:
 def report_end(run_dir: str, job: HydraJob) -> None:
     """The launching process's last lines: the summary, and how to resume a stopped run."""
     env = launcher_env()
-    path = os.path.join(run_dir, "summary.json")
-    if (env is not None and env["rank"] != 0) or not os.path.exists(path):
+    summary = read_summary(run_dir) if env is None or env["rank"] == 0 else None
+    if summary is None:
         return
-    with open(path) as f:
-        summary = json.load(f)
-    log.info("%s", summary_line(summary, os.path.abspath(path)))
+    log.info("%s", summary_line(summary, os.path.abspath(os.path.join(run_dir, "summary.json"))))
     if summary.get("status") == "stopped":
         log.info("stopped by a signal after step %s, checkpoint written; resume with:\n  %s",
                  summary.get("train_steps"), resume_command(job.overrides, os.path.abspath(run_dir)))

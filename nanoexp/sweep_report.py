@@ -22,7 +22,8 @@ import subprocess
 
 import yaml
 
-from nanoexp.config import layout_string
+from nanoexp.parallel.layout import Layout
+from nanoexp.summary import read_summary
 
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "state", "reason"]
@@ -35,13 +36,6 @@ SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "N
 def read_yaml(path: str):
     with open(path) as f:
         return yaml.safe_load(f)
-
-
-def read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 def submitit_jobs(sweep_dir: str) -> dict[int, str]:
@@ -89,7 +83,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         row["overrides"] = read_yaml(os.path.join(hydra_dir, "overrides.yaml")) or []
         cfg = read_yaml(os.path.join(hydra_dir, "config.yaml"))
         p = cfg["parallelism"]
-        row["layout"] = layout_string(p["dp"], p.get("cp", 1), p["tp"], p["pp"])
+        row["layout"] = Layout(dp=p["dp"], cp=p.get("cp", 1), tp=p["tp"], pp=p["pp"]).name
         row["lr"] = cfg["optimizer"]["learning_rate_scheduler"]["learning_rate"]
         row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
         row["parametrization"] = cfg["model"].get("parametrization", "standard")
@@ -97,7 +91,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
     if os.path.exists(os.path.join(folder, "metrics.jsonl")):
         with open(os.path.join(folder, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
-    summary = read_json(os.path.join(folder, "summary.json"))
+    summary = read_summary(folder) or {}
     for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
         row[key] = summary.get(key)
     row["state"], row["reason"] = job_state(sweep_dir, folder, summary, job_id)

@@ -1,93 +1,103 @@
-"""The training loop: batch -> pipeline step -> gradient sync -> clip -> optimizer -> metrics.
+"""The training loop: batch -> pipeline step -> gradient sync -> clip -> optimizer -> metrics -> checkpoint.
 
-The trainer does not know which engine or data source it drives; it asks for a batch, runs
-a step, and records what happened. It runs on every rank; only global rank 0 writes the run
-folder's shared files.
+The trainer does not know which engine, data source or logger it drives; it asks for a batch, runs a step,
+and records what happened. It runs on every rank; only global rank 0 writes the run folder's shared files.
+Test-only faults (and, later, other extensions) enter through `TrainerHooks`, never by patching methods.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from nanoexp import config as C
 from nanoexp.checkpoint import CheckpointManager, Progress
-from nanoexp.console import StepClock, step_line
+from nanoexp.config import batch_accumulation, global_batch_size
+from nanoexp.console import StepClock, describe_data, memory_line, run_facts, step_line
 from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
-from nanoexp.memory import peak_memory_mb, start_measuring
+from nanoexp.memory import peak_memory_mb, saved_activation_bytes, start_measuring
 from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
 from nanoexp.model.llama import count_parameters
-from nanoexp.model.mup import describe, parametrization_of
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
-from nanoexp.parallel.pipeline import build_engine
-from nanoexp.parallel.ring_attention import zigzag_split
-from nanoexp.parallel.placement import placement
+from nanoexp.parallel.gradient_sync import GradientSync
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
-from nanoexp.profiling import StepProfiler, saved_activation_bytes
+from nanoexp.parallel.zigzag import zigzag_split
+from nanoexp.profiling import StepProfiler
+from nanoexp.signals import stop_agreed
+from nanoexp.summary import memory_fields, write_summary
 
 log = logging.getLogger("nanoexp")
 
 
+class TrainerHooks:
+    """The loop's extension points; these do nothing. Subclass to act at them (nanoexp.fault_injection)."""
+
+    def before_step(self, step: int) -> None:
+        """Called on every rank before optimizer step `step` reads its batch."""
+
+    def training_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """A training micro-batch's loss on the loss stage, as backward will see it."""
+        return loss
+
+
 class Trainer:
-    def __init__(self, cfg, ctx: ParallelContext, run_dir: str, peak: Peak | None = None):
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+    def __init__(self, cfg, ctx: ParallelContext, run_dir: str, peak: Peak | None = None,
+                 hooks: TrainerHooks | None = None):
+        if ctx.layout != Layout.from_config(cfg):
+            raise ValueError(f"the context's layout {ctx.layout} is not the config's {Layout.from_config(cfg)}")
+        self.cfg, self.ctx, self.run_dir, self.hooks = cfg, ctx, run_dir, hooks or TrainerHooks()
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
         torch.manual_seed(cfg.general.seed)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
-        self.global_batch = C.global_batch_size(cfg)
+        self.global_batch, self.accumulation = global_batch_size(cfg), batch_accumulation(cfg)
         # The data of the stage being trained (data_stages; without them the data group), switched by step.
         self.batches = StagedBatches(cfg, self.global_batch, ctx.dp_rank, ctx.dp, self.resume.step + 1,
                                      self.resume.consumed_samples, self.resume.stage_consumed_samples,
                                      on_stage_start=self.announce_stage)
         self.baseline_mb = start_measuring(ctx.device)   # the runtime and the data, before the model
-        self.shape = model_shape(cfg)
-        self.model = build_model(cfg, ctx)
-        self.params = list(self.model.parameters())
-        p = cfg.parallelism
-        self.trace = (PipelineTrace.for_run(run_dir, ctx, p.pp_engine, p.pp_virtual_stages)
-                      if cfg.logging.pipeline_trace else NO_TRACE)
-        # Flat parameter and gradient buffers, one set of buckets per chunk: a chunk's gradients
-        # are final after its own last backward. Gradients summed over tp or the pipeline ends
-        # first (sync_special_grads) are reduced over dp last. Every cp rank holds the weights and
-        # part of each sample's tokens: gradients are averaged (and ZeRO-1 sharded) over dp x cp.
-        special = [q for q in self.params if placement(q).sequence_parallel or placement(q).tied_across_stages]
-        bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
-        self.grad_syncs = [GradientBuckets(self.model.chunk_parameters(c), ctx.dp_cp_group, ctx.dp_cp,
-                                           ctx.dp_cp_rank, shard=cfg.optimizer.zero_stage == 1, deferred=special,
-                                           bucket_cap_mb=bucket_mb,
-                                           trace=self.trace.bind(chunk=c)) for c in range(len(self.model.chunks))]
-        self.optimizer = build_optimizer(cfg, self.model, self.grad_syncs)
-        self.checkpoints.restore(self.model, self.optimizer)
+        self.build_model_and_optimizer()
         self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
-        self.engine = build_engine(p.pp_engine, ctx, p.pp_virtual_stages, self.trace)
-        self.accumulation = C.batch_accumulation(cfg)
-        sp = cfg.parallelism.tp_mode == "reduce_scatter"
-        seq = cfg.tokens.sequence_length // ctx.cp // (ctx.tp if sp else 1)   # what one stage passes on
-        self.activation_shape = (cfg.tokens.micro_batch_size, seq, self.shape.hidden_size)
+        t = cfg.tokens
+        self.activation_shape = ctx.layout.activation_shape(t.micro_batch_size, t.sequence_length,
+                                                            self.shape.hidden_size)
         self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
                          if cfg.model.dtype == "bfloat16" else contextlib.nullcontext())
-        self.tokens_per_step = self.global_batch * cfg.tokens.sequence_length
-        self.flops_per_step = flops_per_token(self.shape, cfg.tokens.sequence_length) * self.tokens_per_step
+        self.tokens_per_step = self.global_batch * t.sequence_length
+        self.flops_per_step = flops_per_token(self.shape, t.sequence_length) * self.tokens_per_step
         self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards
-            self.shape, cfg.tokens.sequence_length, cfg.parallelism.recompute_layer)
+            self.shape, t.sequence_length, cfg.parallelism.recompute_layer)
         self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
         self.peak = peak or Peak(None, "not measured")
         self.loss_denominator = 1.0   # see replica_target_tokens
         self.saved_bytes, self.memory = None, {}   # see memory_breakdown
         self.writer = MetricsWriter(run_dir, cfg) if self.is_writer else None
+
+    def build_model_and_optimizer(self) -> None:
+        """This rank's model shard, its gradient sync (flat buffers, one set of buckets per chunk: a chunk's
+        gradients are final after its own last backward), the optimizer, the checkpoint's state if resuming,
+        and the pipeline engine."""
+        cfg, ctx = self.cfg, self.ctx
+        self.shape = model_shape(cfg)
+        self.model = build_model(cfg, ctx)
+        self.params = list(self.model.parameters())
+        self.trace = PipelineTrace.for_run(self.run_dir, ctx) if cfg.logging.pipeline_trace else NO_TRACE
+        bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
+        self.grad_sync = GradientSync(self.model.parameters_by_chunk(), ctx, shard=cfg.optimizer.zero_stage == 1,
+                                      bucket_cap_mb=bucket_mb, trace=self.trace)
+        self.optimizer = build_optimizer(cfg, self.model, self.grad_sync)
+        self.checkpoints.restore(self.model, self.optimizer)
+        self.engine = PipelineEngine(ctx, ctx.layout.engine, ctx.layout.virtual_stages, self.trace)
 
     # -- one optimizer step -------------------------------------------------------------
     def forward_step(self, micro_batch, hidden_states, chunk=0, loss_denominator=None):
@@ -107,6 +117,11 @@ class Trainer:
         if saved is not None and torch.is_grad_enabled():
             self.saved_bytes = saved.bytes
         return out.sum() / (loss_denominator or self.loss_denominator) if last else out
+
+    def training_forward(self, micro_batch, hidden_states, chunk=0):
+        """forward_step of a training micro-batch; the loss passes through the hooks."""
+        out = self.forward_step(micro_batch, hidden_states, chunk)
+        return self.hooks.training_loss(self.step, out) if self.model.has_head(chunk) else out
 
     def context_part(self, micro_batch: dict) -> dict:
         """This cp rank's zig-zag part of every sample's tokens (the whole micro-batch when cp = 1);
@@ -130,14 +145,6 @@ class Trainer:
             dist.all_reduce(count, group=self.ctx.dp_cp_group)
         return max(count.item(), 1.0) / self.ctx.dp_cp
 
-    def sync_special_grads(self) -> None:
-        """Sum gradients that live twice in one replica: sequence-parallel norm weights (each tp
-        rank saw part of the sequence) and tied embeddings split over the first and last stage."""
-        ctx = self.ctx
-        if ctx.tp > 1:
-            all_reduce_grads([p for p in self.params if placement(p).sequence_parallel], ctx.tp_group)
-        all_reduce_grads([p for p in self.params if placement(p).tied_across_stages], ctx.embedding_group)
-
     def replica_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp x cp."""
         if self.ctx.pp > 1:
@@ -155,25 +162,20 @@ class Trainer:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""
         micro_batches = [self.context_part(mb) for mb in micro_batches]
         self.loss_denominator = self.replica_target_tokens(micro_batches)
-        losses = self.engine.run(self.forward_step, micro_batches, self.activation_shape, torch.float32,
-                                 on_last_backward=lambda chunk: self.grad_syncs[chunk].arm())
-        self.sync_special_grads()   # before their dp reduction, which finish() starts
-        for grad_sync in self.grad_syncs:
-            grad_sync.finish()
+        losses = self.engine.run(self.training_forward, micro_batches, self.activation_shape, torch.float32,
+                                 on_last_backward=self.grad_sync.start)
+        self.grad_sync.finish()
         self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
         return self.step_loss(losses)
-
-    def zero_grads(self) -> None:
-        for grad_sync in self.grad_syncs:
-            grad_sync.zero_grad()
 
     def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
         set_lr(self.optimizer, lr)
         loss = self.compute_gradients(micro_batches)
-        grad_norm = clip_gradients(self.optimizer, self.params, self.cfg.optimizer.clip_grad, self.ctx)
+        grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
+                                   self.ctx.device)
         # Loss and norm are identical on every rank, so every rank takes the same branch.
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.zero_grads()
+            self.grad_sync.zero_grad()
             if not self.cfg.optimizer.skip_nonfinite_steps:
                 raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
                                          "(set optimizer.skip_nonfinite_steps=true to skip such steps)")
@@ -181,7 +183,7 @@ class Trainer:
             log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
             return loss, grad_norm
         self.optimizer.step()
-        self.zero_grads()
+        self.grad_sync.zero_grad()
         return loss, grad_norm
 
     @torch.no_grad()
@@ -206,7 +208,7 @@ class Trainer:
     def train(self) -> dict:
         """Train from the resumed step to tokens.train_steps, evaluating and checkpointing when due;
         rank 0 writes summary.json (also when a step raises)."""
-        summary = {"status": "failed", "world_size": self.ctx.world_size, "layout": self.ctx.layout,
+        summary = {"status": "failed", "world_size": self.ctx.world_size, "layout": self.ctx.layout.name,
                    "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
         self.announce(summary["num_parameters"])
         self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
@@ -229,6 +231,7 @@ class Trainer:
 
     def run_step(self, step: int) -> bool:
         """Step `step`: train, log, evaluate and checkpoint when due. True: a stop signal came."""
+        self.hooks.before_step(step)
         cfg, total = self.cfg, self.cfg.tokens.train_steps
         start = time.perf_counter()
         micro_batches = self.batches.next_step()
@@ -253,7 +256,11 @@ class Trainer:
         if (interval and step % interval == 0) or step == total:
             self.eval_loss = self.evaluate()
             self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
-        return self.checkpoints.after_step(step, step == total, self.model, self.optimizer, self.progress)
+        stop = stop_agreed(self.ctx)   # a collective: every rank stops after the same step
+        self.checkpoints.after_step(step, step == total, stop, self.model, self.optimizer, self.progress)
+        if stop and step != total:
+            log.info("stop signal received: checkpoint saved after step %d, exiting", step)
+        return stop and step != total
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
         tflops = self.flops_per_step / step_time / 1e12
@@ -274,23 +281,20 @@ class Trainer:
         else:
             log.info(step_line(record, self.cfg.tokens.train_steps, self.clock))
 
+    # -- what rank 0 reports -------------------------------------------------------------
     def memory_breakdown(self) -> dict:
         """This rank's memory by kind (MB), counted from the tensors after the first step, and rank 0
         logs it: parameters and gradients (the flat buffers), optimizer state, and the activations
         of one micro-batch (measured on the first forward) times those the engine held at once."""
-        def mb(tensors) -> float:
-            return sum(t.numel() * t.element_size() for t in tensors) / 2**20
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        per_micro_batch = (self.saved_bytes or 0) / 2**20
-        memory = {"parameters_mb": mb(s.values for s in self.grad_syncs), "gradients_mb": mb(s.grads for s in self.grad_syncs),
-                  "optimizer_mb": mb(state), "activations_mb": per_micro_batch * self.engine.max_in_flight,
-                  "activations_per_micro_batch_mb": per_micro_batch, "micro_batches_in_flight": self.engine.max_in_flight}
+        parameter_bytes, gradient_bytes = self.grad_sync.buffer_bytes()
+        per_micro_batch, in_flight = (self.saved_bytes or 0) / 2**20, self.engine.max_in_flight
+        memory = {"parameters_mb": parameter_bytes / 2**20, "gradients_mb": gradient_bytes / 2**20,
+                  "optimizer_mb": sum(t.numel() * t.element_size() for t in state) / 2**20,
+                  "activations_mb": per_micro_batch * in_flight, "activations_per_micro_batch_mb": per_micro_batch,
+                  "micro_batches_in_flight": in_flight}
         if self.is_writer:
-            log.info("memory of rank 0: parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB, activations "
-                     "%.1f MB (%.2f MB per micro-batch x %d in flight); runtime baseline %.0f MB, peak so far %.0f MB",
-                     *[memory[k] for k in ("parameters_mb", "gradients_mb", "optimizer_mb", "activations_mb",
-                                           "activations_per_micro_batch_mb", "micro_batches_in_flight")],
-                     self.baseline_mb, peak_memory_mb(self.ctx.device))
+            log.info(memory_line(memory, self.baseline_mb, peak_memory_mb(self.ctx.device)))
         return memory
 
     def memory_of_every_rank(self) -> dict:
@@ -299,34 +303,17 @@ class Trainer:
         ranks = [mine] * self.ctx.world_size
         if self.ctx.world_size > 1:
             dist.all_gather_object(ranks, mine)
-        return {"peak_memory_mb": max(r["peak"] for r in ranks), "peak_memory_mb_per_rank": [r["peak"] for r in ranks],
-                "baseline_memory_mb": max(r["baseline"] for r in ranks), "memory": [r["memory"] for r in ranks]}
+        return memory_fields(ranks)
 
     def announce(self, num_parameters: int) -> None:
         """Rank 0 logs what this run is: which model, layout, batch, data and peak."""
         if not self.is_writer:
             return
-        cfg, ctx, shape, p = self.cfg, self.ctx, self.shape, self.cfg.parallelism
-        log.info("model: %s parameters (hidden %d, %d layers, %d heads / %d KV heads, vocabulary %d), %s",
-                 f"{num_parameters:,}", shape.hidden_size, shape.num_hidden_layers, shape.num_attention_heads,
-                 shape.num_key_value_heads, shape.vocab_size, cfg.model.dtype)
-        if cfg.model.parametrization == "mup":
-            log.info("parametrization: %s", describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim))
-        if cfg.model.init_method.path:
-            log.info("initial weights: Hugging Face model %s (model.init_method.path)", cfg.model.init_method.path)
-        engine = f", pipeline {p.pp_engine}" if ctx.pp > 1 else ""
-        log.info("layout: %s (%d process%s%s%s%s)", ctx.layout, ctx.world_size, "es" if ctx.world_size > 1 else "",
-                 engine, f", tensor parallel {p.tp_mode}" if ctx.tp > 1 else "",
-                 f", context parallel {p.cp_mode}: {cfg.tokens.sequence_length // ctx.cp} tokens per rank"
-                 if ctx.cp > 1 else "")
-        log.info("global batch: %d sequences x %d tokens = %s tokens per step (dp %d x micro-batch %d x "
-                 "accumulation %d)", self.global_batch, cfg.tokens.sequence_length, f"{self.tokens_per_step:,}",
-                 ctx.dp, cfg.tokens.micro_batch_size, self.accumulation)
         stage, stages = self.batches.stage, self.batches.stages
         named = f"stage {stage.name!r} of {len(stages)}, from step {stage.start_step}: " if self.batches.named else ""
-        log.info("data: %s%s", named, self.describe_data())
-        log.info("peak for MFU: %s", f"{self.peak.tflops:.3g} TFLOP/s ({self.peak.source})"
-                 if self.peak.tflops else self.peak.source)
+        for line in run_facts(self.cfg, self.ctx.layout, self.shape, num_parameters, self.accumulation,
+                              named + self.describe_data(), self.peak):
+            log.info(line)
 
     def announce_stage(self, stage) -> None:
         if self.is_writer:
@@ -335,14 +322,11 @@ class Trainer:
     def describe_data(self) -> str:
         t, train_set, val_set = self.cfg.tokens, self.batches.train_set, self.batches.val_set
         try:
-            train = f"{len(train_set):,} training samples per epoch ({len(train_set) * t.sequence_length:,} tokens)"
+            train_samples = len(train_set)
         except TypeError:   # a stream has no length
-            train = "streamed training samples (length unknown until read)"
-        rounds = eval_rounds(len(val_set), self.global_batch, t.limit_val_batches)
-        evaluated = min(len(val_set), rounds * self.global_batch)
-        padding = " (the last batch padded)" if evaluated < rounds * self.global_batch else ""
-        return (f"{self.batches.stage.cfg.data.name}: {train}; held-out {len(val_set):,} samples, each evaluation "
-                f"reads {evaluated:,} of them in {rounds} global batch(es){padding}")
+            train_samples = None
+        return describe_data(self.batches.stage.cfg.data.name, train_samples, t.sequence_length, len(val_set),
+                             eval_rounds(len(val_set), self.global_batch, t.limit_val_batches), self.global_batch)
 
     def finish(self, summary: dict) -> None:
         timed = self.step_times[2:] or self.step_times
@@ -356,6 +340,5 @@ class Trainer:
             summary["stages"] = stage_spans(self.batches.stages, summary["train_steps"])
         self.trace.close()
         if self.is_writer:
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            write_summary(self.run_dir, summary)
             self.writer.close()

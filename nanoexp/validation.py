@@ -1,6 +1,7 @@
-"""`validate(cfg)`: every cross-field check of a composed config, before any work. Each config group has one
-function listing its rules as (condition, message) pairs, the message naming the key, the bad value and what
-is allowed; `validate` raises every broken rule at once, one line each, as one ConfigError."""
+"""`validate(cfg)`: every cross-field check of a composed, normalised config (config.normalize), before any
+work. Each config group has one function listing its rules as (condition, message) pairs, the message naming
+the key, the bad value and what is allowed; `validate` raises every broken rule at once, one line each, as one
+ConfigError. It only reads the config."""
 from __future__ import annotations
 
 import functools
@@ -10,20 +11,22 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, stage_data
+from nanoexp.parallel.layout import CP_ATTENTION, PIPELINE_ENGINES, TP_MODES, Layout
 
 Rule = tuple[bool, str]   # (condition, the message shown when it does not hold)
-M, LR, ADAM = "model.model_config.", "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
+# Key prefixes, so that the rules below fit on a line.
+MODEL_CONFIG = "model.model_config."
+LR_SCHEDULER, ADAM = "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
 # The sizes other checks divide by: when one is not positive, validate stops after these.
-POSITIVE_SIZES = [M + "hidden_size", M + "intermediate_size", M + "num_hidden_layers", M + "num_attention_heads",
-                  M + "vocab_size", M + "max_position_embeddings", "model.make_vocab_size_divisible_by",
-                  "tokens.sequence_length", "tokens.micro_batch_size", "tokens.global_batch_size", "tokens.train_steps",
-                  "parallelism.dp", "parallelism.cp", "parallelism.tp", "parallelism.pp",
-                  "parallelism.pp_virtual_stages"]
+POSITIVE_SIZES = [*(MODEL_CONFIG + key for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                   "num_attention_heads", "vocab_size", "max_position_embeddings")),
+                  "model.make_vocab_size_divisible_by", "tokens.sequence_length", "tokens.micro_batch_size",
+                  "tokens.global_batch_size", "tokens.train_steps", "parallelism.dp", "parallelism.cp",
+                  "parallelism.tp", "parallelism.pp", "parallelism.pp_virtual_stages"]
 
 
 def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None) -> None:
     """Check every cross-field rule; raise one ConfigError listing each problem with its fix."""
-    normalize(cfg)
     rules = [must(cfg, key, lambda size: size > 0, "a positive integer") for key in POSITIVE_SIZES] + [
         must(cfg, "tokens.batch_accumulation_per_replica", lambda n: n is None or n > 0, "positive (or null)")]
     if all(ok for ok, _ in rules):   # the divisibility checks below would only repeat a size that is not positive
@@ -45,26 +48,20 @@ def one_of(cfg: Any, key: str, allowed: tuple) -> Rule:
     return value in allowed, f"{key}={value}: allowed values are {', '.join(map(str, allowed))}"
 
 
-def normalize(cfg: Any) -> None:
-    """Accept nanotron's upper-case enum spellings (ALL_REDUCE, 1F1B, ...)."""
-    p, lr = cfg.parallelism, cfg.optimizer.learning_rate_scheduler
-    p.tp_mode, p.pp_engine, p.cp_mode = str(p.tp_mode).lower(), str(p.pp_engine).lower(), str(p.cp_mode).lower()
-    lr.lr_decay_style, lr.lr_warmup_style = str(lr.lr_decay_style).lower(), str(lr.lr_warmup_style).lower()
-
-
 def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
     m, kv = cfg.model.model_config, num_kv_heads(cfg)
     head_dim, tokenizer = m.hidden_size // m.num_attention_heads, cfg.tokenizer.tokenizer_name_or_path
     return [
-        (m.hidden_size % m.num_attention_heads == 0, f"{M}hidden_size={m.hidden_size} is not divisible by "
+        (m.hidden_size % m.num_attention_heads == 0, f"{MODEL_CONFIG}hidden_size={m.hidden_size} is not divisible by "
          f"num_attention_heads={m.num_attention_heads}: choose a head count that divides it"),
         (kv > 0 and m.num_attention_heads % kv == 0,
-         f"{M}num_key_value_heads={kv} must divide num_attention_heads={m.num_attention_heads}"),
-        (head_dim % 2 == 0, f"{M}hidden_size / num_attention_heads = {head_dim}: the head dimension must be even "
-         "for rotary embeddings"),
+         f"{MODEL_CONFIG}num_key_value_heads={kv} must divide num_attention_heads={m.num_attention_heads}"),
+        (head_dim % 2 == 0, f"{MODEL_CONFIG}hidden_size / num_attention_heads = {head_dim}: the head dimension "
+         "must be even for rotary embeddings"),
         (tokenizer_vocab_size is None or tokenizer_vocab_size <= m.vocab_size,
-         f"{M}vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}, "
-         f"tokenizer.tokenizer_name_or_path={tokenizer}): set {M}vocab_size>={tokenizer_vocab_size}"),
+         f"{MODEL_CONFIG}vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
+         f"({tokenizer_vocab_size}, tokenizer.tokenizer_name_or_path={tokenizer}): set "
+         f"{MODEL_CONFIG}vocab_size>={tokenizer_vocab_size}"),
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
         one_of(cfg, "model.attention_mask", ("causal", "document")),
     ] + parametrization_rules(cfg)
@@ -87,8 +84,9 @@ def parametrization_rules(cfg: Any) -> list[Rule]:
 def batch_rules(cfg: Any) -> list[Rule]:
     t, m, dp = cfg.tokens, cfg.model.model_config, cfg.parallelism.dp
     return [
-        (t.sequence_length <= m.max_position_embeddings, f"tokens.sequence_length={t.sequence_length} exceeds {M}"
-         f"max_position_embeddings={m.max_position_embeddings}: shorten the sequence or raise max_position_embeddings"),
+        (t.sequence_length <= m.max_position_embeddings, f"tokens.sequence_length={t.sequence_length} exceeds "
+         f"{MODEL_CONFIG}max_position_embeddings={m.max_position_embeddings}: shorten the sequence or raise "
+         "max_position_embeddings"),
         (t.batch_accumulation_per_replica is not None or t.global_batch_size % (dp * t.micro_batch_size) == 0,
          f"tokens.global_batch_size={t.global_batch_size} is not divisible by parallelism.dp * tokens.micro_batch_size "
          f"= {dp * t.micro_batch_size}: change one, or set tokens.batch_accumulation_per_replica explicitly"),
@@ -98,52 +96,53 @@ def batch_rules(cfg: Any) -> list[Rule]:
 
 
 def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
-    p, m, t, kv = cfg.parallelism, cfg.model.model_config, cfg.tokens, num_kv_heads(cfg)
-    v, micro, padded_vocab = p.pp_virtual_stages, batch_accumulation(cfg), padded_vocab_size(cfg)
-    interleaved, processes = p.pp_engine == "interleaved_1f1b", p.dp * p.cp * p.tp * p.pp
+    layout, m, t, kv = Layout.from_config(cfg), cfg.model.model_config, cfg.tokens, num_kv_heads(cfg)
+    p, v, micro, padded_vocab = layout, layout.virtual_stages, batch_accumulation(cfg), padded_vocab_size(cfg)
+    interleaved, layers = layout.engine == "interleaved_1f1b", f"{MODEL_CONFIG}num_hidden_layers={m.num_hidden_layers}"
     # Fewer micro-batches than stages is allowed: the pipeline stays correct, only the bubble grows.
     return [
-        one_of(cfg, "parallelism.pp_engine", ("afab", "1f1b", "interleaved_1f1b")),
-        one_of(cfg, "parallelism.tp_mode", ("all_reduce", "reduce_scatter")),
+        one_of(cfg, "parallelism.pp_engine", PIPELINE_ENGINES),
+        one_of(cfg, "parallelism.tp_mode", TP_MODES),
         one_of(cfg, "parallelism.start_method", ("auto", "fork", "spawn")),
-        *[(size % p.tp == 0, f"{M}{name}={size} is not divisible by parallelism.tp={p.tp}") for name, size in
-          [("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", kv),
-           ("intermediate_size", m.intermediate_size)]],
+        *[(size % p.tp == 0, f"{MODEL_CONFIG}{name}={size} is not divisible by parallelism.tp={p.tp}")
+          for name, size in [("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", kv),
+                             ("intermediate_size", m.intermediate_size)]],
         (padded_vocab % p.tp == 0, f"padded vocabulary {padded_vocab} is not divisible by parallelism.tp={p.tp}: "
          f"set model.make_vocab_size_divisible_by to a multiple of {p.tp}"),
-        (p.pp <= m.num_hidden_layers, f"parallelism.pp={p.pp} is larger than {M}num_hidden_layers="
-         f"{m.num_hidden_layers}: every pipeline stage needs at least one layer"),
-        (p.tp_mode != "reduce_scatter" or t.sequence_length % p.tp == 0, f"tokens.sequence_length={t.sequence_length} "
-         f"is not divisible by parallelism.tp={p.tp} (needed by parallelism.tp_mode=reduce_scatter)"),
-        (world_size is None or processes == world_size, f"parallelism.dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = "
-         f"{processes} but the world size is {world_size}: make the product equal the number of processes"),
+        (p.pp <= m.num_hidden_layers, f"parallelism.pp={p.pp} is larger than {layers}: every pipeline stage needs "
+         "at least one layer"),
+        (not layout.sequence_parallel or t.sequence_length % p.tp == 0, f"tokens.sequence_length={t.sequence_length}"
+         f" is not divisible by parallelism.tp={p.tp} (needed by parallelism.tp_mode=reduce_scatter)"),
+        (world_size is None or layout.world_size == world_size, f"parallelism.dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*"
+         f"{p.pp} = {layout.world_size} but the world size is {world_size}: make the product equal the number of "
+         "processes"),
         (not interleaved or p.pp >= 2,
          f"parallelism.pp_engine=interleaved_1f1b needs parallelism.pp >= 2 (got {p.pp})"),
         (not interleaved or v >= 2, f"parallelism.pp_virtual_stages={v}: interleaved_1f1b needs at least 2 chunks "
          "per rank (with 1 use parallelism.pp_engine=1f1b)"),
-        (not interleaved or m.num_hidden_layers >= p.pp * v, f"{M}num_hidden_layers={m.num_hidden_layers} is smaller"
-         f" than parallelism.pp * pp_virtual_stages = {p.pp * v}: every virtual stage needs at least one layer"),
+        (not interleaved or m.num_hidden_layers >= p.pp * v, f"{layers} is smaller than parallelism.pp * "
+         f"pp_virtual_stages = {p.pp * v}: every virtual stage needs at least one layer"),
         (not interleaved or micro % p.pp == 0, f"micro-batches per step (tokens.batch_accumulation_per_replica = "
          f"{micro}) is not a multiple of parallelism.pp={p.pp}: interleaved_1f1b sends micro-batches in groups "
          "of pp; change tokens.global_batch_size or tokens.micro_batch_size"),
         (interleaved or v == 1, f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine=interleaved_1f1b "
-         f"(got {p.pp_engine})"),
+         f"(got {layout.engine})"),
         must(cfg, "parallelism.collective_timeout_s", lambda seconds: seconds > 0, "positive (seconds)"),
-    ] + context_parallel_rules(cfg)
+    ] + context_parallel_rules(cfg, layout)
 
 
-def context_parallel_rules(cfg: Any) -> list[Rule]:
+def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
     """cp splits each sequence into 2·cp zig-zag chunks (two per cp rank); tp's sequence parallelism then splits
     a rank's s/cp tokens."""
-    p, s = cfg.parallelism, cfg.tokens.sequence_length
-    rules = [one_of(cfg, "parallelism.cp_mode", ("ring", "all_gather"))]
-    if p.cp == 1:
+    cp, tp, s = layout.cp, layout.tp, cfg.tokens.sequence_length
+    rules = [one_of(cfg, "parallelism.cp_mode", tuple(CP_ATTENTION))]
+    if cp == 1:
         return rules
     return rules + [
-        (s % (2 * p.cp) == 0, f"tokens.sequence_length={s} is not divisible by 2 * parallelism.cp = {2 * p.cp}: "
+        (s % (2 * cp) == 0, f"tokens.sequence_length={s} is not divisible by 2 * parallelism.cp = {2 * cp}: "
          "context parallelism gives each cp rank two of 2·cp equal chunks"),
-        (p.tp_mode != "reduce_scatter" or s % (2 * p.cp) or (s // p.cp) % p.tp == 0,
-         f"tokens.sequence_length / parallelism.cp = {s}/{p.cp} is not divisible by parallelism.tp={p.tp} (needed "
+        (not layout.sequence_parallel or s % (2 * cp) or layout.local_tokens(s) % tp == 0,
+         f"tokens.sequence_length / parallelism.cp = {s}/{cp} is not divisible by parallelism.tp={tp} (needed "
          "by parallelism.tp_mode=reduce_scatter): change tokens.sequence_length"),
     ]
 
@@ -159,17 +158,17 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
         must(cfg, "optimizer.weight_decay", lambda decay: decay >= 0, ">= 0"),
         must(cfg, "optimizer.clip_grad", lambda norm: norm is None or norm > 0, "positive or null"),
         one_of(cfg, "optimizer.zero_stage", (0, 1)),
-        must(cfg, LR + "learning_rate", lambda rate: rate > 0, "positive"),
-        one_of(cfg, LR + "lr_decay_style", ("linear", "cosine", "constant")),
-        one_of(cfg, LR + "lr_warmup_style", ("linear", "constant")),
-        (0 <= lr.lr_warmup_steps <= steps, f"{LR}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
+        must(cfg, LR_SCHEDULER + "learning_rate", lambda rate: rate > 0, "positive"),
+        one_of(cfg, LR_SCHEDULER + "lr_decay_style", ("linear", "cosine", "constant")),
+        one_of(cfg, LR_SCHEDULER + "lr_warmup_style", ("linear", "constant")),
+        (0 <= lr.lr_warmup_steps <= steps, f"{LR_SCHEDULER}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
          f"tokens.train_steps={steps} (for a quick smoke test use debug=fast, which shrinks both)"),
-        must(cfg, LR + "lr_decay_steps", lambda steps: steps is None or steps >= 1,
+        must(cfg, LR_SCHEDULER + "lr_decay_steps", lambda steps: steps is None or steps >= 1,
              ">= 1 or null (train_steps - the step the decay starts at)"),
-        must(cfg, LR + "lr_decay_starting_step", lambda start: start is None or start >= lr.lr_warmup_steps,
+        must(cfg, LR_SCHEDULER + "lr_decay_starting_step", lambda start: start is None or start >= lr.lr_warmup_steps,
              f">= lr_warmup_steps={lr.lr_warmup_steps} or null (the decay starts when warm-up ends)"),
         (lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
-         f"{LR}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
+         f"{LR_SCHEDULER}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
     ]
 
 

@@ -43,10 +43,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoexp import config as C
+from nanoexp.config import batch_accumulation, compose as compose_config, global_batch_size, normalize
+from nanoexp.memory import saved_activation_bytes
 from nanoexp.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.profiling import saved_activation_bytes
+from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
@@ -59,14 +60,15 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
 
 def compose(overrides: list[str]):
     """The config `python train.py <overrides>` runs with, checked for one process."""
-    cfg = C.compose(overrides)
+    cfg = compose_config(overrides)
+    normalize(cfg)
     validate(cfg, world_size=1)
     return cfg
 
 
 def build_trainer(cfg, run_dir: str):
     from nanoexp.trainer import Trainer
-    return Trainer(cfg, ParallelContext(), run_dir)
+    return Trainer(cfg, ParallelContext(Layout.from_config(cfg)), run_dir)
 
 
 class PlainLoop:
@@ -98,7 +100,7 @@ class PlainLoop:
                                            lr=o.learning_rate_scheduler.learning_rate,
                                            betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
                                            fused=fused or None, foreach=None if fused else True)
-        self.clip, self.accumulation = o.clip_grad, C.batch_accumulation(cfg)
+        self.clip, self.accumulation = o.clip_grad, batch_accumulation(cfg)
         self.autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.model.dtype == "bfloat16"
                          else contextlib.nullcontext())
 
@@ -126,7 +128,7 @@ def nanoexp_activation_bytes(trainer, mb) -> int:
     with saved_activation_bytes(trainer.model.parameters()) as counter:
         loss = trainer.forward_step(mb, None)
     loss.backward()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.grad_sync.zero_grad()
     return counter.bytes
 
 
@@ -164,7 +166,7 @@ def bench_one(model: str, variant: str, args, extra: list[str]) -> dict:
                 if i >= args.warmup:
                     times[name].append(elapsed)
                     cpu_times[name].append(cpu)
-    tokens = C.global_batch_size(cfg) * cfg.tokens.sequence_length
+    tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
     t_nano, t_plain = statistics.median(times["nanoexp"]), statistics.median(times["plain"])
     cpu_nano, cpu_plain = statistics.median(cpu_times["nanoexp"]), statistics.median(cpu_times["plain"])
     return {"model": model, "variant": variant, "tokens_per_step": tokens,
@@ -185,7 +187,7 @@ def plain_run(model: str, steps: int, extra: list[str]) -> None:
     from nanoexp.model.build import model_shape
     cfg = compose([f"model={model}", *extra])
     train_set, _, _ = build_datasets(cfg)
-    batches = TrainBatches(train_set, C.global_batch_size(cfg), cfg.tokens.micro_batch_size, 0, 1, cfg.general.seed,
+    batches = TrainBatches(train_set, global_batch_size(cfg), cfg.tokens.micro_batch_size, 0, 1, cfg.general.seed,
                            prefetch=False)
     plain = PlainLoop(cfg, model_shape(cfg))
     for _ in range(steps):
@@ -201,7 +203,7 @@ def wall_seconds(command: list[str]) -> float:
 def bench_wall(model: str, repeats: int, extra: list[str]) -> dict:
     """Tokens/s of each side from the wall time of 50-step minus 25-step runs, fresh processes."""
     cfg = compose([f"model={model}", *extra])
-    tokens = C.global_batch_size(cfg) * cfg.tokens.sequence_length
+    tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
     seconds = {("nanoexp", 25): [], ("nanoexp", 50): [], ("plain", 25): [], ("plain", 50): []}
     with tempfile.TemporaryDirectory() as out:
         for i in range(repeats):

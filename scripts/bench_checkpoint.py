@@ -41,7 +41,7 @@ def main() -> None:
     cfg = compose([f"model={args.model}"])
     ctx = ParallelContext()
     model = build_model(cfg, ctx)
-    optimizer = build_optimizer(cfg, model, ctx)
+    optimizer = build_optimizer(cfg, model)
     for p in model.parameters():   # one update, so AdamW holds its moments
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()

@@ -6,7 +6,7 @@
 
 Each layout ("dpXtpYppZ" or "dpXcpWtpYppZ", optionally ":" and comma-separated overrides for that
 layout) runs dp*cp*tp*pp forked gloo workers with the real Trainer; after warm-up steps, `--steps`
-optimizer steps run inside a `CommCounter` (nanoexp/parallel/comm_counter.py), which records every
+optimizer steps run inside a `CommCounter` (nanoexp/verify/comm_counter.py), which records every
 collective and point-to-point call per process group (dp, tp, pp, model-parallel, embedding, and
 with cp > 1 cp and dp_cp).
 
@@ -20,7 +20,7 @@ A = micro_batch x s' x hidden activation bytes, N = the parameters this rank hol
       parameters (ZeRO-1: (dp-1)/dp x 4N each); plus the step loss, and on the loss stage the
       count of target tokens (4 bytes each, all-reduced); with cp > 1 all of this runs over the
       dp x cp group instead ("dp_cp", n = dp·cp: every cp rank holds full weights);
-  cp  ring attention (nanoexp/parallel/ring_attention.py, its ring_plan), per attention layer the rank
+  cp  ring attention (nanoexp/parallel/ring_attention.py, its plan nanoexp.verify.context_parallel.ring_plan), per attention layer the rank
       holds and per micro-batch: the K/V block, K and V stacked, KV = 2 x micro_batch x kv_heads/tp x
       s' x head_dim x activation bytes, sent cp-1 times forward; in backward KV again cp-1 times
       plus the float32 dK/dV accumulator (KV's size at 4 bytes a float) cp-1 hops home:
@@ -57,33 +57,35 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nanoexp import config as C
+from nanoexp.config import compose as compose_config, normalize
 from nanoexp.launch import free_port
 from nanoexp.memory import held_parameters
-from nanoexp.parallel.comm_counter import CommCounter
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
+from nanoexp.verify.comm_counter import CommCounter
 
 GROUPS = ("dp", "dp_cp", "cp", "tp", "pp", "model_parallel", "embedding")
 
 
 def compose(overrides: list[str]):
     """The config `python train.py <overrides>` runs with, checked for its layout and resolved (for the workers)."""
-    cfg = C.compose(overrides)
-    validate(cfg, world_size=C.world_size(cfg))
+    cfg = compose_config(overrides)
+    normalize(cfg)
+    validate(cfg, world_size=Layout.from_config(cfg).world_size)
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
 def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     """This rank's minimum bytes sent per optimizer step, per group (see the module docstring)."""
-    m, mb, s = trainer.accumulation, cfg.tokens.micro_batch_size, cfg.tokens.sequence_length // ctx.cp
+    m, mb, s = trainer.accumulation, cfg.tokens.micro_batch_size, ctx.layout.local_tokens(cfg.tokens.sequence_length)
     h = trainer.shape.hidden_size
-    sp = cfg.parallelism.tp_mode == "reduce_scatter"
+    sp = ctx.layout.sequence_parallel
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4   # TP collectives run in the autocast dtype
     activation = mb * s * h * act_bytes
     ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
     out = {name: 0.0 for name in GROUPS}
-    held, chunks = held_parameters(trainer.shape, cfg, ctx.pp_rank, ctx.tp)
+    held, chunks = held_parameters(trainer.shape, ctx.layout, ctx.pp_rank)
     if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO-1) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
         out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * (held + scalars)
@@ -93,7 +95,7 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
         forwards = 2 if cfg.parallelism.recompute_layer else 1
         # ring: K/V cp-1 hops per forward and again in backward, the float32 dK/dV cp-1 hops home;
         # all_gather: K/V gathered once per forward, the float32 dK/dV reduce-scattered once (K/V saved)
-        kv_sends = forwards + (cfg.parallelism.cp_mode == "ring")
+        kv_sends = forwards + (ctx.layout.cp_mode == "ring")
         out["cp"] = m * sum(chunks) * (ctx.cp - 1) * (kv_sends * kv * act_bytes + kv * 4)
     if ctx.tp > 1:
         layers = sum(chunks)
@@ -119,8 +121,7 @@ def worker(rank, world_size, port, cfg, args, queue):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         from nanoexp.trainer import Trainer
-        p = cfg.parallelism
-        ctx = ParallelContext(p.dp, p.tp, p.pp, p.cp)
+        ctx = ParallelContext(Layout.from_config(cfg))
         with tempfile.TemporaryDirectory() as run_dir:
             trainer = Trainer(cfg, ctx, run_dir)
             steps = [trainer.batches.next_step() for _ in range(args.warmup + args.steps)]
@@ -147,7 +148,7 @@ def worker(rank, world_size, port, cfg, args, queue):
 
 
 def run_layout(cfg, args) -> list[dict]:
-    world = C.world_size(cfg)
+    world = Layout.from_config(cfg).world_size
     context = mp.get_context("fork")
     queue, port = context.Queue(), free_port()
     procs = [context.Process(target=worker, args=(r, world, port, cfg, args, queue)) for r in range(world)]

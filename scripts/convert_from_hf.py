@@ -37,7 +37,7 @@ def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
     cfg.checkpoint.checkpoints_path = out
     ctx = ParallelContext()
     model = build_model(cfg, ctx)
-    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model, ctx), Progress())
+    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model), Progress())
     return overrides
 
 

@@ -18,9 +18,10 @@ import argparse
 import json
 import sys
 
-from nanoexp.config import compose, world_size
+from nanoexp.config import compose, normalize
 from nanoexp.memory import MB, busiest_rank_estimate, estimate, runtime_baseline_mb, total
 from nanoexp.model.build import model_shape
+from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
@@ -33,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="adds the CUDA context to the baseline")
     args = parser.parse_args(argv)
     cfg = compose(args.overrides)
-    p = cfg.parallelism
-    validate(cfg, world_size=world_size(cfg))   # dp·cp·tp·pp
+    normalize(cfg)
+    layout = Layout.from_config(cfg)
+    validate(cfg, world_size=layout.world_size)
     shape = model_shape(cfg)
     busiest, parts = busiest_rank_estimate(cfg, shape)
     result = {"per_rank_mb": {k: parts[k] / MB for k in KINDS}, "total_mb": total(parts) / MB,
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"{'pp stage':>8}" + "".join(f"{k:>13}" for k in KINDS) + f"{'total':>10}  (MB per rank above the baseline)")
-    for pp_rank in range(p.pp):
+    for pp_rank in range(layout.pp):
         stage = estimate(cfg, shape, pp_rank)
         print(f"{pp_rank:>8}" + "".join(f"{stage[k] / MB:>13.1f}" for k in KINDS) + f"{total(stage) / MB:>10.1f}")
     print(f"busiest: pp stage {busiest}, {result['total_mb']:.1f} MB above a runtime baseline of "

@@ -35,10 +35,11 @@ import sys
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import (CONF_DIR, ConfigError, batch_accumulation, compose, layout_string, num_kv_heads,
+from nanoexp.config import (CONF_DIR, ConfigError, batch_accumulation, compose, normalize, num_kv_heads,
                             padded_vocab_size)
 from nanoexp.memory import CUDA_CONTEXT_MB, MB, busiest_rank_estimate
 from nanoexp.model.build import model_shape
+from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 
 GIB = 1024 ** 3
@@ -83,8 +84,7 @@ def candidates(base, gpus: int, gpus_per_node: int):
 
 
 def layout(cfg) -> str:
-    p = cfg.parallelism
-    return layout_string(p.dp, p.cp, p.tp, p.pp)
+    return Layout.from_config(cfg).name
 
 
 def choose(base, gpus: int, gpus_per_node: int, memory_gb: float):
@@ -131,6 +131,7 @@ def show_lrs(overrides: list[str]) -> int:
     from nanoexp.optim import min_decay_lr
 
     cfg = compose(overrides)
+    normalize(cfg)
     try:
         validate(cfg)
     except ConfigError as error:
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"tokens.micro_batch_size={args.micro_batch_size}",
                  f"tokens.global_batch_size={args.global_batch_size}", *([f"parallelism.cp={args.cp}"] if args.cp > 1 else [])]
     base = compose(overrides)
+    normalize(base)
     m = base.model.model_config
     if args.sequence_length > m.max_position_embeddings:
         parser.error(f"--sequence-length {args.sequence_length} > max_position_embeddings {m.max_position_embeddings}")

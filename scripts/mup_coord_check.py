@@ -60,7 +60,7 @@ def train_and_measure(cfg, steps: int, lr: float) -> list[dict[str, float]]:
     ctx = ParallelContext()
     torch.manual_seed(cfg.general.seed)
     model = build_model(cfg, ctx)
-    optimizer = build_optimizer(cfg, model, ctx)
+    optimizer = build_optimizer(cfg, model)
     train_set, _, _ = build_datasets(cfg)
     batches = TrainBatches(train_set, cfg.tokens.global_batch_size, cfg.tokens.global_batch_size, 0, 1,
                            cfg.general.seed, prefetch=False)

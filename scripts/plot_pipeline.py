@@ -21,8 +21,8 @@ import os
 import statistics
 import sys
 
-from nanoexp.parallel.trace import (COMPUTE, TRACE_DIR, bucket_overlap, measured_bubble,
-                                    read_trace, theoretical_bubble)
+from nanoexp.parallel.trace import TRACE_DIR
+from nanoexp.verify.trace_analysis import COMPUTE, bucket_overlap, measured_bubble, read_trace, theoretical_bubble
 
 
 def one_pipeline(metas, events):

@@ -23,7 +23,7 @@ compose_config = compose   # the config `python train.py <overrides>` runs with 
 
 
 def train(run_dir: str, overrides: list[str]) -> list[dict]:
-    """Compose, validate and train (spawning local workers when dp*tp*pp > 1); return metrics.jsonl."""
+    """Compose, validate and train (spawning local workers when dp*cp*tp*pp > 1); return metrics.jsonl."""
     from nanoexp.run import run
     run(compose_config(overrides), str(run_dir))
     return read_metrics(run_dir)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nanoexp.parallel.all_gather_attention import gather_blocks
-from nanoexp.parallel.ring_attention import rank_chunks, visibility
+from nanoexp.parallel.ring_attention import visibility
+from nanoexp.parallel.zigzag import rank_chunks
 from tests.distributed import run_distributed
 from tests.test_ring_attention import (BATCH, CASES, HEAD_DIM, SEQ, _cp_worker, assert_bf16_as_close_as_sdpa,
                                        compare_to_reference, score_elements)

@@ -31,7 +31,7 @@ CASES = [
      "hidden_size=96 is not divisible by num_attention_heads=5"),
     ("kv heads do not divide heads", [M + "num_key_value_heads=3"], {}, "num_key_value_heads=3"),
     ("odd head dim", [M + "hidden_size=100"], {}, "head dimension must be even"),
-    ("dp*tp*pp != world size", [], {"RANK": "0", "WORLD_SIZE": "3"}, "world size is 3"),
+    ("dp*cp*tp*pp != world size", [], {"RANK": "0", "WORLD_SIZE": "3"}, "world size is 3"),
     ("heads not divisible by tp", ["parallelism.tp=3"], {}, "num_attention_heads=4 is not divisible by parallelism.tp=3"),
     ("kv heads not divisible by tp", [M + "num_key_value_heads=2", "parallelism.tp=4"], {},
      "num_key_value_heads=2 is not divisible by parallelism.tp=4"),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
 from tests.distributed import run_distributed
@@ -89,8 +90,7 @@ def _reduction_dtypes(rank, world_size, overrides):
         setattr(dist, name, recording(name))   # this forked rank only
     cfg = compose_config(FAST + ["model.dtype=bfloat16"] + overrides)
     check_config(cfg, world_size)
-    p = cfg.parallelism
-    trainer = Trainer(cfg, ParallelContext(p.dp, p.tp, p.pp), run_dir=os.devnull)
+    trainer = Trainer(cfg, ParallelContext(Layout.from_config(cfg)), run_dir=os.devnull)
     trainer.train_step(trainer.batches.next_step(), lr=1e-3)
     trainer.batches.close()
     return {"forward": sorted(seen[True]), "gradients": sorted(seen[False])}

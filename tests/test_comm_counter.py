@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanoexp.parallel.comm_counter import CommCounter
+from nanoexp.verify.comm_counter import CommCounter
 from tests.distributed import run_distributed
 
 

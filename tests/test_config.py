@@ -8,7 +8,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from nanoexp import config as C
+from nanoexp.config import ConfigError, batch_accumulation, global_batch_size, normalize, stage_data
+from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 from tests.helpers import CONF_DIR, compose_config
 
@@ -16,14 +17,14 @@ from tests.helpers import CONF_DIR, compose_config
 def test_defaults_compose_and_validate():
     cfg = compose_config([])
     validate(cfg, world_size=1, tokenizer_vocab_size=257)
-    assert C.global_batch_size(cfg) == 32 and C.batch_accumulation(cfg) == 8
+    assert global_batch_size(cfg) == 32 and batch_accumulation(cfg) == 8
 
 
 @pytest.mark.parametrize("layout", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "parallelism"))))
 def test_every_shipped_layout_keeps_the_global_batch(layout):
     cfg = compose_config([f"parallelism={layout}"])
-    validate(cfg, world_size=C.world_size(cfg), tokenizer_vocab_size=257)
-    assert C.global_batch_size(cfg) == 32
+    validate(cfg, world_size=Layout.from_config(cfg).world_size, tokenizer_vocab_size=257)
+    assert global_batch_size(cfg) == 32
 
 
 def set_values(node, prefix=""):
@@ -54,8 +55,8 @@ def test_an_experiment_with_data_stages_composes():
     cfg = compose_config(["+experiment=two_stages"])
     assert [(s.name, s.start_training_step, s.data.name) for s in cfg.data_stages] == [
         ("stable", 1, "builtin"), ("anneal", 201, "nanoset")]
-    assert list(C.stage_data(cfg, cfg.data_stages[1]).dataset_folder) == ["data/nanoset/anneal"]
-    assert C.stage_data(cfg, cfg.data_stages[1]).validation_fraction == cfg.data.validation_fraction
+    assert list(stage_data(cfg, cfg.data_stages[1]).dataset_folder) == ["data/nanoset/anneal"]
+    assert stage_data(cfg, cfg.data_stages[1]).validation_fraction == cfg.data.validation_fraction
     with pytest.raises(ConfigCompositionException):   # a stage's data is typed like the data group
         compose_config(["data_stages=[{name: a, start_training_step: 1, data: {validation_fraction: most}}]"])
 
@@ -88,29 +89,35 @@ def test_wrong_type_is_rejected():
 ])
 def test_invalid_values_name_the_key(overrides, key):
     cfg = compose_config(overrides)
-    with pytest.raises(C.ConfigError) as info:
-        validate(cfg, world_size=C.world_size(cfg), tokenizer_vocab_size=257)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=Layout.from_config(cfg).world_size, tokenizer_vocab_size=257)
     assert key in str(info.value)
 
 
 def test_world_size_mismatch_and_small_vocab():
     cfg = compose_config(["parallelism=dp2tp1pp1"])
-    with pytest.raises(C.ConfigError, match="world size is 4"):
+    with pytest.raises(ConfigError, match="world size is 4"):
         validate(cfg, world_size=4)
     cfg = compose_config(["model.model_config.vocab_size=200"])
-    with pytest.raises(C.ConfigError, match="vocab_size=200"):
+    with pytest.raises(ConfigError, match="vocab_size=200"):
         validate(cfg, world_size=1, tokenizer_vocab_size=257)
 
 
-def test_upper_case_enums_are_accepted():
+def test_upper_case_enums_are_normalised_before_a_read_only_validation():
     cfg = compose_config(["parallelism.tp_mode=REDUCE_SCATTER", "parallelism.pp_engine=1F1B"])
+    before = OmegaConf.to_container(cfg)
+    with pytest.raises(ConfigError, match="parallelism.tp_mode=REDUCE_SCATTER"):
+        validate(cfg, world_size=1, tokenizer_vocab_size=257)
+    assert OmegaConf.to_container(cfg) == before   # validate only reads
+    normalize(cfg)
     validate(cfg, world_size=1, tokenizer_vocab_size=257)
     assert cfg.parallelism.tp_mode == "reduce_scatter" and cfg.parallelism.pp_engine == "1f1b"
+    assert Layout.from_config(cfg).sequence_parallel
 
 
 def test_explicit_accumulation_wins():
     cfg = compose_config(["tokens.batch_accumulation_per_replica=2", "parallelism.dp=2"])
-    assert C.global_batch_size(cfg) == 2 * 4 * 2
+    assert global_batch_size(cfg) == 2 * 4 * 2
 
 
 def test_command_line_errors_are_short(tmp_path):

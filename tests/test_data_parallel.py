@@ -1,4 +1,4 @@
-"""Data parallelism (GradientBuckets over flat buffers, all_reduce_grads) and ZeRO-1 AdamW on gloo ranks.
+"""Gradient synchronisation (GradientSync over flat buffers, all_reduce_grads) and ZeRO-1 AdamW on gloo ranks.
 
 Tolerances: dp results differ from the single-process reference only in floating-point
 summation order (per-rank partial sums, then an all-reduce), so float32 values agree to
@@ -6,6 +6,7 @@ summation order (per-rank partial sums, then an all-reduce), so float32 values a
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -14,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.data_parallel import GradientBuckets, all_reduce_grads
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.gradient_sync import GradientSync, all_reduce_grads
 from nanoexp.parallel.zero import ZeroAdamW
 from tests.distributed import run_distributed
 
@@ -52,6 +54,23 @@ def forward_loss(model, x, y):
     return nn.functional.mse_loss(model[:7](x), y)
 
 
+class LaunchRecorder:
+    """A pipeline trace (nanoexp.parallel.trace's interface) that keeps the bucket launches in memory."""
+
+    def __init__(self):
+        self.launches = []   # (bucket, in_backward) in launch order
+
+    def bind(self, **fields):
+        return self
+
+    def span(self, kind, **fields):
+        return contextlib.nullcontext()
+
+    def mark(self, kind, **fields):
+        if kind == "allreduce_launch":
+            self.launches.append((fields["bucket"], fields["in_backward"]))
+
+
 def _count_reductions(counter: list) -> dict:
     """Wrap dist.all_reduce and dist.reduce_scatter_tensor (process-local: each rank is a forked
     process); returns the originals to restore."""
@@ -69,12 +88,12 @@ def _count_reductions(counter: list) -> dict:
 
 
 def _buckets_worker(rank, world, shard=False):
-    ctx = ParallelContext(dp=world)
+    ctx = ParallelContext(Layout(dp=world))
     model = make_mlp()
     reference = copy.deepcopy(model)
     # ~0.004 MB: about one 32x32 weight per bucket, so several buckets.
-    buckets = GradientBuckets(list(model.parameters()), ctx.dp_group, ctx.dp, ctx.dp_rank, shard=shard,
-                              bucket_cap_mb=0.0042)
+    recorder = LaunchRecorder()
+    sync = GradientSync([list(model.parameters())], ctx, shard=shard, bucket_cap_mb=0.0042, trace=recorder)
     x, y = make_batch()
     per_rank = BATCH // world
     xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -84,10 +103,10 @@ def _buckets_worker(rank, world, shard=False):
         for mb, (xm, ym) in enumerate(zip(xs.chunk(MICRO), ys.chunk(MICRO))):
             if mb == MICRO - 1:
                 calls_before_last = len(calls)
-                buckets.arm()
+                sync.start(0)
             (forward_loss(model, xm, ym) / MICRO).backward()
         calls_after_backward = len(calls)
-        buckets.finish()
+        sync.finish()
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -96,12 +115,12 @@ def _buckets_worker(rank, world, shard=False):
     if shard:   # only this rank's shard of each bucket holds the average (reduce-scatter)
         ref = {id(p): r for p, r in zip(model.parameters(), reference.parameters())}
         err = max((piece.grad - ref[id(piece.param)].grad.reshape(-1)[piece.start:piece.end]).abs().max().item()
-                  for piece in buckets.shard_pieces())
+                  for piece in sync.shard_pieces())
     else:
         err = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
-    return dict(err=err, num_buckets=len(buckets.buckets), calls_before_last=calls_before_last,
-                in_backward=buckets.launched_in_backward, calls_in_backward=calls_after_backward,
-                launch_order=buckets.launch_order)
+    return dict(err=err, num_buckets=len(sync.chunks[0].buckets), calls_before_last=calls_before_last,
+                in_backward=sum(in_backward for _, in_backward in recorder.launches),
+                calls_in_backward=calls_after_backward, launch_order=[bucket for bucket, _ in recorder.launches])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -116,18 +135,18 @@ def test_gradient_buckets_match_full_batch(world, shard):
 
 
 def _unused_worker(rank, world):
-    ctx = ParallelContext(dp=world)
+    ctx = ParallelContext(Layout(dp=world))
     model = make_mlp(unused=True)
-    buckets = GradientBuckets(list(model.parameters()), ctx.dp_group, ctx.dp, bucket_cap_mb=0.001)
+    sync = GradientSync([list(model.parameters())], ctx, bucket_cap_mb=0.001)
     x, y = make_batch()
-    buckets.arm()
+    sync.start(0)
     out = model[:7](x[rank::world])
     if rank == 0:  # data-dependent use: only rank 0's backward fires these hooks
         out = model.rank0_only(out)
     loss = nn.functional.mse_loss(out, y[rank::world])
     loss.backward()
     local_rank0_only = [p.grad.clone() for p in model.rank0_only.parameters()]
-    buckets.finish()
+    sync.finish()
     return dict(unused=[plain(p.grad) for p in model.unused.parameters()],
                 rank0_only=[plain(p.grad) for p in model.rank0_only.parameters()],
                 local=[plain(g) for g in local_rank0_only])
@@ -146,12 +165,13 @@ def test_unused_and_rank_dependent_params_do_not_hang():
 def test_single_process_is_free_and_grads_are_buffer_views():
     model = make_mlp()
     reference = copy.deepcopy(model)
-    buckets = GradientBuckets(list(model.parameters()), None, 1)
+    sync = GradientSync([list(model.parameters())], ParallelContext())
+    buckets = sync.chunks[0]
     assert not buckets.enabled
-    buckets.arm()
+    sync.start(0)
     forward_loss(model, *make_batch()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    buckets.finish()
+    sync.finish()
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
     # Parameters and gradients are views of the two flat buffers, with the same values as before.
     assert all(p.untyped_storage().data_ptr() == buckets.values.untyped_storage().data_ptr() for p in model.parameters())
@@ -160,18 +180,18 @@ def test_single_process_is_free_and_grads_are_buffer_views():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     forward_loss(reference, *make_batch()).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
-    buckets.zero_grad()
+    sync.zero_grad()
     assert all(not p.grad.any() for p in model.parameters()) and not buckets.grads.any()
 
 
 def _all_reduce_grads_worker(rank, world):
-    ctx = ParallelContext(dp=world)
+    ctx = ParallelContext(Layout(dp=world))
     a = nn.Parameter(torch.zeros(3, 4))
     b = nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
     c = nn.Parameter(torch.zeros(2))  # no grad on any rank
     a.grad = torch.full((4, 3), float(rank + 1)).t()  # non-contiguous grad
     b.grad = torch.full((5,), float(rank + 1), dtype=torch.bfloat16)
-    all_reduce_grads([a, b, c, a], ctx.dp_group)  # a twice: reduced once
+    all_reduce_grads([a, b, c], ctx.dp_group)
     return plain(a.grad), plain(b.grad), plain(c.grad)
 
 
@@ -211,12 +231,12 @@ def set_grads(params, step):
             p.grad.copy_(torch.randn(p.shape, generator=g))   # keep the flat buffer's views
 
 
-def run_zero_vs_torch(group, rank, world, steps=5):
+def run_zero_vs_torch(ctx, steps=5):
     """Every rank sets the same gradients, so the shard's 'average' is that gradient; the update of
     the shard pieces followed by the all-gather must equal torch's AdamW on the whole parameters."""
     ours, ref = make_params(), make_params()
-    sync = GradientBuckets(ours, group, world, rank, shard=True, bucket_cap_mb=0.0001)   # several buckets
-    opt = ZeroAdamW([sync], groups_of(ours), **ADAM)
+    sync = GradientSync([ours], ctx, shard=True, bucket_cap_mb=0.0001)   # several buckets
+    opt = ZeroAdamW(sync, groups_of(ours), **ADAM)
     torch_opt = torch.optim.AdamW(groups_of(ref), foreach=False, **ADAM)
     for step in range(steps):
         lr = ADAM["lr"] * (1 - step / 10)  # what a scheduler would do
@@ -231,13 +251,12 @@ def run_zero_vs_torch(group, rank, world, steps=5):
         torch_opt.zero_grad()
     err = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     state = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())
-    return dict(err=err, state=state, total=sum(p.numel() for p in ours), buckets=len(sync.buckets),
+    return dict(err=err, state=state, total=sum(p.numel() for p in ours), buckets=len(sync.chunks[0].buckets),
                 params=[plain(p.detach()) for p in ours], steps=opt.num_steps)
 
 
 def _zero_worker(rank, world):
-    ctx = ParallelContext(dp=world)
-    return run_zero_vs_torch(ctx.dp_group, ctx.dp_rank, ctx.dp)
+    return run_zero_vs_torch(ParallelContext(Layout(dp=world)))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -252,4 +271,4 @@ def test_zero_adamw_matches_torch(world):
 
 
 def test_zero_adamw_single_process():
-    assert run_zero_vs_torch(None, 0, 1)["err"] < TOL
+    assert run_zero_vs_torch(ParallelContext())["err"] < TOL

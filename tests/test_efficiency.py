@@ -14,7 +14,7 @@ import torch._inductor.config
 from nanoexp.metrics import flops_per_token, hardware_flops_per_token
 from nanoexp.model import llama
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.profiling import saved_activation_bytes
+from nanoexp.memory import saved_activation_bytes
 from nanoexp.model.build import build_model, model_shape
 from tests.helpers import FAST, compose_config, train, train_losses
 

@@ -18,6 +18,7 @@ from nanoexp.data.tokenizer import ByteTokenizer
 from nanoexp.hf import load_hf_weights
 from nanoexp.model.generation import KVCache, forward_with_cache, generate
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
 from nanoexp.model.build import build_model
 from scripts.convert_to_hf import convert_to_hf
 from tests.distributed import run_distributed
@@ -109,7 +110,7 @@ def test_byte_tokenizer_files_encode_like_nanoexp(exported):
 
 def _import_on_tp2(rank, world_size, hf_dir):
     cfg = compose_config(FAST + ["model.model_config.tie_word_embeddings=true", "parallelism=dp1tp2pp1"])
-    ctx = ParallelContext(1, 2, 1)
+    ctx = ParallelContext(Layout(tp=2))
     model = build_model(cfg, ctx)
     load_hf_weights(model, hf_dir, ctx)
     return {n: p.detach() for n, p in model.named_parameters()}

@@ -9,7 +9,8 @@ import torch
 from nanoexp.memory import MB, estimate, layer_floats_per_token, total
 from nanoexp.model.build import build_model, model_shape
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.profiling import saved_activation_bytes
+from nanoexp.parallel.layout import Layout
+from nanoexp.memory import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.helpers import compose_config, train
 
@@ -20,30 +21,31 @@ SMALL = ["model=small", "tokens.train_steps=2", "tokens.val_check_interval=0", "
          "logging.tensorboard=false", "logging.exact_cpu_memory=true"]
 
 
-def saved_per_layer(overrides, ctx) -> tuple[float, float]:
+def saved_per_layer(overrides) -> tuple[float, float]:
     """(bytes autograd saves for one more decoder layer, the formula's bytes) for one micro-batch."""
-    saved = []
+    saved, ctx = [], None
     for layers in (1, 2):
         cfg = compose_config(["model=small", f"model.model_config.num_hidden_layers={layers}", *overrides])
+        ctx = ctx or ParallelContext(Layout.from_config(cfg))
         model = build_model(cfg, ctx)
         ids = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
         with saved_activation_bytes(model.parameters()) as counter:
             model(input_ids=ids, labels=ids)
         saved.append(counter.bytes)
-    p = cfg.parallelism
-    sp = p.tp_mode == "reduce_scatter"
-    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), ctx.tp, p.recompute_layer, sp, ctx.cp, p.cp_mode)
+    layout = ctx.layout
+    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), layout.tp, cfg.parallelism.recompute_layer,
+                                                  layout.sequence_parallel, layout.cp, layout.cp_mode)
     return saved[1] - saved[0], formula
 
 
 @pytest.mark.parametrize("overrides", SHAPES + [["parallelism.recompute_layer=true"]], ids=["gqa", "mha", "recompute"])
 def test_layer_formula_is_what_autograd_saves(overrides):
-    measured, formula = saved_per_layer(overrides, ParallelContext())
+    measured, formula = saved_per_layer(overrides)
     assert measured == formula   # counted from the tensors: exact
 
 
 def _tp2_layer(rank, world, overrides):
-    return saved_per_layer(overrides + ["parallelism.tp=2"], ParallelContext(tp=2))
+    return saved_per_layer(overrides + ["parallelism.tp=2"])
 
 
 @pytest.mark.parametrize("overrides", SHAPES + [["parallelism.tp_mode=reduce_scatter"],
@@ -56,8 +58,7 @@ def test_layer_formula_with_tensor_parallelism(overrides):
 
 def _cp2_layer(rank, world, overrides):
     # each rank's 64 tokens are its zig-zag half of a 128-token sequence; the layer's attention is ring attention
-    tp = world // 2
-    return saved_per_layer(overrides + ["parallelism.cp=2", f"parallelism.tp={tp}"], ParallelContext(cp=2, tp=tp))
+    return saved_per_layer(overrides + ["parallelism.cp=2", f"parallelism.tp={world // 2}"])
 
 
 ALL_GATHER = ["parallelism.cp_mode=all_gather"]   # saves the gathered K/V of both cp ranks

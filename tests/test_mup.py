@@ -22,7 +22,7 @@ def group_lrs(overrides: list[str], lr: float) -> dict[str, float]:
     """The rate each optimizer group trains with after set_lr(lr), by group name."""
     cfg = compose_config(overrides)
     ctx = ParallelContext()
-    optimizer = build_optimizer(cfg, build_model(cfg, ctx), ctx)
+    optimizer = build_optimizer(cfg, build_model(cfg, ctx))
     set_lr(optimizer, lr)
     return {group["group"]: group["lr"] for group in optimizer.param_groups}
 

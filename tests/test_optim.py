@@ -6,6 +6,7 @@ import torch
 
 from nanoexp.optim import clip_gradients, lr_at, parameter_groups
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.gradient_sync import GradientSync
 from tests.helpers import compose_config
 
 SCHED = "optimizer.learning_rate_scheduler."
@@ -65,10 +66,11 @@ def test_clipping_matches_torch():
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    sync = GradientSync([a], ParallelContext())   # the gradients become views of its flat buffer
     for p, q in zip(a, b):
-        p.grad = torch.randn_like(p)
+        p.grad.copy_(torch.randn_like(p))
         q.grad = p.grad.clone()
-    norm = clip_gradients(None, a, 0.5, ParallelContext())   # no ZeRO: the parameters' own gradients
+    norm = clip_gradients(sync.norm_inputs(a), 0.5, "cpu")   # no ZeRO: the parameters' own gradients
     expected = torch.nn.utils.clip_grad_norm_(b, 0.5)
     assert math.isclose(norm, expected.item(), rel_tol=1e-6)
     for p, q in zip(a, b):

@@ -1,4 +1,4 @@
-"""The engines' communication plans (nanoexp/parallel/p2p_plan.py) under NCCL's rules.
+"""The schedules' communication plans (nanoexp/verify/p2p_plan.py) under NCCL's rules.
 
 Pure-Python checks of the plans and the checker, then the proof that the engines post exactly
 their plan: every point-to-point call they make on gloo is recorded and compared op for op.
@@ -16,21 +16,23 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.p2p_plan import PlanError, check, interleaved_order, named_plan, plan, schedule
-from nanoexp.parallel.pipeline import build_engine
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline import PipelineEngine
+from nanoexp.parallel.pipeline.schedules import compute_order, schedule
+from nanoexp.verify.p2p_plan import PlanError, check, named_plan, plan
 from tests.distributed import run_distributed
 from tests.test_pipeline import (HIDDEN, MB_SIZE, chunk_layers, make_blocks, make_forward_step, make_micro_batches,
                                  reference, run_engine)
 
 
 def old_interleaved_plan(pp, v, m):
-    """The plan of the interleaved engine before the fix: per compute op of interleaved_order,
+    """The plan of the interleaved engine before the fix: per compute op of its compute order,
     a receive (blocking) before it and a send (isend) after it, each message on its own. Under
     NCCL each is a batch that must complete before the rank posts the next."""
     out = []
     for r in range(pp):
         batches = []
-        for op, chunk, _ in interleaved_order(pp, v, m, r):
+        for op, chunk, _ in compute_order("interleaved_1f1b", pp, v, m, r):
             stage = chunk * pp + r
             has_prev, has_next = stage > 0, stage < pp * v - 1
             prev, nxt = (r - 1) % pp, (r + 1) % pp
@@ -196,13 +198,13 @@ def recorded_p2p(ctx):
 def run_forward_only(ctx, engine_name, num_micro, num_chunks):
     blocks = make_blocks()
     chunks = [nn.Sequential(*[blocks[i] for i in ids]) for ids in chunk_layers(ctx, num_chunks)]
-    engine = build_engine(engine_name, ctx, num_chunks)
+    engine = PipelineEngine(ctx, engine_name, num_chunks)
     return engine.forward_only(make_forward_step(ctx, chunks, num_micro), make_micro_batches(num_micro),
                                (MB_SIZE, HIDDEN), torch.float32)
 
 
 def _recording_worker(rank, world_size, pp, dp, cases):
-    ctx = ParallelContext(dp=dp, pp=pp)
+    ctx = ParallelContext(Layout(dp=dp, pp=pp))
     out = []
     for engine, v, m, forward_only in cases:
         with recorded_p2p(ctx) as posted:

@@ -14,9 +14,9 @@ import numpy as np
 import psutil
 import pytest
 
-from nanoexp.config import world_size
 from nanoexp.parallel.placement import placement
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
 from tests.distributed import run_distributed
@@ -172,8 +172,7 @@ def test_mup_layout_reproduces_single_process_losses(name, mup_reference, tmp_pa
 def _first_step(rank, world_size, overrides):
     cfg = compose_config(FAST + overrides)
     check_config(cfg, world_size)
-    p = cfg.parallelism
-    ctx = ParallelContext(p.dp, p.tp, p.pp, p.cp)
+    ctx = ParallelContext(Layout.from_config(cfg))
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
     loss = trainer.compute_gradients(trainer.batches.next_step())
     trainer.batches.close()
@@ -205,7 +204,7 @@ def full_gradients(results) -> dict:
 def test_first_step_gradients_match_single_process(overrides):
     tied = TIED if TIED[0] in overrides else []
     (expected,) = run_distributed(_first_step, 1, ["parallelism=dp1tp1pp1"] + tied)
-    results = run_distributed(_first_step, world_size(compose_config(FAST + overrides)), overrides)
+    results = run_distributed(_first_step, Layout.from_config(compose_config(FAST + overrides)).world_size, overrides)
     grads, reference_grads = full_gradients(results), full_gradients([expected])
     assert all(abs(r["loss"] - expected["loss"]) < FIRST_STEP_ATOL for r in results)   # same on every rank
     shared = set(grads) & set(reference_grads)

@@ -1,4 +1,4 @@
-"""Pipeline engines (nanoexp/parallel/pipeline.py) on a toy model over forked gloo ranks.
+"""The pipeline engine running each schedule (nanoexp/parallel/pipeline/) on a toy model over forked gloo ranks.
 
 The toy model is NUM_LAYERS blocks of Linear + tanh; the last stage's loss is the MSE of a
 micro-batch scaled by 1/num_micro_batches, so summing over micro-batches gives the step loss.
@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.interleaved import InterleavedOneForwardOneBackward
-from nanoexp.parallel.p2p_plan import interleaved_order
-from nanoexp.parallel.pipeline import (AllForwardAllBackward, OneForwardOneBackward,
-                                       build_engine, split_layers)
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline import PipelineEngine
+from nanoexp.parallel.pipeline.schedules import compute_order
 from tests.distributed import run_distributed
 
 HIDDEN, MB_SIZE, NUM_LAYERS = 8, 4, 8
@@ -55,8 +54,7 @@ def reference(num_micro: int):
 
 def chunk_layers(ctx, num_chunks: int) -> list[range]:
     """This rank's layers per chunk: chunk c is virtual stage c*pp + pp_rank of pp*num_chunks."""
-    stages = split_layers(NUM_LAYERS, ctx.pp * num_chunks)
-    return [stages[c * ctx.pp + ctx.pp_rank] for c in range(num_chunks)]
+    return Layout(pp=ctx.pp, virtual_stages=num_chunks).stage_layers(NUM_LAYERS, ctx.pp_rank)
 
 
 def make_forward_step(ctx, chunks, num_micro):
@@ -77,7 +75,7 @@ def run_engine(ctx, name, num_micro, num_chunks=1):
     events = []
     for c, chunk in enumerate(chunks):
         chunk[0][0].weight.register_hook(lambda g, c=c: events.append(("grad", c)))
-    engine = build_engine(name, ctx, num_chunks)
+    engine = PipelineEngine(ctx, name, num_chunks)
     losses = engine.run(make_forward_step(ctx, chunks, num_micro), make_micro_batches(num_micro),
                         (MB_SIZE, HIDDEN), torch.float32, on_last_backward=lambda c: events.append(("hook", c)))
     mine = [i for ids in layers for i in ids]
@@ -138,7 +136,7 @@ def portable(obj):
 
 
 def _pipeline_worker(rank, world_size, pp, dp, num_micro, with_torch):
-    ctx = ParallelContext(dp=dp, pp=pp)
+    ctx = ParallelContext(Layout(dp=dp, pp=pp))
     out = {name: run_engine(ctx, name, num_micro) for name in ("afab", "1f1b")}
     if with_torch:
         out["torch"] = run_torch_reference(ctx, num_micro)
@@ -184,7 +182,7 @@ def test_engines_match_single_process_and_torch(pp, dp, num_micro):
 
 
 def _few_micro_batches_worker(rank, world_size, counts):
-    ctx = ParallelContext(pp=world_size)
+    ctx = ParallelContext(Layout(pp=world_size))
     return portable((ctx.pp_rank, [run_engine(ctx, "1f1b", m) for m in counts]))
 
 
@@ -214,39 +212,21 @@ def test_pp1_is_plain_gradient_accumulation(name):
     assert res["events"] == [("grad", 0), ("grad", 0), ("hook", 0), ("grad", 0)]
 
 
-def test_split_layers():
-    assert split_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
-    assert split_layers(5, 1) == [range(0, 5)]
-    for n, pp in [(7, 3), (13, 5), (4, 4)]:
-        sizes = [len(r) for r in split_layers(n, pp)]
-        assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
-        assert sizes == sorted(sizes, reverse=True)  # earlier stages get the extra layers
-    with pytest.raises(ValueError):
-        split_layers(3, 4)
-    with pytest.raises(ValueError):
-        split_layers(3, 0)
-
-
-def test_build_engine():
+def test_engine_refuses_a_schedule_it_cannot_run():
     ctx = ParallelContext()
-    assert isinstance(build_engine("afab", ctx), AllForwardAllBackward)
-    assert isinstance(build_engine("1F1B", ctx), OneForwardOneBackward)
-    assert isinstance(build_engine("AFAB", ctx), AllForwardAllBackward)
     with pytest.raises(ValueError, match="unknown pipeline engine"):
-        build_engine("gpipe", ctx)
-    with pytest.raises(ValueError, match="virtual stages per rank need the interleaved_1f1b engine"):
-        build_engine("1f1b", ctx, virtual_stages=2)
+        PipelineEngine(ctx, "gpipe")
+    with pytest.raises(ValueError, match="invalid pipeline shape for 1f1b"):   # chunks need the interleaved one
+        PipelineEngine(ctx, "1f1b", num_chunks=2)
     with pytest.raises(ValueError, match="at least 2 pipeline ranks"):   # one rank has no ring to interleave
-        build_engine("interleaved_1f1b", ctx, virtual_stages=2)
+        PipelineEngine(ctx, "interleaved_1f1b", num_chunks=2)
     ctx.pp = 2
-    engine = build_engine("interleaved_1f1b", ctx, virtual_stages=3)
-    assert isinstance(engine, InterleavedOneForwardOneBackward) and engine.num_chunks == 3
+    assert PipelineEngine(ctx, "interleaved_1f1b", num_chunks=3).num_chunks == 3
 
 
 def test_wrong_activation_shape_is_reported():
-    ctx = ParallelContext(pp=1)
-    engine = build_engine("1f1b", ctx)
+    ctx = ParallelContext()
+    engine = PipelineEngine(ctx, "1f1b")
     # With pp == 1 the stage is also the last stage, so use a fake 2-stage view of it.
     ctx.pp, ctx.pp_rank = 2, 0
     with pytest.raises(ValueError, match="tensor_shape"):
@@ -256,10 +236,10 @@ def test_wrong_activation_shape_is_reported():
 # -- interleaved 1F1B ------------------------------------------------------------------------
 
 def simulate_interleaved(pp, v, m, t_forward=1.0, t_backward=2.0) -> list[dict]:
-    """Execute every rank's interleaved_order with fixed chunk times (t/v per chunk) and free
+    """Execute every rank's interleaved compute order with fixed chunk times (t/v per chunk) and free
     communication, each op as soon as its input is ready; returns trace-like events.
     Raises AssertionError if the ranks' orders deadlock (no rank can make progress)."""
-    orders = [interleaved_order(pp, v, m, r) for r in range(pp)]
+    orders = [compute_order("interleaved_1f1b", pp, v, m, r) for r in range(pp)]
     position, clock, finished, events = [0] * pp, [0.0] * pp, {}, []
     progress = True
     while progress:
@@ -297,7 +277,7 @@ def test_interleaved_order_runs_and_meets_the_theoretical_bubble(pp, v, rounds):
     (p-1)/(v*m+p-1) (Narayanan et al. 2021, section 2.2.2)."""
     m = rounds * pp
     for r in range(pp):
-        order = interleaved_order(pp, v, m, r)
+        order = compute_order("interleaved_1f1b", pp, v, m, r)
         assert sorted(order) == sorted((op, c, i) for op in "FB" for c in range(v) for i in range(m))
         for c in range(v):
             assert [i for op, cc, i in order if op == "B" and cc == c] == list(range(m))
@@ -311,11 +291,11 @@ def test_interleaved_order_runs_and_meets_the_theoretical_bubble(pp, v, rounds):
 
 def test_interleaved_order_needs_a_multiple_of_pp_micro_batches():
     with pytest.raises(ValueError, match="multiple"):
-        interleaved_order(4, 2, 6, 0)
+        compute_order("interleaved_1f1b", 4, 2, 6, 0)
 
 
 def _interleaved_worker(rank, world_size, pp, dp, num_chunks, num_micro):
-    ctx = ParallelContext(dp=dp, pp=pp)
+    ctx = ParallelContext(Layout(dp=dp, pp=pp))
     return portable({"pp_rank": ctx.pp_rank,
                      "ours": run_engine(ctx, "interleaved_1f1b", num_micro, num_chunks),
                      "afab": run_engine(ctx, "afab", num_micro),

@@ -1,4 +1,5 @@
-"""The pipeline timeline (nanoexp/parallel/trace.py) and scripts/plot_pipeline.py.
+"""The pipeline timeline (recorded by nanoexp/parallel/trace.py, read by nanoexp/verify/trace_analysis.py) and
+scripts/plot_pipeline.py.
 
 The bubble arithmetic is checked against an independent model of the schedule (the
 dependency simulation in tests/test_pipeline.py, where the answer is known exactly); the
@@ -16,8 +17,10 @@ import torch
 import torch.nn as nn
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.pipeline import build_engine
-from nanoexp.parallel.trace import PipelineTrace, bucket_overlap, measured_bubble, read_trace, theoretical_bubble
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline import PipelineEngine
+from nanoexp.parallel.trace import PipelineTrace
+from nanoexp.verify.trace_analysis import bucket_overlap, measured_bubble, read_trace, theoretical_bubble
 from tests.distributed import run_distributed
 from tests.helpers import FAST, train
 from tests.test_pipeline import (HIDDEN, MB_SIZE, chunk_layers, make_blocks, make_forward_step, make_micro_batches,
@@ -52,11 +55,11 @@ def test_bucket_overlap_is_relative_to_the_last_backward():
 
 
 def _traced_1f1b_worker(rank, world_size, run_dir, num_micro):
-    ctx = ParallelContext(pp=world_size)
+    ctx = ParallelContext(Layout(pp=world_size))
     blocks = make_blocks()
     stage = nn.Sequential(*[blocks[i] for i in chunk_layers(ctx, 1)[0]])
-    trace = PipelineTrace.for_run(run_dir, ctx, "1f1b", 1)
-    engine = build_engine("1f1b", ctx, trace=trace)
+    trace = PipelineTrace.for_run(run_dir, ctx)
+    engine = PipelineEngine(ctx, "1f1b", trace=trace)
     for _ in range(2):
         engine.run(make_forward_step(ctx, [stage], num_micro), make_micro_batches(num_micro), (MB_SIZE, HIDDEN),
                    torch.float32)
@@ -75,7 +78,7 @@ def test_1f1b_trace_records_compute_and_communication(tmp_path):
             for kind in ("forward", "backward"):
                 assert sorted(e["mb"] for e in mine if e["kind"] == kind) == list(range(m))
             assert all(e["start"] <= e["end"] for e in mine)
-        # 1F1B's steady state sends and receives in one batch (see pipeline.py).
+        # 1F1B's steady state sends and receives in one batch (see pipeline/schedules.py).
         labels = {e["kind"] for e in events if e["rank"] == r}
         assert ("send_forward recv_backward" if r == 0 else "send_backward recv_forward") in labels
 

@@ -2,8 +2,8 @@
 
 The zig-zag split and its work balance are checked as plain Python; the ring runs on cp forked gloo ranks
 and its output and q/k/v gradients, gathered back to the full sequence, are compared with SDPA's
-(is_causal=True) on one process. Every point-to-point call is recorded and must equal ring_plan, which
-p2p_plan.check accepts under NCCL's rules.
+(is_causal=True) on one process. Every point-to-point call is recorded and must equal ring_plan
+(nanoexp/verify/context_parallel.py), which p2p_plan.check accepts under NCCL's rules.
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import nanoexp.parallel.attention_blocks as attention_blocks
 from nanoexp.data.loader import document_positions
 from nanoexp.model.llama import causal_attention, document_attention
 from nanoexp.parallel.all_gather_attention import all_gather_attention
-from nanoexp.parallel.comm_counter import CommCounter
-from nanoexp.parallel.p2p_plan import PlanError, check
-from nanoexp.parallel.ring_attention import (document_starts, rank_chunks, ring_attention, ring_blocks, ring_plan,
-                                             visibility, zigzag_gather, zigzag_indices, zigzag_split)
+from nanoexp.parallel.ring_attention import ring_attention, ring_blocks, visibility
+from nanoexp.parallel.zigzag import document_starts, rank_chunks, zigzag_indices, zigzag_split
+from nanoexp.verify.comm_counter import CommCounter
+from nanoexp.verify.context_parallel import ring_plan, zigzag_gather
+from nanoexp.verify.p2p_plan import PlanError, check
 from tests.distributed import run_distributed
 from tests.test_p2p_plan import recorded_p2p
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nanoexp.checkpoint.signals import handle_stop_signals, stop_requested
+from nanoexp.signals import handle_stop_signals, stop_requested
 from nanoexp.launch import spawn_local
 from tests.helpers import FAST, train, train_losses
 

@@ -43,9 +43,9 @@ def test_e2e_small_experiment_is_fast_plus_a_few_steps():
 def test_task_count_is_derived_or_checked_against_the_layout():
     assert slurm_tasks_per_node([8, 8, 8], nodes=2, tasks_per_node=None) == 4
     assert slurm_tasks_per_node([4, 4], nodes=1, tasks_per_node=4) == 4
-    with pytest.raises(ConfigError, match=r"hydra.launcher.tasks_per_node=2 x hydra.launcher.nodes=1 = 2 .* dp\*tp\*pp = 4"):
+    with pytest.raises(ConfigError, match=r"hydra.launcher.tasks_per_node=2 x hydra.launcher.nodes=1 = 2 .* dp\*cp\*tp\*pp = 4"):
         slurm_tasks_per_node([4], nodes=1, tasks_per_node=2)
-    with pytest.raises(ConfigError, match=r"hydra.launcher.nodes=3 does not divide the world size dp\*tp\*pp=8"):
+    with pytest.raises(ConfigError, match=r"hydra.launcher.nodes=3 does not divide the world size dp\*cp\*tp\*pp=8"):
         slurm_tasks_per_node([8], nodes=3, tasks_per_node=None)
     with pytest.raises(ConfigError, match=r"mixes world sizes .*world size 1: jobs \[5\]; world size 2: jobs \[4, 6\]"):
         slurm_tasks_per_node([2, 1, 2], nodes=1, tasks_per_node=None, first_job=4)

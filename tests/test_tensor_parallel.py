@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from nanoexp.parallel.placement import placement
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
     gather_from_sequence_parallel, reduce_from_tp, scatter_to_sequence_parallel, shard_tensor,
@@ -151,7 +152,7 @@ def _check_all(pc):
 
 def _tp_worker(rank, world_size, layouts):
     for dp, tp in layouts:
-        _check_all(ParallelContext(dp=dp, tp=tp))
+        _check_all(ParallelContext(Layout(dp=dp, tp=tp)))
     return True
 
 

@@ -22,7 +22,7 @@ from nanoexp.checkpoint.save import FORMAT_VERSION, STATE_KINDS, CheckpointError
 from nanoexp.model.build import build_model
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import value_name
+from nanoexp.parallel.placement import EMBEDDING, value_name
 from nanoexp.parallel.tensor_parallel import shard_tensor
 from nanoexp.parallel.zero import ZeroAdamW
 
@@ -153,7 +153,7 @@ def load_model(reader: CheckpointReader, model, ctx) -> None:
 def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
     """Re-slice AdamW moments into `optimizer` (torch AdamW or ZeRO-1, any dp); False if none saved."""
     steps = reader.meta.get("optimizer_steps", 0)
-    if steps == 0 or not reader.has("model.embed_tokens.weight", "exp_avg"):
+    if steps == 0 or not reader.has(EMBEDDING, "exp_avg"):
         return False
     names = {id(p): n for n, p in model.named_parameters()}
 
@@ -195,10 +195,9 @@ def load_single_process(folder: str):
     """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode."""
     reader = CheckpointReader(folder)
     cfg = OmegaConf.create(reader.meta["config"])
-    for key in ("dp", "cp", "tp", "pp"):
-        cfg.parallelism[key] = 1
+    cfg.parallelism.merge_with(dict(dp=1, cp=1, tp=1, pp=1, pp_virtual_stages=1, pp_engine="1f1b"))
     cfg.model.init_method.path = None
-    ctx = ParallelContext()
+    ctx = ParallelContext()   # one process: the whole model in one chunk
     model = build_model(cfg, ctx)
     check_compatible(reader, model.shape)
     load_model(reader, model, ctx)

@@ -4,7 +4,7 @@
     resume = checkpoints.where_to_start()   # -> Resume(step, consumed_samples, lr_step_offset, ...), from meta.json
     checkpoints.restore(model, optimizer)   # its weights, optimizer state and RNG
     ... after each optimizer step:
-    if checkpoints.after_step(step, is_last, model, optimizer, progress): stop (a signal came)
+    checkpoints.after_step(step, is_last, stop, model, optimizer, progress)   # saves when due or stopping
 
 Where a run starts: its own checkpoint (latest.txt under checkpoint.checkpoints_path) if there is
 one, else checkpoint.resume_checkpoint_path (a seed for the first start only), else step 1.
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from nanoexp import config as C
+from nanoexp.config import global_batch_size
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
-from nanoexp.checkpoint.signals import stop_agreed
 from nanoexp.model.build import model_shape
 
 log = logging.getLogger("nanoexp")
@@ -131,9 +130,9 @@ class CheckpointManager:
         if same_layout:
             load_rng(reader, ctx)
         step = meta["step"]
-        if meta["global_batch_size"] != C.global_batch_size(self.cfg):
+        if meta["global_batch_size"] != global_batch_size(self.cfg):
             log.warning("global batch size changes from %d (checkpoint) to %d: continuing from consumed sample %d",
-                        meta["global_batch_size"], C.global_batch_size(self.cfg), meta["consumed_samples"])
+                        meta["global_batch_size"], global_batch_size(self.cfg), meta["consumed_samples"])
         log.info("resuming from %s, %s: step %d, %d consumed samples, saved on %s%s%s", folder, origin, step,
                  meta["consumed_samples"], meta["layout"], "" if loaded_optimizer else ", fresh optimizer state",
                  "" if same_layout else ", re-sliced for this layout")
@@ -147,7 +146,7 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, progress: "Progress") -> str:
         meta = {"consumed_samples": progress.consumed_samples, "skipped_steps": progress.skipped_steps,
                 "consumed_tokens": progress.consumed_tokens,
-                "global_batch_size": C.global_batch_size(self.cfg), "layout": self.layout(),
+                "global_batch_size": global_batch_size(self.cfg), "layout": self.layout(),
                 "world_size": self.ctx.world_size, "optimizer_steps": optimizer_steps(optimizer),
                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
         if progress.stage_consumed_samples:
@@ -157,16 +156,12 @@ class CheckpointManager:
         self.last_saved, self.abandon_after = step, None
         return path
 
-    def after_step(self, step: int, is_last: bool, model, optimizer, progress: "Progress") -> bool:
-        """Save when the interval, the end of training or a stop signal asks for it; True: stop before the end."""
+    def after_step(self, step: int, is_last: bool, stop: bool, model, optimizer, progress: "Progress") -> None:
+        """Save when the interval or the end of training asks for it, or `stop` (a stop signal came)."""
         c = self.cfg.checkpoint
-        stop = stop_agreed(self.ctx)
         due = (c.checkpoint_interval and step % c.checkpoint_interval == 0) or (is_last and c.save_final_state)
         if (due or stop) and self.last_saved != step:
             self.save(step, model, optimizer, progress)
-        if stop and not is_last:
-            log.info("stop signal received: checkpoint saved after step %d, exiting", step)
-        return stop and not is_last
 
 
 def optimizer_steps(optimizer) -> int:

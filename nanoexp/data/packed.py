@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .corpus import load_builtin_documents, split_train_val
-from .tokenizer import Tokenizer, build_tokenizer
+from .tokenizer import Tokenizer
 
 
 class TokenWindows:
@@ -69,19 +69,18 @@ class PackedDataset(TokenWindows):
 
 
 def build_builtin_datasets(
-    tokenizer_name_or_path: str,
+    tokenizer: Tokenizer,
     sequence_length: int,
     val_fraction: float,
     documents: Optional[Sequence[str]] = None,
-) -> tuple[PackedDataset, PackedDataset, Tokenizer]:
-    """Build ``(train, validation, tokenizer)`` from config values.
+) -> tuple[PackedDataset, PackedDataset]:
+    """Build ``(train, validation)`` packed with ``tokenizer``.
 
     ``documents`` defaults to the built-in corpus; the validation set is the held-out tail of
     every document (see :func:`split_train_val`). Deterministic: same inputs, same datasets.
     """
-    tokenizer = build_tokenizer(tokenizer_name_or_path)
     docs = load_builtin_documents() if documents is None else list(documents)
     train_docs, val_docs = split_train_val(docs, val_fraction)
     train = PackedDataset(train_docs, tokenizer, sequence_length, "built-in corpus (train)")
     val = PackedDataset(val_docs, tokenizer, sequence_length, "built-in corpus (validation)")
-    return train, val, tokenizer
+    return train, val

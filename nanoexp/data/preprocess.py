@@ -7,7 +7,6 @@ back in the same order, so the output does not depend on the number of workers.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 from typing import Optional, Sequence
 
@@ -15,14 +14,7 @@ import numpy as np
 
 from .hf_dataset import load_hf_dataset, read_texts
 from .nanoset import NanosetWriter
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-
-
-def load_tokenizer(name_or_path: str) -> Tokenizer:
-    """``byte``, a local Hugging Face tokenizer folder, or (online) a Hub tokenizer name."""
-    if name_or_path == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(name_or_path, local_files_only=os.path.isdir(os.path.expanduser(name_or_path)))
+from .tokenizer import Tokenizer, build_tokenizer
 
 
 _worker_tokenizer: Optional[Tokenizer] = None
@@ -30,7 +22,7 @@ _worker_tokenizer: Optional[Tokenizer] = None
 
 def _init_worker(tokenizer_name: str) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(tokenizer_name)
+    _worker_tokenizer = build_tokenizer(tokenizer_name, allow_download=True)
 
 
 def _encode(texts: list[str]) -> list[np.ndarray]:
@@ -44,7 +36,7 @@ def preprocess(inputs: Sequence[str], output_folder: str, tokenizer_name: str = 
     (json/jsonl, parquet, csv, txt) or one Hub dataset name."""
     from tqdm import tqdm
 
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = build_tokenizer(tokenizer_name, allow_download=True)
     extra = {"sources": [str(i) for i in inputs], "text_key": text_key}
     writer = NanosetWriter(output_folder, tokenizer.name, tokenizer.vocab_size, tokenizer.eod_id,
                            overwrite=overwrite, extra_metadata=extra)   # refuses before any work

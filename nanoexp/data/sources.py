@@ -33,9 +33,7 @@ def _validation_samples(cfg: Any):
 
 # -- builtin ---------------------------------------------------------------------------------------
 def _build_builtin(cfg: Any, tokenizer: Tokenizer):
-    train, val, _ = build_builtin_datasets(cfg.tokenizer.tokenizer_name_or_path, cfg.tokens.sequence_length,
-                                           cfg.data.validation_fraction)
-    return train, val
+    return build_builtin_datasets(tokenizer, cfg.tokens.sequence_length, cfg.data.validation_fraction)
 
 
 # -- nanoset ---------------------------------------------------------------------------------------

@@ -87,19 +87,22 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
 
 
-def build_tokenizer(name_or_path: str) -> Tokenizer:
+def build_tokenizer(name_or_path: str, allow_download: bool = False) -> Tokenizer:
     """Return the tokenizer named by the config value ``tokenizer.tokenizer_name_or_path``.
 
-    ``"byte"`` gives :class:`ByteTokenizer`; anything else must be a local Hugging Face
-    tokenizer folder, otherwise :class:`FileNotFoundError` is raised.
+    ``"byte"`` gives :class:`ByteTokenizer`; anything else must be a local Hugging Face tokenizer folder,
+    otherwise :class:`FileNotFoundError` is raised. Training never downloads; ``allow_download`` (the
+    preprocessing script) also accepts a Hub tokenizer name.
     """
     if name_or_path == "byte":
         return ByteTokenizer()
     path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer.tokenizer_name_or_path={name_or_path}: not 'byte' and no such local folder. "
-            "Use 'byte' for the built-in byte tokenizer, or the path of a folder holding a "
-            "Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."
-        )
-    return HFTokenizer(path)
+    if path.is_dir():
+        return HFTokenizer(path)
+    if allow_download:
+        return HFTokenizer(name_or_path, local_files_only=False)
+    raise FileNotFoundError(
+        f"tokenizer.tokenizer_name_or_path={name_or_path}: not 'byte' and no such local folder. "
+        "Use 'byte' for the built-in byte tokenizer, or the path of a folder holding a "
+        "Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."
+    )

@@ -8,8 +8,9 @@ With tp == 1 the parallel layers are plain linear/embedding ops.
 Shapes: b = batch, s = sequence, h = hidden, d = head dim; under sequence parallelism the
 activations between blocks are [b, s/tp, h] and the attention/MLP insides see the full s.
 Under context parallelism (cp > 1) a rank holds s/cp tokens of every sample, its two zig-zag
-chunks (nanoexp/parallel/ring_attention.py), everywhere; only attention meets the other chunks, round
-a ring of the cp ranks or by one all-gather of K/V (cp_mode, nanoexp/parallel/all_gather_attention.py).
+chunks (nanoexp/parallel/zigzag.py), everywhere; only attention meets the other chunks, round a ring
+of the cp ranks or by one all-gather of K/V (ctx.layout.cp_attention).
+The layout (ctx.layout) says whether activations are sequence parallel and which cp attention runs.
 """
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanoexp.model.mup import STANDARD, Parametrization
-from nanoexp.parallel.all_gather_attention import all_gather_attention
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import EMBEDDING, place, placement, value_name
-from nanoexp.parallel.ring_attention import document_starts, ring_attention, zigzag_indices
+from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, place, placement, value_name
+from nanoexp.parallel.zigzag import document_starts, zigzag_indices
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               column_input, shard_tensor, vocab_parallel_cross_entropy)
 
@@ -76,7 +76,7 @@ def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
         shapes.update(layer_shapes(shape, n))
     shapes["model.norm.weight"] = (shape.hidden_size,)
     if not shape.tie_word_embeddings:
-        shapes["lm_head.weight"] = (shape.vocab_size, shape.hidden_size)
+        shapes[LM_HEAD] = (shape.vocab_size, shape.hidden_size)
     return shapes
 
 
@@ -139,20 +139,16 @@ def document_attention(q, k, v, document_ids, position_ids, kv_document_ids=None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-# parallelism.cp_mode -> how the cp ranks' chunks attend to the whole sequence (same interface, same layout)
-CONTEXT_PARALLEL_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
-
-
 class Attention(nn.Module):
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool, cp_mode: str = "ring"):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext):
         super().__init__()
         d = shape.head_dim
         self.heads = shape.num_attention_heads // ctx.tp          # heads on this tp rank
         self.kv_heads = shape.num_key_value_heads // ctx.tp
         self.head_dim, self.scale = d, shape.attention_scale
-        self.ctx, self.sequence_parallel = ctx, sequence_parallel
-        self.context_attention = CONTEXT_PARALLEL_ATTENTION[cp_mode]
-        sp = dict(sequence_parallel=sequence_parallel)
+        self.ctx, self.sequence_parallel = ctx, ctx.layout.sequence_parallel
+        self.context_attention = ctx.layout.cp_attention
+        sp = dict(sequence_parallel=self.sequence_parallel)
         self.q_proj = ColumnParallelLinear(shape.hidden_size, shape.num_attention_heads * d, ctx, **sp)
         self.k_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
         self.v_proj = ColumnParallelLinear(shape.hidden_size, shape.num_key_value_heads * d, ctx, **sp)
@@ -179,10 +175,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext):
         super().__init__()
-        self.ctx, self.sequence_parallel = ctx, sequence_parallel
-        sp = dict(sequence_parallel=sequence_parallel)
+        self.ctx, self.sequence_parallel = ctx, ctx.layout.sequence_parallel
+        sp = dict(sequence_parallel=self.sequence_parallel)
         self.gate_proj = ColumnParallelLinear(shape.hidden_size, shape.intermediate_size, ctx, **sp)
         self.up_proj = ColumnParallelLinear(shape.hidden_size, shape.intermediate_size, ctx, **sp)
         self.down_proj = RowParallelLinear(shape.intermediate_size, shape.hidden_size, ctx, **sp)
@@ -194,12 +190,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, sequence_parallel: bool, cp_mode: str = "ring"):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, ctx, sequence_parallel, cp_mode)
+        self.self_attn = Attention(shape, ctx)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape, ctx, sequence_parallel)
+        self.mlp = MLP(shape, ctx)
 
     def forward(self, x, cos, sin, documents=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
@@ -209,53 +205,50 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     """HF's `model.*`: embedding (first stage), this stage's layers, final norm (last stage)."""
 
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range, sequence_parallel: bool,
-                 cp_mode: str = "ring"):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: list[int]):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, ctx,
-                                                    sequence_parallel=sequence_parallel)
+                                                    sequence_parallel=ctx.layout.sequence_parallel)
                              if ctx.is_first_stage else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx, sequence_parallel, cp_mode) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx) for i in layer_ids})
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if ctx.is_last_stage else None
 
 
 class LlamaForCausalLM(nn.Module):
     """One pipeline stage of a Llama (the whole model when pp == 1).
 
-    ``layer_ids`` is a range of global layer indices, or, with virtual pipeline stages, a list
-    of ranges: this rank's chunks, run one at a time by ``forward(chunk=c)``. The embedding
-    belongs to chunk 0 of the first stage, the final norm and LM head to the last chunk of the
-    last stage. Parameter names do not depend on the chunking. ``cp_mode`` (ring | all_gather) picks the
-    context-parallel attention when ctx.cp > 1."""
+    ``layer_ids``: the global layer indices of each chunk this rank holds (Layout.stage_layers; one chunk
+    without virtual stages), run one at a time by ``forward(chunk=c)``; None: every layer in one chunk. The
+    embedding belongs to chunk 0 of the first stage, the final norm and LM head to the last chunk of the last
+    stage. Parameter names do not depend on the chunking."""
 
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: range | list[range] | None = None,
-                 sequence_parallel: bool = False, recompute_layer: bool = False, cp_mode: str = "ring"):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: list[range] | None = None,
+                 recompute_layer: bool = False):
         super().__init__()
         self.shape, self.ctx = shape, ctx
-        self.sequence_parallel, self.recompute_layer = sequence_parallel, recompute_layer
-        layer_ids = range(shape.num_hidden_layers) if layer_ids is None else layer_ids
-        self.chunks = list(layer_ids) if isinstance(layer_ids, list) else [layer_ids]
-        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk], sequence_parallel, cp_mode)
+        self.sequence_parallel, self.recompute_layer = ctx.layout.sequence_parallel, recompute_layer
+        self.chunks = [range(shape.num_hidden_layers)] if layer_ids is None else list(layer_ids)
+        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk])
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ColumnParallelLinear(shape.hidden_size, shape.vocab_size, ctx,
-                                                sequence_parallel=sequence_parallel)
+                                                sequence_parallel=self.sequence_parallel)
         self.tie_embeddings()
         # Under SP the norm weights see only part of the sequence: their grads are summed over tp.
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                place(module.weight, sequence_parallel=sequence_parallel)
+                place(module.weight, sequence_parallel=self.sequence_parallel)
 
     def tie_embeddings(self) -> None:
-        """With tie_word_embeddings the LM head is the embedding: the same tensor on one stage; across
-        stages, a copy on the last stage holding the same values, both ends' gradients summed."""
-        if not self.shape.tie_word_embeddings:
-            return
-        if self.ctx.is_first_stage and self.ctx.is_last_stage:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        elif self.ctx.is_first_stage:
+        """With tie_word_embeddings the LM head is the embedding, where the layout puts it
+        (Layout.lm_head_weight): the same tensor on one stage, or a copy on the last stage."""
+        tied, layout, pp_rank = self.shape.tie_word_embeddings, self.ctx.layout, self.ctx.pp_rank
+        if layout.embedding_has_copy(pp_rank, tied):
             place(self.model.embed_tokens.weight, tied_across_stages=True)
-        elif self.ctx.is_last_stage:
+        head = layout.lm_head_weight(pp_rank, tied)
+        if head == "embedding":
+            self.lm_head.weight = self.model.embed_tokens.weight
+        elif head == "copy":
             place(self.lm_head.weight, tied_across_stages=True, tied_copy=True)
 
     def has_embedding(self, chunk: int = 0) -> bool:
@@ -265,13 +258,18 @@ class LlamaForCausalLM(nn.Module):
         return self.ctx.is_last_stage and chunk == len(self.chunks) - 1
 
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
-        """The parameters that forward(chunk=chunk) uses (a tied weight may appear twice)."""
+        """The parameters that forward(chunk=chunk) uses, each tensor once (a head tied on one stage is the
+        embedding)."""
         modules = [self.model.layers[str(i)] for i in self.chunks[chunk]]
         if self.has_embedding(chunk):
             modules.insert(0, self.model.embed_tokens)
         if self.has_head(chunk):
             modules += [self.model.norm, self.lm_head]
-        return [p for module in modules for p in module.parameters()]
+        return list({id(p): p for module in modules for p in module.parameters()}.values())
+
+    def parameters_by_chunk(self) -> list[list[nn.Parameter]]:
+        """`chunk_parameters` of every chunk, in chunk order."""
+        return [self.chunk_parameters(c) for c in range(len(self.chunks))]
 
     def forward(self, input_ids=None, hidden_states=None, labels=None, chunk: int = 0, position_ids=None,
                 document_ids=None):

@@ -26,9 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nanoexp.parallel.placement import EMBEDDING
+from nanoexp.parallel.placement import EMBEDDING, LM_HEAD
 
-LM_HEAD = "lm_head.weight"
 # The optimizer's parameter groups, in this order (empty ones are left out): matrices trained with η
 # (under µP only the embedding and the LM head), hidden matrices (µP only: η/m), vectors (no decay).
 GROUPS = ("matrices", "hidden", "vectors")

@@ -7,7 +7,7 @@ attention K/V are small next to Q (kv_heads / heads of its size), so gathering t
 and one large collective is simpler to run and to tune than cp − 1 point-to-point steps that must overlap
 with compute to hide their latency, at the price of communication that overlaps with less.
 
-The layout is the ring's zig-zag split (ring_attention.rank_chunks): rank r holds queries and K/V of chunks
+The layout is the ring's zig-zag split (zigzag.py): rank r holds queries and K/V of chunks
 r and 2·cp − 1 − r. After the gather a rank computes exactly the blocks ring_blocks lists for it (the same
 visibility rules, so the same balanced work), each in tiles (attention_blocks.py), merged by log-sum-exp.
 Document masking hides, tile by tile, the keys before each query's document start, as the ring does.
@@ -27,8 +27,9 @@ import math
 import torch
 
 from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
-from nanoexp.parallel.data_parallel import collective
-from nanoexp.parallel.ring_attention import rank_chunks, ring_blocks
+from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
+from nanoexp.parallel.ring_attention import ring_blocks
+from nanoexp.parallel.zigzag import chunk_start
 
 
 def gather_blocks(cp: int, cp_rank: int) -> dict[int, list[tuple[int, int, bool]]]:
@@ -47,7 +48,7 @@ def _documents(starts, q_half: int, source: int, k_half: int, local_len: int, cp
     starts and the sequence index of the first key of half k_half of rank `source`'s chunks."""
     if starts is None:
         return {}
-    return dict(starts=_halves(starts, dim=1)[q_half], key_start=rank_chunks(cp, source)[k_half] * (local_len // 2))
+    return dict(starts=_halves(starts, dim=1)[q_half], key_start=chunk_start(local_len, cp, source, k_half))
 
 
 def _start_gather(kv, group, cp):
@@ -56,9 +57,8 @@ def _start_gather(kv, group, cp):
     if cp == 1:
         gathered[0] = kv
         return None, gathered
-    all_gather = collective("all_gather_single", "all_gather_into_tensor")
     # rank i's [2, ...] lands in rows 2i, 2i+1 of the concatenated view, i.e. gathered[i]
-    work = all_gather(gathered.flatten(0, 1), kv, group=group, async_op=True)
+    work = all_gather_into(gathered.flatten(0, 1), kv, group=group, async_op=True)
     return work, gathered
 
 
@@ -67,8 +67,7 @@ def _reduce_scatter(grad_gathered, group, cp):
     if cp == 1:
         return grad_gathered[0]
     grad_kv = torch.empty(grad_gathered.shape[1:], dtype=grad_gathered.dtype, device=grad_gathered.device)
-    reduce_scatter = collective("reduce_scatter_single", "reduce_scatter_tensor")
-    reduce_scatter(grad_kv, grad_gathered.flatten(0, 1), group=group)
+    reduce_scatter_into(grad_kv, grad_gathered.flatten(0, 1), group=group)
     return grad_kv
 
 

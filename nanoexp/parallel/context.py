@@ -15,37 +15,33 @@ process groups. With one process no group is created and every collective is ski
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import product
 
 import torch
 import torch.distributed as dist
 
-from nanoexp.config import layout_string
+from nanoexp.parallel.layout import Layout
 
 
-@dataclass
 class ParallelContext:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    collective_timeout_s: float = 600.0   # groups made here do not inherit the world's timeout
+    """This rank's place in `layout` and the process groups it belongs to, on `device`."""
 
-    def __post_init__(self):
-        self.world_size = self.dp * self.cp * self.tp * self.pp
+    def __init__(self, layout: Layout = Layout(), device: torch.device | None = None,
+                 collective_timeout_s: float = 600.0):
+        self.layout = layout
+        self.device = device or torch.device("cpu")
+        self.collective_timeout_s = collective_timeout_s   # groups made here do not inherit the world's timeout
+        self.dp, self.cp, self.tp, self.pp = layout.dp, layout.cp, layout.tp, layout.pp
+        self.world_size, self.dp_cp = layout.world_size, layout.dp_cp
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         actual = dist.get_world_size() if dist.is_initialized() else 1
         if actual != self.world_size:
-            raise ValueError(
-                f"world size {actual} != dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp}")
+            raise ValueError(f"world size {actual} != dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp}")
         self.backend = dist.get_backend() if dist.is_initialized() else None
         self.pp_rank, rest = divmod(self.rank, self.dp * self.cp * self.tp)
         self.dp_rank, rest = divmod(rest, self.cp * self.tp)
         self.cp_rank, self.tp_rank = divmod(rest, self.tp)
-        self.dp_cp = self.dp * self.cp                             # ranks sharing a stage's weights
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank   # rank order within dp_cp_group
         self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
         self.model_parallel_group = self.embedding_group = None
@@ -73,9 +69,9 @@ class ParallelContext:
         # loss is summed, since every parameter lives exactly once in it.
         for d, c in product(D, C):
             keep("model_parallel_group", [rank(p, d, t, c) for p in P for t in T])
-        # Tied embeddings live on the first and the last stage: their gradients meet here.
+        # Tied embeddings: the copies' gradients meet here (Layout.tied_stages).
         for d, c, t in product(D, C, T):
-            keep("embedding_group", sorted({rank(0, d, t, c), rank(self.pp - 1, d, t, c)}))
+            keep("embedding_group", [rank(p, d, t, c) for p in self.layout.tied_stages])
         if self.cp == 1:
             self.dp_cp_group = self.dp_group
             return
@@ -88,9 +84,8 @@ class ParallelContext:
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
         if self.rank in ranks:
             setattr(self, name, group)
-            setattr(self, name + "_ranks", ranks)
 
-    # -- pipeline neighbours -------------------------------------------------------------
+    # -- pipeline position ---------------------------------------------------------------
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -98,17 +93,3 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
-
-    @property
-    def prev_rank(self) -> int | None:
-        """Global rank of the previous pipeline stage (None on the first stage)."""
-        return None if self.is_first_stage else self.global_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank)
-
-    @property
-    def next_rank(self) -> int | None:
-        """Global rank of the next pipeline stage (None on the last stage)."""
-        return None if self.is_last_stage else self.global_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank)
-
-    @property
-    def layout(self) -> str:
-        return layout_string(self.dp, self.cp, self.tp, self.pp)

@@ -2,13 +2,17 @@
 creates it (`place`), and read through this module by everything else (init, gradient sums,
 clipping, checkpoints, Hugging Face weights).
 
-A parameter without a declaration is replicated on every tp rank of its pipeline stage.
+A parameter without a declaration is replicated on every tp rank of its pipeline stage. Tied
+embeddings split over the pipeline (Layout.lm_head_weight decides where) are declared here as two
+ends: the embedding, and the last stage's copy of its values, which is stored and counted nowhere
+(`counted_here`) and reads its values from the embedding's name (`value_name`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 EMBEDDING = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)

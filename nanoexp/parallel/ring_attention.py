@@ -1,7 +1,6 @@
 """Ring attention over context-parallel ranks, load-balanced by the zig-zag split (issue #18).
 
-The sequence is cut into 2·cp chunks; cp rank r holds chunks r and 2·cp−1−r ("head-tail" or zig-zag), so a
-rank with an early, cheap chunk also holds a late, expensive one. Each rank keeps the queries of its two chunks;
+Each cp rank holds two chunks of the sequence, r and 2·cp−1−r (zigzag.py). Each rank keeps the queries of its two chunks;
 the K/V blocks travel round the ring (to the next rank, from the previous one), and at step t rank r attends
 to the block of rank (r − t) mod cp. Chunk pairs are fully visible (key chunk before query chunk), causal on
 the diagonal (the same chunk), or invisible (key chunk after): a rank computes only the visible ones, which is
@@ -12,11 +11,10 @@ The backward recomputes each block's probabilities from the saved log-sum-exp (a
 go round the ring again, and with them one float accumulator of dK/dV per block, which reaches its owner
 after visiting every other rank: K/V and dK/dV each travel cp − 1 hops. Every exchange is ONE
 batch_isend_irecv that pairs the sends to the next rank with the receives from the previous one, so NCCL's
-ordered, tagless channels cannot deadlock; `ring_plan` writes the exchanges in p2p_plan's format, and
-tests/test_ring_attention.py checks the plan with p2p_plan.check and that the function posts exactly it.
+ordered, tagless channels cannot deadlock; nanoexp.verify.context_parallel.ring_plan writes the exchanges as a
+plan, and tests/test_ring_attention.py checks it under NCCL's rules and that the function posts exactly it.
 
-parallelism.cp > 1 runs it in every attention layer (nanoexp/model/llama.py); the trainer gives each cp rank its
-zig-zag part of every micro-batch (Trainer.context_part).
+parallelism.cp_mode=ring runs it in every attention layer (nanoexp/model/llama.py) when parallelism.cp > 1.
 """
 from __future__ import annotations
 
@@ -26,35 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
-
-
-# -- the zig-zag split ------------------------------------------------------------------------
-
-def rank_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
-    """The two of the 2·cp sequence chunks that cp rank `cp_rank` holds, in the order it holds them."""
-    return cp_rank, 2 * cp - 1 - cp_rank
-
-
-def zigzag_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """The sequence positions cp rank `cp_rank` holds, in its local order (ascending). seq_len must be a
-    multiple of 2·cp (ValueError otherwise)."""
-    if seq_len % (2 * cp):
-        raise ValueError(f"the sequence length ({seq_len}) must be a multiple of 2·cp ({2 * cp})")
-    c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(cp, cp_rank)])
-
-
-def zigzag_split(x: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of x along the sequence dimension `dim` (1 for [b, s, ...], 2 for [b, heads, s, d])."""
-    return x.index_select(dim, zigzag_indices(x.shape[dim], cp, cp_rank).to(x.device))
-
-
-def zigzag_gather(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The full sequence from every cp rank's part (parts[r] from rank r): the inverse of zigzag_split."""
-    cp = len(parts)
-    full = torch.cat(parts, dim)
-    order = torch.cat([zigzag_indices(full.shape[dim], cp, r) for r in range(cp)])
-    return full.index_select(dim, torch.argsort(order).to(full.device))
+from nanoexp.parallel.zigzag import chunk_start, rank_chunks
 
 
 # -- which blocks a rank computes -------------------------------------------------------------
@@ -85,14 +55,7 @@ def _halves(x, dim=2):
 def key_start(local_len: int, cp: int, cp_rank: int, step: int, half: int) -> int:
     """The sequence index of the first key of half `half` of the K/V block rank `cp_rank` holds at ring step
     `step` (the block of rank cp_rank − step); local_len = the 2 chunks a rank holds."""
-    return rank_chunks(cp, (cp_rank - step) % cp)[half] * (local_len // 2)
-
-
-def document_starts(position_ids: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
-    """Under document masking: the sequence index where each local token's document starts, [b, s_local]
-    (position_ids count from 0 in each document, and a document is contiguous in the sequence)."""
-    local = zigzag_indices(position_ids.shape[1] * cp, cp, cp_rank).to(position_ids.device)
-    return local - position_ids
+    return chunk_start(local_len, cp, (cp_rank - step) % cp, half)
 
 
 def _documents(starts, half: int, key_start: int) -> dict:
@@ -195,26 +158,3 @@ def ring_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: fl
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, group, cp, cp_rank, scale, starts)
-
-
-def ring_plan(cp: int, kv_nbytes: int = 0, grad_kv_nbytes: int = 0, named: bool = False) -> list:
-    """The batches of one ring_attention forward and backward, per cp rank, in p2p_plan's format: ops
-    ("send" | "recv", peer cp rank, nbytes). kv_nbytes is one K/V message (K and V stacked), grad_kv_nbytes
-    one dK/dV accumulator (float32 or wider). named: each op carries a fourth item naming its message
-    (pass, block owner, step), so that p2p_plan.check also proves every receive gets its intended block."""
-    out = []
-    for r in range(cp):
-        nxt, prev = (r + 1) % cp, (r - 1) % cp
-
-        def batch(step, *kinds, pass_):
-            # before `step`, rank r sends what it held at step−1 and receives the block of rank r − step
-            sends = [("send", nxt, nbytes, (pass_, kind, (r - step + 1) % cp, step)) for kind, nbytes in kinds]
-            recvs = [("recv", prev, nbytes, (pass_, kind, (r - step) % cp, step)) for kind, nbytes in kinds]
-            return sends + recvs
-
-        kv, grad_kv = ("kv", kv_nbytes), ("grad_kv", grad_kv_nbytes)
-        forward = [batch(t, kv, pass_="forward") for t in range(1, cp)]
-        backward = [batch(t, kv, *([grad_kv] if t > 1 else []), pass_="backward") for t in range(1, cp)]
-        backward += [batch(cp, grad_kv, pass_="backward")] if cp > 1 else []   # step cp: home to the owner
-        out.append([[op if named else op[:3] for op in b] for b in forward + backward])
-    return out

@@ -1,31 +1,30 @@
-"""ZeRO-1: AdamW whose optimizer state is sharded across the data-parallel group.
+"""ZeRO-1: AdamW whose optimizer state is sharded across the ranks that hold the same weights (dp x cp).
 
-The parameters and gradients live in the flat, bucketed buffers of `GradientBuckets`
-(data_parallel.py, `shard=True`): after backward a reduce-scatter leaves on each rank the averaged
-gradient of its 1/dp of every bucket. This optimizer is torch's AdamW over those shard pieces
-(views of the buffers, so Adam's elementwise math is exactly AdamW's on the whole model), keeping
-exp_avg / exp_avg_sq for 1/dp of the parameters: 8N/dp bytes instead of 8N. After the update an
-in-place all-gather per bucket gives every rank all updated parameters. Per step: one
-reduce-scatter and one all-gather, the bytes of one all-reduce.
+The parameters and gradients live in the flat, bucketed buffers of GradientSync (gradient_sync.py,
+`shard=True`): after backward a reduce-scatter leaves on each rank the averaged gradient of its 1/(dp·cp) of
+every bucket. This optimizer is torch's AdamW over those shard pieces (views of the buffers, so Adam's
+elementwise math is exactly AdamW's on the whole model), keeping exp_avg / exp_avg_sq for 1/(dp·cp) of the
+parameters: 8N/(dp·cp) bytes instead of 8N. After the update GradientSync all-gathers the parameters. Per step:
+one reduce-scatter and one all-gather, the bytes of one all-reduce.
 """
 from __future__ import annotations
 
 import torch
 
-from nanoexp.parallel.data_parallel import GradientBuckets, collective
+from nanoexp.parallel.gradient_sync import GradientSync
 
 
 class ZeroAdamW:
-    """torch.optim.AdamW over this rank's shard of `grad_syncs`' buffers.
+    """torch.optim.AdamW over this rank's shard of `grad_sync`'s buffers.
 
     `param_groups(params)` gives torch-style groups of model parameters (with their lr, weight
     decay, ...); each shard piece joins the group of its parameter, so `param_groups` here are
     torch's (set `g["lr"]` before `step()`). `pieces` are the ShardPieces in state order: what
     checkpoints save and load, with `state[piece.value]` holding that piece's AdamW moments."""
 
-    def __init__(self, grad_syncs: list[GradientBuckets], groups: list[dict], **adamw):
-        self.grad_syncs = grad_syncs
-        self.pieces = [piece for sync in grad_syncs for piece in sync.shard_pieces()]
+    def __init__(self, grad_sync: GradientSync, groups: list[dict], **adamw):
+        self.grad_sync = grad_sync
+        self.pieces = grad_sync.shard_pieces()
         piece_groups = [{**g, "params": []} for g in groups]
         group_of = {id(p): piece_groups[i] for i, g in enumerate(groups) for p in g["params"]}
         for piece in self.pieces:
@@ -43,18 +42,7 @@ class ZeroAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.inner.step()
-        handles = []
-        for sync in self.grad_syncs:
-            if not sync.enabled:
-                continue
-            for bucket in sync.buckets:
-                lo, hi = sync.shard_range(bucket)
-                full = sync.values[bucket.start:bucket.start + bucket.numel]
-                all_gather = collective("all_gather_single", "all_gather_into_tensor")
-                handles.append(all_gather(full, sync.values[lo:hi], group=sync.group, async_op=True))
-        for handle in handles:
-            handle.wait()
+        self.grad_sync.gather_parameters()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        for sync in self.grad_syncs:
-            sync.zero_grad()
+        self.grad_sync.zero_grad()

@@ -1,88 +1,45 @@
-"""Pipeline parallelism: split the layers into stages and schedule micro-batches through them.
+"""The pipeline engine: runs this rank's schedule (schedules.py) for one optimizer step.
 
-Layout: stage 0 owns the token embedding plus the first block of layers; the last stage owns
-the last layers plus the final norm and the LM head (so it is the one that computes the
-loss). Stages in between hold only transformer layers. Activations travel forward between
-neighbouring stages and their gradients travel backward, point to point.
-
-Three schedules, all producing exactly the gradients of plain gradient accumulation:
-
-* AllForwardAllBackward ("afab", GPipe-like): every micro-batch forward, then every
-  micro-batch backward. Simple, but a stage holds the activations of all micro-batches.
-* OneForwardOneBackward ("1f1b"): a few warm-up forwards, then alternate one forward with
-  one backward, then drain the remaining backwards. The same bubble as AFAB, but stage r
-  holds at most (pp - r) micro-batches of activations instead of all of them.
-* Interleaved 1F1B ("interleaved_1f1b", in interleaved.py): each rank holds several
-  non-adjacent chunks of layers (virtual stages), which shrinks the bubble.
-
-The engine only moves activations and calls backward; the caller's ``forward_step`` runs the
-stage's modules and, on the last stage, the loss.
-
-Communication: an engine does not decide what to post as it goes. Its steps for one optimizer
-step -- forwards, backwards and batches of sends and receives, each batch posted with one
-``batch_isend_irecv`` and waited on as a whole -- are data, ``p2p_plan.schedule``, and
-``PipelineEngine`` executes them in order. So the ops an engine posts are exactly
-``p2p_plan.plan``, which ``p2p_plan.check`` replays under NCCL's rules (in-order channels, no
-tags, a send completes only when its receive is posted) to show that it cannot deadlock there.
+Stage 0 owns the token embedding and the first layers, the last stage the last layers, the final norm and the
+LM head (it computes the loss); stages in between hold only layers. Activations travel forward between
+neighbouring stages and their gradients backward, point to point. Every engine of `parallelism.pp_engine`
+(afab, 1f1b, interleaved_1f1b) gives exactly the gradients of plain gradient accumulation; they differ only
+in their schedule, which this executor takes from `schedule` and runs step by step. The caller's
+`forward_step` runs the chunk's modules and, on the last stage, the loss: the engine knows no model.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from nanoexp.parallel.p2p_plan import peer, schedule
+from nanoexp.parallel.pipeline.schedules import check_shape, peer, schedule
 from nanoexp.parallel.trace import NO_TRACE
 
 
-def split_layers(num_layers: int, pp: int) -> list[range]:
-    """Assign layers to pipeline stages: ``pp`` contiguous, balanced ranges covering
-    ``range(num_layers)``. When the split is uneven the earlier stages get one extra layer
-    (the last stage also carries the final norm and the LM head, so it should not be the
-    heavier one). The embedding lives on stage 0, the final norm + LM head on stage pp-1.
-    Raises ValueError if pp < 1 or pp > num_layers (a stage without layers)."""
-    if pp < 1 or pp > num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {pp} pipeline stages "
-                         f"(every stage needs at least one layer)")
-    base, extra = divmod(num_layers, pp)
-    ranges, start = [], 0
-    for stage in range(pp):
-        size = base + (1 if stage < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
-# -- engines ---------------------------------------------------------------------------------
-
 class PipelineEngine:
-    """Runs one optimizer step's micro-batches through this rank's pipeline stage.
+    """Runs one optimizer step's micro-batches through this rank's pipeline stage by the schedule of
+    `engine` (afab, 1f1b, interleaved_1f1b: the trainer passes Layout.engine) with `num_chunks` chunks of
+    layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b); chunk `num_chunks - 1` of the
+    last stage computes the loss. It keeps the per-micro-batch forward and backward steps and their
+    bookkeeping: losses, the last-backward hook, `max_in_flight` (most micro-batch chunks whose
+    activations were held at once), the trace."""
 
-    What runs when, and which messages are posted together, is ``p2p_plan.schedule`` for the
-    engine's ``name``; this class executes it and holds the per-micro-batch forward and backward
-    steps and the bookkeeping (losses, the last-backward hook, ``max_in_flight``, the trace). A
-    rank holds ``num_chunks`` chunks of layers (1 except for the interleaved engine); chunk
-    ``num_chunks - 1`` of the last stage computes the loss.
-    """
-
-    name = "base"
-
-    def __init__(self, ctx, num_chunks: int = 1, trace=NO_TRACE):
-        self.ctx, self.num_chunks, self.trace = ctx, num_chunks, trace
-        self.max_in_flight = 0  # most micro-batch chunks whose activations were held at once
+    def __init__(self, ctx, engine: str, num_chunks: int = 1, trace=NO_TRACE):
+        check_shape(engine, ctx.pp, num_chunks, m=max(ctx.pp, 1), forward_only=True)
+        self.ctx, self.engine, self.num_chunks, self.trace = ctx, engine, num_chunks, trace
+        self.max_in_flight = 0
 
     def run(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype,
             on_last_backward=None) -> list[torch.Tensor]:
         """Forward and backward every micro-batch; gradients accumulate in the parameters.
 
-        ``forward_step(micro_batch, input_tensor, chunk)`` runs chunk ``chunk`` (always 0
-        without virtual stages) and returns, for the loss chunk of the last stage, the scalar
-        loss of that micro-batch (already scaled so that the sum over micro-batches is the
-        step loss); elsewhere the activation to send on, which must have exactly
-        ``tensor_shape`` and ``dtype`` (both are also used to allocate receive buffers, so
-        every stage must pass the same values). ``input_tensor`` is None for chunk 0 of the
-        first stage. ``on_last_backward(chunk)`` is called once per chunk, right before that
-        chunk's last backward (its gradients are final after it).
-        Returns the detached per-micro-batch losses on the last stage, [] elsewhere.
+        ``forward_step(micro_batch, input_tensor, chunk)`` runs chunk ``chunk`` and returns, for the loss
+        chunk of the last stage, the scalar loss of that micro-batch (already scaled so that the sum over
+        micro-batches is the step loss); elsewhere the activation to send on, which must have exactly
+        ``tensor_shape`` and ``dtype`` (both also size the receive buffers, so every stage must pass the
+        same values). ``input_tensor`` is None for chunk 0 of the first stage. ``on_last_backward(chunk)``
+        is called once per chunk, right before that chunk's last backward (its gradients are final after
+        it). Returns the detached per-micro-batch losses on the last stage, [] elsewhere.
         """
         if not micro_batches:
             raise ValueError("PipelineEngine.run needs at least one micro-batch")
@@ -90,7 +47,6 @@ class PipelineEngine:
         losses = self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=False)
         assert self._backwards_done == [len(micro_batches)] * self.num_chunks
         return losses
-
     @torch.no_grad()
     def forward_only(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype) -> list[torch.Tensor]:
         """Evaluation: every micro-batch through every chunk (micro-batch by micro-batch),
@@ -116,7 +72,7 @@ class PipelineEngine:
         # that are still to be sent, and (input, output) of each forward until its backward.
         inbox, outbox, stash = {}, {}, {}
         try:
-            for step in schedule(self.name, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
+            for step in schedule(self.engine, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
                 if step[0] == "P2P":
                     self._exchange(step[1], inbox, outbox, keep_graph=not forward_only)
                     continue
@@ -207,41 +163,3 @@ class PipelineEngine:
         if self.is_loss_chunk(chunk) or output.grad_fn is None or output._base is not None:
             return  # a loss, a leaf or a view: leave it alone
         output.data = torch.empty((), dtype=output.dtype, device=output.device).expand(output.shape)
-
-
-class AllForwardAllBackward(PipelineEngine):
-    """GPipe-style: all forwards, then all backwards in the same order, one message per batch.
-    Holds every micro-batch's activations at the peak (max_in_flight == number of micro-batches)."""
-
-    name = "afab"
-
-
-class OneForwardOneBackward(PipelineEngine):
-    """1F1B: stage r runs (pp - r - 1) warm-up forwards, then alternates one forward and one
-    backward, then drains the warm-up backwards. It holds at most pp - r micro-batches. In the
-    steady state each send shares a batch with the receive the neighbour answers it with
-    (send_forward_recv_backward, send_backward_recv_forward), so the two neighbours never wait
-    on each other's sends.
-
-    With fewer micro-batches than stages the warm-up is capped at the number of micro-batches,
-    so the early stages degenerate to all-forward-all-backward: still correct, more bubble.
-    """
-
-    name = "1f1b"
-
-
-def build_engine(name: str, ctx, virtual_stages: int = 1, trace=NO_TRACE) -> PipelineEngine:
-    """The engine for config value ``parallelism.pp_engine`` (afab, 1f1b or interleaved_1f1b,
-    any case); ``virtual_stages`` (chunks per rank) is only for interleaved_1f1b."""
-    from nanoexp.parallel.interleaved import InterleavedOneForwardOneBackward   # it builds on this module
-
-    engines = {"afab": AllForwardAllBackward, "1f1b": OneForwardOneBackward,
-               "interleaved_1f1b": InterleavedOneForwardOneBackward}
-    key = str(name).lower()
-    if key not in engines:
-        raise ValueError(f"unknown pipeline engine {name!r}; expected one of {sorted(engines)}")
-    if key == "interleaved_1f1b":
-        return engines[key](ctx, num_chunks=virtual_stages, trace=trace)
-    if virtual_stages != 1:
-        raise ValueError(f"{virtual_stages} virtual stages per rank need the interleaved_1f1b engine")
-    return engines[key](ctx, trace=trace)

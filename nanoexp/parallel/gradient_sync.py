@@ -1,25 +1,24 @@
-"""Data parallelism: parameters and gradients in flat buffers, averaged across dp in buckets that
-start as soon as backward has produced them.
+"""GradientSync: the one owner of gradient synchronisation. After `finish()` every gradient the update reads
+is final: averaged over the dp x cp ranks that hold the same weights, summed where one replica holds a
+parameter twice.
 
-`GradientBuckets` moves a chunk's parameters into one flat float32 buffer and their gradients
-into another: `param.data` and `param.grad` are views of them, so no copy of either exists and
-autograd accumulates micro-batches straight into the buffer. On the last micro-batch of an
-optimizer step (after `arm()`), each bucket (a contiguous range of the buffers) starts its dp
-reduction once every gradient in it is final, so most of the communication hides behind the
-rest of backward:
+Flat buffers. Each chunk of layers moves its parameters into one flat float32 buffer and their gradients into
+another (`ChunkBuffers`): `param.data` and `param.grad` are views of them, so no copy of either exists and
+autograd accumulates micro-batches straight into the buffer. Why flat: gloo silently reduces the wrong
+elements of a non-contiguous view, and one collective per bucket is much cheaper than one per parameter.
 
-* `shard=False` (zero_stage 0): an all-reduce; every rank ends with the whole averaged gradient.
-* `shard=True` (ZeRO-1): a reduce-scatter, in place; rank r ends with the averaged gradient of its
-  1/dp of every bucket (`shard_pieces`), which is all it updates. Buckets are padded to a multiple
-  of dp; one reduce-scatter now plus one all-gather of parameters after the update (zero.py) move
-  the bytes of one all-reduce.
+Overlap. The pipeline engine calls `start(chunk)` right before a chunk's last backward of the step; from then
+on each bucket (a contiguous range of the buffers) starts its dp x cp reduction once every gradient in it is
+final, so most of the communication hides behind the rest of backward:
+* without ZeRO: an all-reduce; every rank ends with the whole averaged gradient;
+* ZeRO-1 (`shard=True`): a reduce-scatter; rank r ends with the averaged gradient of its 1/(dp·cp) of every
+  bucket (`shard_pieces`), which is all it updates; after the update `gather_parameters` all-gathers the
+  parameters. Buckets are padded to a multiple of dp·cp; the two move the bytes of one all-reduce.
 
-`deferred` parameters (sequence-parallel norms, tied embeddings split over the pipeline ends)
-need their gradient summed over another group first; they sit in the last buckets, which only
-`finish()` starts, after the caller has summed them (`all_reduce_grads`).
-
-Why flat buffers: gloo silently reduces the wrong elements of a non-contiguous view, and one
-collective per bucket is much cheaper than one per parameter.
+Parameters held twice in a replica need a sum over another group first, then their dp x cp average:
+sequence-parallel norm weights (each tp rank saw part of the sequence: summed over tp) and tied embeddings
+split over the first and last stage (summed over the embedding group). They sit in each chunk's last buckets,
+which only `finish()` starts, after summing them.
 """
 from __future__ import annotations
 
@@ -29,24 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
+from nanoexp.parallel.placement import counted_here, placement
 from nanoexp.parallel.trace import NO_TRACE
-
-
-def collective(name: str, old_name: str):
-    """torch.distributed's `name`, or `old_name` on torch releases before it (2.13 renamed
-    all_gather_into_tensor and reduce_scatter_tensor). Looked up at each call, so that wrappers
-    such as the CommCounter see it."""
-    return getattr(dist, name, None) or getattr(dist, old_name)
-
-
-def _unique(params) -> list[nn.Parameter]:
-    """Parameters in order of first appearance, each once (tied weights appear twice)."""
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 @dataclass
@@ -68,21 +52,20 @@ class _Bucket:
         self.num_ready, self.handle = 0, None
 
 
-class GradientBuckets:
-    """A chunk's parameters and gradients in flat buffers, averaged over one data-parallel group.
+class ChunkBuffers:
+    """One chunk's parameters and gradients in flat buffers, averaged over one group in buckets.
 
     Promises:
-      * From construction on, every parameter's `.data` and `.grad` are views of `values` and
-        `grads` (float32); `zero_grad()` zeroes the gradients in place (never set them to None).
-      * Between `arm()` and `finish()` each bucket starts its reduction once all its gradients are
-        final, in bucket order 0, 1, 2, ... on every rank; before `arm()` nothing communicates.
-      * After `finish()` the gradients are averaged over the group: all of them (`shard=False`) or
-        this rank's `shard_pieces()` (`shard=True`). A parameter that got no gradient counts as
-        zeros. With `group is None` or `group_size == 1` nothing communicates.
-
-    With a `trace` (trace.py), each launch is recorded as an "allreduce_launch" instant and each
-    wait in `finish()` as an "allreduce_wait" span. Diagnostics of the last step: `launch_order`,
-    `launched_in_backward` / `launched_in_finish`, `num_launches` (ever).
+      * From construction on, every parameter's `.data` and `.grad` are views of `values` and `grads`
+        (float32); `zero_grad()` zeroes the gradients in place (never sets them to None).
+      * Between `arm()` and `finish()` each bucket starts its reduction once all its gradients are final, in
+        bucket order 0, 1, 2, ... on every rank; `deferred` parameters' buckets start only in `finish()`.
+        Before `arm()` nothing communicates.
+      * After `finish()` the gradients are averaged over the group: all of them (`shard=False`) or this rank's
+        `shard_pieces()` (`shard=True`). A parameter that got no gradient counts as zeros. With `group is None`
+        or `group_size == 1` nothing communicates.
+    With a `trace` (trace.py), each launch is an "allreduce_launch" instant and each wait in `finish()` an
+    "allreduce_wait" span.
     """
 
     def __init__(self, params: list[nn.Parameter], group, group_size: int, group_rank: int = 0,
@@ -90,9 +73,7 @@ class GradientBuckets:
         self.group, self.group_size, self.group_rank, self.shard, self.trace = group, group_size, group_rank, shard, trace
         self.enabled = group is not None and group_size > 1
         self.armed = False
-        self.launch_order: list[int] = []
-        self.launched_in_backward = self.launched_in_finish = self.num_launches = 0
-        params = [p for p in _unique(params) if p.requires_grad]
+        params = [p for p in params if p.requires_grad]
         deferred_ids = {id(p) for p in deferred}
         # Reverse registration order: backward produces the last layers' grads first, so the
         # first bucket fills (and can start communicating) earliest; deferred ones go last.
@@ -118,7 +99,7 @@ class GradientBuckets:
         self.zero_grad()
 
     def _plan(self, params, cap_mb: float, deferred: bool) -> None:
-        """Append buckets of about cap_mb holding params in order, each padded to a multiple of dp."""
+        """Append buckets of about cap_mb holding params in order, each padded to a multiple of the group."""
         cap, current = max(1, int(cap_mb * 2**20) // 4), []
         start = self.buckets[-1].start + self.buckets[-1].numel if self.buckets else 0
         for p in params + [None]:
@@ -167,8 +148,6 @@ class GradientBuckets:
             b.num_ready, b.handle = 0, None
         self._ready: set[int] = set()
         self._next_launch = 0
-        self.launch_order = []
-        self.launched_in_backward = self.launched_in_finish = 0
         self.armed = True
 
     def _on_grad_ready(self, p: nn.Parameter):
@@ -193,15 +172,10 @@ class GradientBuckets:
             data = self.grads[bucket.start:bucket.start + bucket.numel]
             if self.shard:
                 lo, hi = self.shard_range(bucket)
-                reduce_scatter = collective("reduce_scatter_single", "reduce_scatter_tensor")
-                bucket.handle = reduce_scatter(self.grads[lo:hi], data, group=self.group, async_op=True)
+                bucket.handle = reduce_scatter_into(self.grads[lo:hi], data, self.group, async_op=True)
             else:
                 bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
-            self.launch_order.append(bucket.index)
             self.trace.mark("allreduce_launch", bucket=bucket.index, in_backward=from_hook)
-            self.num_launches += 1
-            self.launched_in_backward += from_hook
-            self.launched_in_finish += not from_hook
             self._next_launch += 1
 
     @torch.no_grad()
@@ -223,20 +197,101 @@ class GradientBuckets:
             bucket.handle = None
         self.armed = False
 
+    def gather_parameters(self) -> list:
+        """ZeRO-1, after the update: post the all-gather of every bucket's updated shards into the whole
+        parameter buffer; returns the works to wait on."""
+        if not (self.enabled and self.shard):
+            return []
+        works = []
+        for bucket in self.buckets:
+            lo, hi = self.shard_range(bucket)
+            full = self.values[bucket.start:bucket.start + bucket.numel]
+            works.append(all_gather_into(full, self.values[lo:hi], self.group, async_op=True))
+        return works
+
+
+class GradientSync:
+    """The gradients of this rank's model shard, from the pipeline's backward to the update.
+
+        sync = GradientSync(model.chunk_parameters(), ctx, shard=zero_stage == 1)
+        engine.run(..., on_last_backward=sync.start)   # buckets overlap with each chunk's last backward
+        sync.finish()                                   # SP and tied sums, every bucket averaged over dp x cp
+        clip by sync.norm_inputs(); optimizer.step(); sync.zero_grad()
+
+    `chunks[c]` are the parameters chunk c of the model uses (each tensor once).
+    """
+
+    def __init__(self, chunks: list[list[nn.Parameter]], ctx, shard: bool = False, bucket_cap_mb: float = 25.0,
+                 trace=NO_TRACE):
+        self.ctx, self.shard = ctx, shard
+        params = [p for chunk in chunks for p in chunk]
+        self.sequence_parallel = [p for p in params if placement(p).sequence_parallel]
+        self.tied = [p for p in params if placement(p).tied_across_stages]
+        self.chunks = [ChunkBuffers(chunk, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank, shard,
+                                    deferred=self.sequence_parallel + self.tied, bucket_cap_mb=bucket_cap_mb,
+                                    trace=trace.bind(chunk=c)) for c, chunk in enumerate(chunks)]
+
+    def start(self, chunk: int) -> None:
+        """Call right before chunk `chunk`'s last backward of the step: its buckets start as they fill."""
+        self.chunks[chunk].arm()
+
+    def finish(self) -> None:
+        """Sum the parameters held twice in a replica, then finish every chunk's dp x cp average."""
+        ctx = self.ctx
+        if ctx.tp > 1:
+            all_reduce_grads(self.sequence_parallel, ctx.tp_group)
+        all_reduce_grads(self.tied, ctx.embedding_group)
+        for chunk in self.chunks:
+            chunk.finish()
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()
+
+    # -- what the optimizer reads ------------------------------------------------------------
+    def shard_pieces(self) -> list[ShardPiece]:
+        """ZeRO-1: the parts of parameters this rank updates, with their averaged gradients."""
+        return [piece for chunk in self.chunks for piece in chunk.shard_pieces()]
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """ZeRO-1, after the update of the shard pieces: every rank gets every updated parameter."""
+        for work in [work for chunk in self.chunks for work in chunk.gather_parameters()]:
+            work.wait()
+
+    def norm_inputs(self, params: list[nn.Parameter]) -> tuple[list, list, object]:
+        """What clipping reads: the gradients the update uses, those of them that count in the global norm
+        (each element of the model once), and the group their squares are summed over. ZeRO-1: this rank's
+        shard pieces, summed over every rank; else every parameter's gradient (already identical across
+        dp x cp), summed over the replica's model-parallel group."""
+        ctx = self.ctx
+        if self.shard:
+            used = [(piece.grad, piece.param) for piece in self.shard_pieces()]
+            group = dist.group.WORLD if ctx.world_size > 1 else None
+        else:
+            used = [(p.grad, p) for p in params if p.grad is not None]
+            group = ctx.model_parallel_group if ctx.tp * ctx.pp > 1 else None
+        return [g for g, _ in used], [g for g, p in used if counted_here(p, ctx.tp_rank)], group
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """(parameter, gradient) bytes of the flat buffers."""
+        values = sum(c.values.numel() * c.values.element_size() for c in self.chunks)
+        grads = sum(c.grads.numel() * c.grads.element_size() for c in self.chunks)
+        return values, grads
+
 
 @torch.no_grad()
 def all_reduce_grads(params, group, op=dist.ReduceOp.SUM):
-    """Reduce the `.grad` of `params` over `group` in place, synchronously.
+    """Reduce the `.grad` of `params` (each once) over `group` in place, synchronously.
 
-    One flat, contiguous all-reduce per dtype (so gloo never sees a strided view). A
-    missing grad counts as zeros and is created, so every rank sends the same layout.
-    Every rank of the group must pass the same parameters in the same order. With
-    `group is None` (single process) or a one-rank group this does nothing.
+    One flat, contiguous all-reduce per dtype (so gloo never sees a strided view). A missing grad counts as
+    zeros and is created, so every rank sends the same layout. Every rank of the group must pass the same
+    parameters in the same order. With `group is None` (single process) or a one-rank group this does nothing.
     """
     if group is None or dist.get_world_size(group) == 1:
         return
     by_dtype: dict[tuple, list[nn.Parameter]] = {}
-    for p in _unique(params):
+    for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)

@@ -1,0 +1,124 @@
+"""Layout: the parallel shape of a run, built once from the config and asked by everything else.
+
+A run splits its work four ways: dp replicas of the model each read part of the global batch, cp ranks each
+hold part of every sequence (context parallel), tp ranks each hold a slice of every large weight, and pp
+stages each hold some of the layers (in `virtual_stages` chunks per rank with interleaved 1F1B). Validation,
+the sweeps and launchers, ParallelContext, model building, the memory estimate and the trainer all read these
+numbers here; none recomputes them.
+
+Where tied embeddings (model.model_config.tie_word_embeddings) live is decided here too: which stage holds
+which copy (`lm_head_weight`) and which stages sum their gradients (`tied_stages`). The model declares the
+copies on its parameters (placement.py), and what gradient sync sums, norms count and checkpoints store
+follows from those declarations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanoexp.parallel.all_gather_attention import all_gather_attention
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, virtual_stage
+from nanoexp.parallel.ring_attention import ring_attention
+
+PIPELINE_ENGINES = tuple(SCHEDULES)   # parallelism.pp_engine
+TP_MODES = ("all_reduce", "reduce_scatter")   # parallelism.tp_mode; reduce_scatter is sequence parallelism
+# parallelism.cp_mode -> how a rank's zig-zag chunks attend to the whole sequence (same interface)
+CP_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    engine: str = "1f1b"              # parallelism.pp_engine
+    virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b only)
+    cp_mode: str = "ring"
+    sequence_parallel: bool = False   # tp_mode=reduce_scatter: activations between blocks split over tp
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Layout":
+        """The layout of a (normalised) config."""
+        p = cfg.parallelism
+        return cls(dp=int(p.dp), cp=int(p.get("cp", 1)), tp=int(p.tp), pp=int(p.pp), engine=str(p.pp_engine),
+                   virtual_stages=int(p.pp_virtual_stages), cp_mode=str(p.get("cp_mode", "ring")),
+                   sequence_parallel=p.tp_mode == "reduce_scatter")
+
+    @property
+    def world_size(self) -> int:
+        """Processes a run needs: dp * cp * tp * pp."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same weights and read different tokens: gradients are averaged (and ZeRO-1
+        shards its state) over dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def name(self) -> str:
+        """dp2tp2pp2; cp is named only when it is used (dp1cp2tp2pp2), so 3D names never change."""
+        return f"dp{self.dp}" + (f"cp{self.cp}" if self.cp > 1 else "") + f"tp{self.tp}pp{self.pp}"
+
+    # -- pipeline stages ---------------------------------------------------------------------
+    def stage_layers(self, num_layers: int, pp_rank: int) -> list[range]:
+        """The global layer indices of each chunk pp rank `pp_rank` holds (one chunk without virtual stages):
+        the layers are cut into pp·v contiguous, balanced virtual stages, the earlier ones one layer longer
+        when the split is uneven (the last stage also carries the final norm and the LM head), and chunk c of
+        pp rank r is virtual stage c·pp + r. ValueError when a virtual stage would have no layer."""
+        stages = split_layers(num_layers, self.pp * self.virtual_stages)
+        return [stages[virtual_stage(c, pp_rank, self.pp)] for c in range(self.virtual_stages)]
+
+    # -- activations -------------------------------------------------------------------------
+    def local_tokens(self, sequence_length: int) -> int:
+        """Tokens of each sample a rank holds: s / cp."""
+        return sequence_length // self.cp
+
+    def activation_shape(self, micro_batch_size: int, sequence_length: int, hidden_size: int) -> tuple:
+        """What one pipeline stage passes to the next: [b, s/cp, h], and [b, s/cp/tp, h] under sequence
+        parallelism."""
+        tokens = self.local_tokens(sequence_length) // (self.tp if self.sequence_parallel else 1)
+        return micro_batch_size, tokens, hidden_size
+
+    @property
+    def cp_attention(self):
+        """The attention of cp_mode, which a rank's zig-zag chunks use when cp > 1."""
+        return CP_ATTENTION[self.cp_mode]
+
+    # -- tied embeddings ---------------------------------------------------------------------
+    def lm_head_weight(self, pp_rank: int, tied: bool) -> str | None:
+        """What the LM head's weight is on pp rank `pp_rank`, `tied` saying whether the model ties it to the
+        embedding: None (no head there), "own" (untied), "embedding" (tied on one stage: the embedding tensor
+        itself) or "copy" (tied across stages: the last stage holds a copy of the embedding's values; the two
+        gradients are summed over `tied_stages`, so the copies never drift, and the copy is neither stored
+        nor counted)."""
+        if pp_rank != self.pp - 1:
+            return None
+        if not tied:
+            return "own"
+        return "embedding" if self.pp == 1 else "copy"
+
+    def embedding_has_copy(self, pp_rank: int, tied: bool) -> bool:
+        """Whether pp rank `pp_rank`'s embedding has a copy on another stage (the first stage, tied, pp > 1)."""
+        return tied and self.pp > 1 and pp_rank == 0
+
+    @property
+    def tied_stages(self) -> tuple[int, ...]:
+        """The pp ranks whose embedding copies' gradients are summed: the first and the last."""
+        return tuple(sorted({0, self.pp - 1}))
+
+
+def split_layers(num_layers: int, stages: int) -> list[range]:
+    """`stages` contiguous, balanced ranges covering range(num_layers), the earlier ones one longer when the
+    split is uneven. ValueError if stages < 1 or stages > num_layers (a stage without layers)."""
+    if stages < 1 or stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} pipeline stages "
+                         f"(every stage needs at least one layer)")
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges

@@ -1,0 +1,147 @@
+"""Each pipeline engine's schedule for one optimizer step, as data: what one pp rank computes, in which order,
+and which messages it posts together.
+
+A schedule is a list of steps that the engine (engine.py) executes in order:
+
+* ("F" | "B", chunk, micro_batch): the forward or backward of one chunk of layers on one micro-batch;
+* ("P2P", messages): post the messages as ONE batch_isend_irecv and wait for all of them. A message
+  ("send" | "recv", "F" | "B", chunk, micro_batch) is the activation leaving or entering that forward, or the
+  gradient leaving or entering that backward; its peer is the next or the previous pp rank round the ring
+  (`peer`).
+
+Why data: the tests run on gloo, whose sends are buffered, but NCCL runs the point-to-point operations between
+two ranks in order on one stream, ignores tags, and completes a large send only once its receive is posted. An
+order that gloo forgives can hang there. Because the schedule is data, nanoexp.verify.p2p_plan replays it under
+NCCL's rules for every engine and shape, and the engine posts exactly what was checked.
+
+Every engine has the same shape: warm-up forwards, steady (forward, backward) pairs, cool-down backwards
+(`phases`). Forwards walk the micro-batches in groups of pp, chunk 0 then chunk 1 ... for each group; backwards
+walk the same way with the chunks reversed; with one chunk per rank both are micro-batch order. Engines differ in
+the length of the warm-up and in how they batch messages (`SCHEDULES`). Between two compute groups the sends of
+the group before and the receives of the group after are one batch where the engine merges them, else two.
+"""
+from __future__ import annotations
+
+Step = tuple   # ("F" | "B", chunk, micro_batch) or ("P2P", messages)
+
+
+def phases(warmup: int, pp: int, v: int, m: int) -> tuple[list, list, list]:
+    """One rank's compute for one step with `warmup` warm-up forwards: (warm-up forwards, steady
+    (forward, backward) pairs, cool-down backwards)."""
+    def forward_id(k):   # the k-th forward on this rank: (chunk, micro-batch)
+        rounds, within = divmod(k, pp * v)
+        return within // pp, rounds * pp + within % pp
+
+    forwards = [("F", *forward_id(k)) for k in range(m * v)]
+    backwards = [("B", v - 1 - chunk, mb) for _, chunk, mb in forwards]
+    steady = m * v - warmup
+    return forwards[:warmup], list(zip(forwards[warmup:], backwards[:steady])), backwards[steady:]
+
+
+def all_forward_all_backward(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
+    """afab (GPipe): every micro-batch forward, then every backward in the same order, one message per
+    batch: each receive right before its op, each send right after it. A stage holds every micro-batch's
+    activations at the peak. With one stage it is plain gradient accumulation (forward, backward, ...)."""
+    warmup, pairs, cooldown = phases(m if pp > 1 else 0, pp, v, m)
+    ops = warmup + [op for pair in pairs for op in pair] + cooldown
+    return [[op] for op in ops], [False] * len(ops)
+
+
+def one_forward_one_backward(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
+    """1f1b: stage r runs pp - r - 1 warm-up forwards, then alternates one forward and one backward, then
+    drains the warm-up backwards: the bubble of afab, but stage r holds at most pp - r micro-batches. In the
+    steady state the send after an op and the receive before the next share one batch (Megatron-LM's
+    send_forward_recv_backward and send_backward_recv_forward), so neighbours never wait on each other's
+    sends. With fewer micro-batches than stages the warm-up is capped at m: still correct, more bubble."""
+    warmup, pairs, cooldown = phases(min(pp - pp_rank - 1, m), pp, v, m)
+    steady = [op for pair in pairs for op in pair]
+    groups = [[op] for op in warmup + steady + cooldown]
+    merged = [len(warmup) <= g < len(warmup) + len(steady) - 1 for g in range(len(groups))]
+    return groups, merged
+
+
+def interleaved_one_forward_one_backward(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
+    """interleaved_1f1b: each rank holds v chunks of layers, chunk c of rank r being virtual stage c·pp + r,
+    so a micro-batch travels the ring of ranks v times. Each chunk is 1/v of a stage's work, so the pipeline
+    fills and drains v times faster: the bubble falls from (p-1)/(m+p-1) to (p-1)/(v·m+p-1), for v times more
+    messages (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", section 2.2.2, whose schedule this is). Rank r runs 2·(pp-r-1) + (v-1)·pp warm-up forwards;
+    each steady (forward, backward) pair is one compute group, and between two groups one batch carries the
+    sends of the group before and the receives of the group after, as Megatron-LM's interleaved schedule
+    does. Needs m to be a multiple of pp. Posting one message at a time, as this engine once did, deadlocks
+    under NCCL (tests/test_p2p_plan.py shows it)."""
+    warmup, pairs, cooldown = phases(min(2 * (pp - pp_rank - 1) + (v - 1) * pp, m * v), pp, v, m)
+    groups = [[op] for op in warmup] + [list(pair) for pair in pairs] + [[op] for op in cooldown]
+    return groups, [True] * len(groups)
+
+
+# parallelism.pp_engine -> (pp, v, m, pp_rank) -> (compute groups, merged[g]: one batch between groups g, g + 1)
+SCHEDULES = {"afab": all_forward_all_backward, "1f1b": one_forward_one_backward,
+             "interleaved_1f1b": interleaved_one_forward_one_backward}
+
+
+def check_shape(engine: str, pp: int, v: int, m: int, forward_only: bool = False) -> None:
+    """Raise ValueError when `engine` cannot run pp ranks with v chunks each and m micro-batches."""
+    if engine not in SCHEDULES:
+        raise ValueError(f"unknown pipeline engine {engine!r}; expected one of {tuple(SCHEDULES)}")
+    if pp < 1 or v < 1 or m < 1 or (v != 1 and engine != "interleaved_1f1b"):
+        raise ValueError(f"invalid pipeline shape for {engine}: pp={pp}, v={v}, m={m}")
+    if engine == "interleaved_1f1b" and pp < 2:
+        raise ValueError(f"interleaved 1F1B needs at least 2 pipeline ranks (got {pp})")
+    if engine == "interleaved_1f1b" and not forward_only and m % pp:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({m}) to be a multiple "
+                         f"of the pipeline size ({pp})")
+
+
+def schedule(engine: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
+    """Every step pp rank `pp_rank` runs in one optimizer step of `engine` with v chunks per rank and m
+    micro-batches. Each received tensor comes in a batch before the op that needs it, each sent tensor leaves
+    in a batch after the op that made it, sends come before receives within a batch, and a message exists
+    only where its neighbouring virtual stage does. forward_only: evaluation, every micro-batch through every
+    chunk, one message per batch. Raises ValueError on a shape the engine cannot run."""
+    check_shape(engine, pp, v, m, forward_only)
+    if forward_only:
+        groups = [[("F", chunk, mb)] for mb in range(m) for chunk in range(v)]
+        return _with_batches(groups, [False] * len(groups), pp, v, pp_rank)
+    groups, merged = SCHEDULES[engine](pp, v, m, pp_rank)
+    return _with_batches(groups, merged, pp, v, pp_rank)
+
+
+def compute_order(engine: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
+    """The compute steps of `schedule`, without its messages."""
+    return [step for step in schedule(engine, pp, v, m, pp_rank, forward_only) if step[0] != "P2P"]
+
+
+def _with_batches(groups, merged, pp, v, pp_rank) -> list[Step]:
+    """The compute groups with their messages: the receives of a group's ops in a batch right before it,
+    their sends right after it; where merged[g], the sends after group g and the receives before g + 1 are
+    one batch."""
+    steps, sends = [], []
+    for g, group in enumerate(groups):
+        recvs = [msg for op in group if _exists(msg := ("recv", *op), pp, v, pp_rank)]
+        batches = [sends + recvs] if g > 0 and merged[g - 1] else [sends, recvs]
+        steps += [("P2P", tuple(batch)) for batch in batches if batch] + group
+        sends = [msg for op in group if _exists(msg := ("send", *op), pp, v, pp_rank)]
+    return steps + ([("P2P", tuple(sends))] if sends else [])
+
+
+def towards_next(msg) -> bool:
+    """Activations go to the next virtual stage, gradients to the previous one."""
+    verb, kind = msg[0], msg[1]
+    return (verb == "send") == (kind == "F")
+
+
+def virtual_stage(chunk: int, pp_rank: int, pp: int) -> int:
+    """Chunk c of pp rank r is virtual stage c·pp + r: the layers' order runs round the ring of ranks."""
+    return chunk * pp + pp_rank
+
+
+def _exists(msg, pp: int, v: int, pp_rank: int) -> bool:
+    stage = virtual_stage(msg[2], pp_rank, pp)
+    return stage < pp * v - 1 if towards_next(msg) else stage > 0
+
+
+def peer(msg, pp: int, pp_rank: int) -> int:
+    """The pp rank a message goes to or comes from: the next or the previous one round the ring (rank pp-1's
+    chunk c talks to rank 0's chunk c+1)."""
+    return (pp_rank + (1 if towards_next(msg) else -1)) % pp

@@ -1,0 +1,60 @@
+"""summary.json: what a run ended with. Global rank 0's trainer writes it (also when a step raises); the
+launching process reads it for its last line, sweeps for their tables, SLURM requeues by its status.
+
+`status` is completed, stopped (a stop signal: checkpointed before the end) or failed (with `error`). A run
+that failed or was stopped must never look finished: `record_failure` writes the reason whatever raised (a
+bad config before training, a failed local rank, the trainer itself), `stopped_by_signal` tells the launcher
+to exit without a result.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from nanoexp.launch import launcher_env
+
+SUMMARY_FILE = "summary.json"
+
+
+def read_summary(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, SUMMARY_FILE), "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def memory_fields(ranks: list[dict]) -> dict:
+    """summary.json's memory fields from every rank's {"peak", "baseline", "memory"} (in global rank order)."""
+    return {"peak_memory_mb": max(r["peak"] for r in ranks), "peak_memory_mb_per_rank": [r["peak"] for r in ranks],
+            "baseline_memory_mb": max(r["baseline"] for r in ranks), "memory": [r["memory"] for r in ranks]}
+
+
+def _is_writer() -> bool:
+    """Only global rank 0 writes a run's shared files (and only it knows when summary.json is written)."""
+    env = launcher_env()
+    return env is None or env["rank"] == 0
+
+
+def record_failure(run_dir: str, error: BaseException) -> None:
+    """Make the run folder's summary.json say `failed` and why, keeping the metrics a trainer may have written."""
+    if not _is_writer():
+        return
+    summary = read_summary(run_dir) or {}
+    if summary.get("status") == "failed" and summary.get("error"):
+        return   # the trainer recorded the first error; this one only repeats it
+    summary.update(status="failed", error=f"{type(error).__name__}: {error}")
+    write_summary(run_dir, summary)
+
+
+def stopped_by_signal(run_dir: str) -> bool:
+    """Whether global rank 0's trainer left this run `stopped`. Other ranks answer False: they cannot know
+    when rank 0's summary.json is written."""
+    summary = read_summary(run_dir) if _is_writer() else None
+    return summary is not None and summary.get("status") == "stopped"

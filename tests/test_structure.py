@@ -1,0 +1,123 @@
+"""The package's seams, read from the source: no import cycle (local imports included), the verification tools
+kept out of the runtime, process groups created in one place, and the model free of launch and logging code."""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanoexp")
+
+
+def module_name(path: str) -> str:
+    parts = os.path.relpath(path, os.path.dirname(ROOT))[:-3].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    out[module_name(path)] = ast.parse(f.read(), path)
+    return out
+
+
+def imported(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The nanoexp modules `name` imports anywhere in its file (a function's own imports included)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:   # relative: from .loader import x
+                anchor = name if module_is_package(name) else name.rsplit(".", 1)[0]
+                for _ in range(node.level - 1):
+                    anchor = anchor.rsplit(".", 1)[0]
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        out |= {target for target in targets if target in known}
+    out.discard(name)
+    return out
+
+
+def module_is_package(name: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.dirname(ROOT), *name.split("."), "__init__.py"))
+
+
+def import_graph() -> dict[str, set[str]]:
+    trees = modules()
+    return {name: imported(name, tree, set(trees)) for name, tree in trees.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (a package importing its own submodules in __init__ does not count)."""
+    state: dict[str, int] = {}   # 1: on the path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if node.startswith(target + "."):   # a module and its package's __init__ re-exporting it
+                continue
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target, path + [target])
+                if cycle:
+                    return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start, [start])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert "nanoexp.trainer" in graph and "nanoexp.parallel.pipeline.engine" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_verification_tools_are_outside_the_runtime():
+    """nanoexp.verify checks schedules, plans and traces; training never imports it."""
+    graph = import_graph()
+    users = {name for name, targets in graph.items() if not name.startswith("nanoexp.verify")
+             and any(t.startswith("nanoexp.verify") for t in targets)}
+    assert users == set()
+
+
+def calls(tree: ast.Module, attribute: str) -> int:
+    return sum(isinstance(node, ast.Attribute) and node.attr == attribute for node in ast.walk(tree))
+
+
+def test_only_the_parallel_context_creates_process_groups():
+    trees = modules()
+    assert calls(trees["nanoexp.parallel.context"], "new_group") > 0
+    assert [name for name, tree in trees.items() if name != "nanoexp.parallel.context" and calls(tree, "new_group")] == []
+
+
+@pytest.mark.parametrize("forbidden", ["nanoexp.launch", "nanoexp.run", "nanoexp.trainer", "nanoexp.console",
+                                       "nanoexp.metrics", "logging", "os"])
+def test_the_model_knows_its_layers_not_its_launcher(forbidden):
+    trees = modules()
+    for name, tree in trees.items():
+        if name.startswith("nanoexp.model.") and name not in ("nanoexp.model.build",):
+            names = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for alias in node.names} | {node.module for node in ast.walk(tree)
+                                                 if isinstance(node, ast.ImportFrom) and node.module}
+            assert forbidden not in names, f"{name} imports {forbidden}"
