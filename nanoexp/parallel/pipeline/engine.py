@@ -25,7 +25,7 @@ class PipelineEngine:
     activations were held at once), the trace."""
 
     def __init__(self, ctx, engine: str, num_chunks: int = 1, trace=NO_TRACE):
-        check_shape(engine, ctx.pp, num_chunks, m=max(ctx.pp, 1), forward_only=True)
+        check_shape(engine, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
         self.ctx, self.engine, self.num_chunks, self.trace = ctx, engine, num_chunks, trace
         self.max_in_flight = 0
 
@@ -47,6 +47,7 @@ class PipelineEngine:
         losses = self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=False)
         assert self._backwards_done == [len(micro_batches)] * self.num_chunks
         return losses
+
     @torch.no_grad()
     def forward_only(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype) -> list[torch.Tensor]:
         """Evaluation: every micro-batch through every chunk (micro-batch by micro-batch),

@@ -80,15 +80,15 @@ SCHEDULES = {"afab": all_forward_all_backward, "1f1b": one_forward_one_backward,
              "interleaved_1f1b": interleaved_one_forward_one_backward}
 
 
-def check_shape(engine: str, pp: int, v: int, m: int, forward_only: bool = False) -> None:
-    """Raise ValueError when `engine` cannot run pp ranks with v chunks each and m micro-batches."""
+def check_shape(engine: str, pp: int, v: int, m: int | None = None, forward_only: bool = False) -> None:
+    """Raise ValueError when `engine` cannot run pp ranks with v chunks each (and m micro-batches, unless None)."""
     if engine not in SCHEDULES:
         raise ValueError(f"unknown pipeline engine {engine!r}; expected one of {tuple(SCHEDULES)}")
-    if pp < 1 or v < 1 or m < 1 or (v != 1 and engine != "interleaved_1f1b"):
+    if pp < 1 or v < 1 or (m is not None and m < 1) or (v != 1 and engine != "interleaved_1f1b"):
         raise ValueError(f"invalid pipeline shape for {engine}: pp={pp}, v={v}, m={m}")
     if engine == "interleaved_1f1b" and pp < 2:
         raise ValueError(f"interleaved 1F1B needs at least 2 pipeline ranks (got {pp})")
-    if engine == "interleaved_1f1b" and not forward_only and m % pp:
+    if engine == "interleaved_1f1b" and m is not None and not forward_only and m % pp:
         raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({m}) to be a multiple "
                          f"of the pipeline size ({pp})")
 
