@@ -131,7 +131,7 @@ def node_cpu_peak(cfg) -> Peak | None:
 
 
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
-    """Validate, then train in this process, in the launcher's world, or in local workers."""
+    """Check the config, then train in this process, in the launcher's world, or in local workers."""
     env = launcher_env()
     check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved

@@ -32,9 +32,11 @@ TEXT = "To be, or not to be: that is the question — naïve café, 日本語 �
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A tied-embedding checkpoint written by a tp2 x pp2 run, exported to HF."""
+    """A tied-embedding checkpoint written by a tp2 x pp2 run with interleaved chunks, exported to HF (read back
+    on one process, the model is one chunk again: load_single_process builds it for one process's layout)."""
     root = tmp_path_factory.mktemp("hf")
     train(root / "run", FAST + ["tokens.train_steps=2", "tokens.val_check_interval=0", "parallelism=dp1tp2pp2",
+                                "parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2",
                                 "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
                                 "model.model_config.tie_word_embeddings=true"])
     ckpt = root / "run" / "checkpoints" / "2"

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import global_batch_size
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
+from nanoexp.config import global_batch_size
 from nanoexp.model.build import model_shape
 
 log = logging.getLogger("nanoexp")
