@@ -40,6 +40,10 @@ CASES = {
     "dp2tp2pp2": ["parallelism=dp2tp2pp2"],
     "dp2tp2pp1-reduce_scatter": ["parallelism=dp2tp2pp1", "parallelism.tp_mode=reduce_scatter"],
     "dp1tp2pp2-interleaved-tied": ["parallelism=dp1tp2pp2"] + INTERLEAVED + TIED,
+    # context parallelism: its attention under the trainer's bf16 autocast, both cp modes
+    "dp1cp2tp1pp1": ["parallelism=dp1cp2tp1pp1"],
+    "dp2cp2tp1pp1-all_gather": ["parallelism=dp2cp2tp1pp1", "parallelism.cp_mode=all_gather"],
+    "dp1cp2tp2pp2-reduce_scatter": ["parallelism=dp1cp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
 }
 
 

@@ -100,11 +100,13 @@ def test_ring_plan_passes_nccl_rules_and_an_unpaired_order_does_not():
 
 # -- the ring on gloo against one process -----------------------------------------------------
 
-def make_inputs(heads, kv_heads, dtype, seed=0):
+def make_inputs(heads, kv_heads, dtype, seed=0, gain=1.0):
+    """q, k, v, grad_out; q and k times `gain` (scores times gain²: sharper softmaxes)."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen, dtype=dtype)
-    k, v = (torch.randn(BATCH, kv_heads, SEQ, HEAD_DIM, generator=gen, dtype=dtype) for _ in range(2))
-    grad_out = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen, dtype=dtype)
+    q = (torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen) * gain).to(dtype)
+    k, v = (torch.randn(BATCH, kv_heads, SEQ, HEAD_DIM, generator=gen) for _ in range(2))
+    k, v = (k * gain).to(dtype), v.to(dtype)
+    grad_out = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen).to(dtype)
     return q, k, v, grad_out
 
 
@@ -159,19 +161,21 @@ def posted_communication(mode, group):
     posted += [(op, name, payload) for name, op, payload, _ in comm.records]
 
 
-def _cp_worker(rank, world_size, cp, cases, groups, mode="ring"):
+def _cp_worker(rank, world_size, cp, cases, groups, mode="ring", autocast=False, gain=1.0):
     """Each case on this rank's cp group: (output, dq, dk, dv) of the local chunks, the communication
-    posted and the scores computed."""
+    posted and the scores computed. autocast: the forward runs under bf16 autocast, as the trainer's does."""
     group = own_group(rank, groups)
     cp_rank = dist.get_rank(group)
     scores = count_scores_in_small_tiles()
     out = []
     for heads, kv_heads, dtype, scale in cases:
-        q, k, v, grad_out = (zigzag_split(x, cp, cp_rank, dim=2) for x in make_inputs(heads, kv_heads, dtype))
+        inputs = make_inputs(heads, kv_heads, dtype, gain=gain)
+        q, k, v, grad_out = (zigzag_split(x, cp, cp_rank, dim=2) for x in inputs)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         scores[0] = 0
         with posted_communication(mode, group) as posted:
-            result = CP_ATTENTION[mode](q, k, v, group, cp, cp_rank, scale)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                result = CP_ATTENTION[mode](q, k, v, group, cp, cp_rank, scale)
             result.backward(grad_out)
         wide = [x.float() if x.dtype == torch.bfloat16 else x for x in (result.detach(), q.grad, k.grad, v.grad)]
         out.append((*wide, posted, scores[0]))   # numpy, which carries them home, has no bfloat16
@@ -239,15 +243,17 @@ def test_cp1_is_causal_attention_without_communication(mode):
         attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
 
 
-def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp):
+def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, gain=1.0):
     """The gathered bf16 output and gradients (results[rank][0][:4]) against float64 attention on the same
-    bf16 inputs: about as close as bf16 SDPA's on one process (measured 0.57 to 0.98 times its error for the
-    ring and for the all-gather; 1.5 leaves room for other CPUs' kernels)."""
-    q, k, v, grad_out = make_inputs(heads, kv_heads, torch.bfloat16)
+    bf16 inputs: about as close as bf16 SDPA's on one process (under autocast too, when `autocast`). Measured
+    0.57 to 0.98 times SDPA's error for the ring and for the all-gather, the same under autocast, 0.62 to 1.00
+    under autocast with scores x 9; 1.5 leaves room for other CPUs' kernels."""
+    q, k, v, grad_out = make_inputs(heads, kv_heads, torch.bfloat16, gain=gain)
     expected = {}
     for dtype in (torch.float64, torch.bfloat16):
-        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-        out = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+        inputs = [x.to(dtype).clone().requires_grad_() for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and dtype == torch.bfloat16):
+            out = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
         out.backward(grad_out.to(dtype))
         expected[dtype] = [out.detach()] + [x.grad for x in inputs]
     for i, (exact, sdpa) in enumerate(zip(expected[torch.float64], expected[torch.bfloat16])):
@@ -263,6 +269,17 @@ def test_bfloat16_ring_is_as_close_to_exact_as_sdpa():
     assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp)
     kv_nbytes = 2 * BATCH * kv_heads * (SEQ // cp) * HEAD_DIM
     assert [results[r][0][4] for r in range(cp)] == ring_plan(cp, kv_nbytes * 2, kv_nbytes * 4)
+
+
+@pytest.mark.parametrize("mode", list(CP_ATTENTION))
+def test_bfloat16_under_autocast_is_as_close_to_exact_as_sdpa(mode):
+    """The trainer's forward runs under bf16 autocast: the tiles must still compute in float32 (a forward in
+    bf16 against a float32 backward disagreed with itself: 34x SDPA's output error at scores x 9). cp=2,
+    sharp softmaxes (q and k x 3)."""
+    heads, kv_heads, cp, gain = 4, 2, 2, 3.0
+    results = dict(run_distributed(_cp_worker, cp, cp, [(heads, kv_heads, torch.bfloat16, None)], None, mode,
+                                   True, gain))
+    assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=True, gain=gain)
 
 
 def test_zigzag_balances_the_attention_work_the_contiguous_split_does_not():

@@ -13,6 +13,11 @@ The forward folds tiles into a running (output, log-sum-exp) with the online-sof
 recomputes each tile's probabilities from the final log-sum-exp and accumulates dq, dk, dv in place.
 Inputs are [b, heads, n, d] queries and [b, kv_heads, m, d] keys/values; a KV head serves heads/kv_heads
 query heads (as SDPA's enable_gqa).
+
+Precision: the tiles compute in the dtype of their inputs, which the context-parallel attentions give in float32
+(or wider), whatever autocast is active. Under autocast the forward's matmuls would otherwise come out in bf16,
+the log-sum-exp would be taken from bf16-rounded scores, and the backward, which runs outside autocast and
+recomputes float32 probabilities against that log-sum-exp, would disagree with its own forward.
 """
 from __future__ import annotations
 
@@ -97,10 +102,11 @@ def attend_block(q, k, v, scale, causal, out, lse, starts=None, key_start=0):
     """Fold the attention of queries q to keys/values k, v into the running out [b, h, n, d] and lse
     [b, h, n] (−inf where nothing is folded yet), in place. Document masking: starts and key_start as in
     tile_mask."""
-    for rows, cols, diagonal in tile_pairs(q.shape[2], k.shape[2], causal):
-        mask = tile_mask(rows, cols, diagonal, q.device, starts, key_start)
-        tile_out, tile_lse = _tile_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], scale, mask)
-        merge(out[:, :, rows], lse[:, :, rows], tile_out, tile_lse)
+    with torch.autocast(q.device.type, enabled=False):   # the inputs' precision (module docstring)
+        for rows, cols, diagonal in tile_pairs(q.shape[2], k.shape[2], causal):
+            mask = tile_mask(rows, cols, diagonal, q.device, starts, key_start)
+            tile_out, tile_lse = _tile_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], scale, mask)
+            merge(out[:, :, rows], lse[:, :, rows], tile_out, tile_lse)
 
 
 def attend_block_backward(q, k, v, grad_out, lse, delta, scale, causal, grad_q, grad_k, grad_v, starts=None,
@@ -108,10 +114,11 @@ def attend_block_backward(q, k, v, grad_out, lse, delta, scale, causal, grad_q, 
     """Add the block's share of the gradients to grad_q [b, h, n, d] and grad_k, grad_v [b, kvh, m, d], in
     place; lse is the rows' final log-sum-exp over all blocks (finite: a row sees at least its own key),
     delta their rowsum(grad_out · out)."""
-    for rows, cols, diagonal in tile_pairs(q.shape[2], k.shape[2], causal):
-        mask = tile_mask(rows, cols, diagonal, q.device, starts, key_start)
-        gq, gk, gv = _tile_backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], grad_out[:, :, rows],
-                                    lse[:, :, rows], delta[:, :, rows], scale, mask)
-        grad_q[:, :, rows].add_(gq)
-        grad_k[:, :, cols].add_(gk)
-        grad_v[:, :, cols].add_(gv)
+    with torch.autocast(q.device.type, enabled=False):   # as the forward's
+        for rows, cols, diagonal in tile_pairs(q.shape[2], k.shape[2], causal):
+            mask = tile_mask(rows, cols, diagonal, q.device, starts, key_start)
+            gq, gk, gv = _tile_backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], grad_out[:, :, rows],
+                                        lse[:, :, rows], delta[:, :, rows], scale, mask)
+            grad_q[:, :, rows].add_(gq)
+            grad_k[:, :, cols].add_(gk)
+            grad_v[:, :, cols].add_(gv)
