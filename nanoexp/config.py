@@ -126,6 +126,7 @@ class ParallelismConfig:
 @dataclass
 class DataConfig:
     name: str = "builtin"          # builtin (Shakespeare) | nanoset | hf
+    seed: Optional[int] = None     # the sample order's seed (nanotron's data.seed); null: general.seed
     validation_fraction: float = 0.05
     prefetch: bool = True
     dataset_folder: List[str] = field(default_factory=list)   # nanoset: one folder per dataset
@@ -143,6 +144,7 @@ class DataOverrides:
     group's value. A stage that sets dataset_folder (hf_dataset_or_datasets) without dataset_weights
     (hf_dataset_config_name) does not inherit the group's: they belong to the group's datasets."""
     name: Optional[str] = None
+    seed: Optional[int] = None
     validation_fraction: Optional[float] = None
     prefetch: Optional[bool] = None
     dataset_folder: Optional[List[str]] = None

@@ -172,9 +172,11 @@ def map_optimizer(imp: Import, train_steps: int) -> None:
     imp.put(LR + "lr_warmup_steps", warmup)
     imp.choose(LR + "lr_warmup_style", "linear", ("linear", "constant"), LR + "lr_warmup_style")
     imp.choose(LR + "lr_decay_style", "linear", ("linear", "cosine"), LR + "lr_decay_style")   # nanotron's default
-    # nanotron's nulls: decay over train_steps - warm-up, down to the peak itself (no decay).
-    imp.put(LR + "lr_decay_steps", imp.get(LR + "lr_decay_steps", "int", max(train_steps - warmup, 1)))
-    imp.put(LR + "lr_decay_starting_step", imp.get(LR + "lr_decay_starting_step", "int"))
+    # nanotron's nulls (its lr_scheduler_builder): decay over train_steps - warm-up - the decay's starting step
+    # (when one is set), down to the peak itself (no decay).
+    start = imp.get(LR + "lr_decay_starting_step", "int")
+    imp.put(LR + "lr_decay_steps", imp.get(LR + "lr_decay_steps", "int", max(train_steps - warmup - (start or 0), 1)))
+    imp.put(LR + "lr_decay_starting_step", start)
     imp.put(LR + "min_decay_lr", imp.get(LR + "min_decay_lr", "float", peak))
 
 
@@ -295,20 +297,12 @@ def map_stage(imp: Import, key: str) -> dict:
 
 
 def map_seed(imp: Import, num_stages: int) -> None:
-    """nanotron seeds each stage's data; nanoexp orders every stage from general.seed and the stage's index."""
-    general = imp.get("general.seed", "int", 42)
-    seeds = {i: imp.get(f"data_stages[{i}].data.seed", "int", 42) for i in range(num_stages)}   # nanotron: 42
-    if len(set(seeds.values())) != 1:
-        imp.put("general.seed", general)
-        for i, seed in seeds.items():
-            imp.drop(f"data_stages[{i}].data.seed", "the stages' seeds differ; nanoexp orders every stage's samples "
-                                                    "from general.seed and the stage")
-        return
-    seed = seeds[0]
-    imp.put("general.seed", seed)
-    if seed != general:
-        imp.dropped.append(f"general.seed = {general}: nanoexp has one seed (weights and data); it takes the data "
-                           f"stages' seed {seed}")
+    """nanotron seeds the weights with general.seed and each stage's data with its own data.seed (42 when
+    unset); nanoexp has both: general.seed, and each stage's data.seed (its samples' order, with the stage's
+    index)."""
+    imp.put("general.seed", imp.get("general.seed", "int", 42))
+    for i in range(num_stages):
+        imp.out["data_stages"][i]["data"]["seed"] = imp.get(f"data_stages[{i}].data.seed", "int", 42)
 
 
 def import_nanotron(tree: dict) -> Import:

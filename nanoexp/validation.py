@@ -215,6 +215,7 @@ def data_group_rules(d: Any, key: str) -> list[Rule]:
     """The rules of one data config, `key` being where it sits ("data." or "data_stages[i].data.")."""
     weights, folders = d.dataset_weights, d.dataset_folder or []
     rules = [(d.name in ("builtin", "nanoset", "hf"), f"{key}name={d.name}: allowed values are builtin, nanoset, hf"),
+             (d.get("seed") is None or d.seed >= 0, f"{key}seed={d.get('seed')}: must be >= 0 or null (general.seed)"),
              (0 < d.validation_fraction < 1,
               f"{key}validation_fraction={d.validation_fraction}: must be between 0 and 1")]
     if d.name == "nanoset":

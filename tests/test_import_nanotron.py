@@ -87,7 +87,7 @@ def test_nanoset_forms_and_nanotron_defaults(tmp_path, conf):
     code, text, composed = imported(conf, "nanoset_forms.yaml", "nanosets")
     assert code == 0
     assert "parallelism.expert_parallel_size = 2" in not_carried_over(text)
-    assert "general.seed = 42: nanoexp has one seed" in not_carried_over(text)   # the stages agree on 1234
+    assert "seed = " not in not_carried_over(text)   # the weights' seed and the data's, both carried over
     cfg = composed()
     tokens = [json.load(open(f"{f}/metadata.json"))["num_tokens"] for f in (web, code_folder)]
     assert [(s.data.name, list(s.data.dataset_folder), s.data.dataset_weights and list(s.data.dataset_weights))
@@ -99,7 +99,8 @@ def test_nanoset_forms_and_nanotron_defaults(tmp_path, conf):
     assert (cfg.parallelism.pp_engine, lr.lr_decay_style, lr.lr_decay_steps, lr.min_decay_lr) == (
         "afab", "linear", 4, 3e-3)
     assert (cfg.general.seed, cfg.optimizer.zero_stage, cfg.optimizer.clip_grad,
-            cfg.model.model_config.num_key_value_heads, cfg.checkpoint.save_final_state) == (1234, 1, None, None, False)
+            cfg.model.model_config.num_key_value_heads, cfg.checkpoint.save_final_state) == (42, 1, None, None, False)
+    assert [s.data.seed for s in cfg.data_stages] == [1234, 1234, 1234]
     check_config(cfg, world_size=2)
     run(cfg, str(tmp_path / "run"))
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
@@ -118,17 +119,36 @@ def test_context_parallel_size_becomes_cp(conf):
     validate(cfg, world_size=2)   # dp * cp * tp * pp = 2; the sequence (32) divides by 2 * cp
 
 
-def test_stages_with_different_seeds_are_listed(conf, capsys):
-    def first_stage_seed_differs(text):
-        return text.replace("seed: 1234", "seed: 5", 1)
+def test_the_weights_seed_and_each_stages_data_seed_are_carried_over(conf, capsys):
+    """nanotron seeds the weights with general.seed and each stage's samples with its data.seed: so does the
+    imported experiment (once both were folded into one seed, the stages' for the weights too)."""
+    def seeds(text):
+        return text.replace("  seed: 42", "  seed: 7", 1).replace("seed: 1234", "seed: 11", 1)
 
-    code, text, composed = imported(conf, "nanoset_forms.yaml", "seeds", edit=first_stage_seed_differs)
-    assert code == 0 and composed().general.seed == 42
-    for i in range(3):
-        assert f"data_stages[{i}].data.seed = " in not_carried_over(text)
+    code, text, composed = imported(conf, "nanoset_forms.yaml", "seeds", edit=seeds)
+    cfg = composed()
+    assert code == 0 and cfg.general.seed == 7 and [s.data.seed for s in cfg.data_stages] == [11, 1234, 1234]
+    assert "seed = " not in not_carried_over(text)
     capsys.readouterr()
     assert imported(conf, "nanoset_forms.yaml", "seeds")[0] == 2   # an existing experiment needs --force
     assert "seeds.yaml exists: pass --force to replace it" in capsys.readouterr().err
+
+
+def test_decay_length_of_a_schedule_with_a_late_decay_start(conf):
+    """nanotron's null lr_decay_steps with lr_decay_starting_step set is train_steps - warm-up - the start
+    (its lr_scheduler_builder): warm-up 10, the peak until 40, decay over 50 steps; the last step's rate is
+    min_decay_lr (the importer once wrote train_steps - warm-up, 90, and the run ended above it)."""
+    from nanoexp.optim import lr_at
+
+    def late_decay(text):
+        return (text.replace("    lr_warmup_steps: 2\n", "    lr_warmup_steps: 10\n    lr_decay_starting_step: 40\n"
+                             "    lr_decay_style: cosine\n    min_decay_lr: 3.0e-4\n", 1)
+                .replace("  train_steps: 6\n", "  train_steps: 100\n", 1))
+    code, _, composed = imported(conf, "nanoset_forms.yaml", "late_decay", edit=late_decay)
+    cfg = composed()
+    lr = cfg.optimizer.learning_rate_scheduler
+    assert code == 0 and (lr.lr_warmup_steps, lr.lr_decay_starting_step, lr.lr_decay_steps) == (10, 40, 50)
+    assert lr_at(40, cfg) == 3e-3 and lr_at(90, cfg) == lr_at(100, cfg) == 3e-4
 
 
 @pytest.mark.parametrize("edit, needle", [

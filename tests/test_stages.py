@@ -55,6 +55,20 @@ def test_switch_at_the_start_step_reads_each_stage_from_its_own_order(folders):
         assert torch.equal(torch.cat(batches[first:last]), expected)
 
 
+def test_a_data_seed_orders_the_samples_and_general_seed_stays_the_weights(folders):
+    """data.seed (nanotron's, per stage) seeds the sample order; null (the default) is general.seed, so runs that
+    set none read what they read before the key existed."""
+    default = compose_config(FAST)
+    assert training_stages(default)[0].seed == default.general.seed == 42
+    assert training_stages(compose_config(FAST + ["data.seed=11"]))[0].seed == 11
+    with_seed, same_order = (compose_config(FAST + overrides) for overrides in
+                             (["general.seed=7", "data.seed=11"], ["general.seed=11"]))
+    assert torch.equal(torch.cat(steps(with_seed, 1, 2)[0]), torch.cat(steps(same_order, 1, 2)[0]))
+    staged = compose_config(FAST + stages_override(*folders, start=3) + ["general.seed=7",
+                                                                          "data_stages.1.data.seed=11"])
+    assert [stage.seed for stage in training_stages(staged)] == [stage_seed(7, 0), stage_seed(11, 1)]
+
+
 def test_stage_batches_do_not_depend_on_the_dp_split(folders):
     cfg = compose_config(FAST + stages_override(*folders, start=2) + ["parallelism.dp=2"])
     whole, _ = steps(compose_config(FAST + stages_override(*folders, start=2)), 1, 3)

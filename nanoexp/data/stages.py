@@ -4,8 +4,8 @@
 fields (:func:`nanoexp.config.stage_data`). Without stages the ``data`` group is the one stage, read exactly as
 before stages existed (same seed, same positions).
 
-What makes a switch exact and resumable: stage ``k`` has its own sample order, fixed by ``general.seed`` and
-``k``, and its own position in it (its consumed samples, kept per stage in checkpoints). Its global batch at a
+What makes a switch exact and resumable: stage ``k`` has its own sample order, fixed by its data seed (``seed`` of
+its ``data``, by default ``general.seed``) and ``k``, and its own position in it (its consumed samples, kept per stage in checkpoints). Its global batch at a
 step is the next ``G`` positions of that order, so it depends on the seed, the stage and the global batch only,
 never on the layout or on when the run was interrupted.
 """
@@ -36,17 +36,26 @@ class Stage:
     key: str              # where this stage's data sits in the config, for messages: "data" | "data_stages[1].data"
 
 
+def data_seed(cfg: Any, data: Any) -> int:
+    """The seed of a data config's sample order: its `seed`, or general.seed when it is null."""
+    return cfg.general.seed if data.get("seed") is None else data.seed
+
+
 def stage_seed(seed: int, index: int) -> int:
-    """The sample-order seed of stage `index`: a function of (general.seed, index), distinct per stage."""
+    """The sample-order seed of stage `index`: a function of (its data seed, index), distinct per stage."""
     return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
 def training_stages(cfg: Any) -> list[Stage]:
     """The stages of a run, in the order they train; without data_stages one stage holding the data group."""
     if not cfg.data_stages:
-        return [Stage(None, 1, cfg, cfg.general.seed, "data")]
-    return [Stage(stage.name, stage.start_training_step, OmegaConf.merge(cfg, {"data": stage_data(cfg, stage)}),
-                  stage_seed(cfg.general.seed, i), f"data_stages[{i}].data") for i, stage in enumerate(cfg.data_stages)]
+        return [Stage(None, 1, cfg, data_seed(cfg, cfg.data), "data")]
+    stages = []
+    for i, stage in enumerate(cfg.data_stages):
+        data = stage_data(cfg, stage)
+        stages.append(Stage(stage.name, stage.start_training_step, OmegaConf.merge(cfg, {"data": data}),
+                            stage_seed(data_seed(cfg, data), i), f"data_stages[{i}].data"))
+    return stages
 
 
 def stage_index(stages: list[Stage], step: int) -> int:
