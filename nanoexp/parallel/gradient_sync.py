@@ -15,10 +15,14 @@ final, so most of the communication hides behind the rest of backward:
   bucket (`shard_pieces`), which is all it updates; after the update `gather_parameters` all-gathers the
   parameters. Buckets are padded to a multiple of dp·cp; the two move the bytes of one all-reduce.
 
-Parameters held twice in a replica need a sum over another group first, then their dp x cp average:
-sequence-parallel norm weights (each tp rank saw part of the sequence: summed over tp) and tied embeddings
-split over the first and last stage (summed over the embedding group). They sit in each chunk's last buckets,
-which only `finish()` starts, after summing them.
+Parameters held twice in a replica need a second sum:
+* sequence-parallel norm weights (each tp rank saw part of the sequence) are summed over tp first, then averaged
+  over dp x cp: they sit in each chunk's last buckets, which only `finish()` starts, after the tp sum;
+* a tied embedding split over the first and last stage is averaged over dp x cp first, each copy in its own
+  stage's buckets, then the two copies are summed over the embedding group (as Megatron-LM does). A sum of two
+  numbers is the same on both ends, so the copies stay identical bit for bit; summing first and averaging each
+  copy in its stage's bucket layout could round them apart. A copy has a bucket of its own, averaged whole
+  (an all-reduce, also under ZeRO-1), so that the embedding-group sum sees the whole averaged gradient.
 """
 from __future__ import annotations
 
@@ -45,10 +49,13 @@ class ShardPiece:
 
 
 class _Bucket:
-    """A contiguous range [start, start + numel) of the flat buffers and the parameters in it."""
+    """A contiguous range [start, start + numel) of the flat buffers and the parameters in it. `deferred`:
+    started only by finish(); `whole`: averaged whole (all-reduce) even when the buffers are sharded."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], start: int, numel: int, deferred: bool):
-        self.index, self.params, self.start, self.numel, self.deferred = index, params, start, numel, deferred
+    def __init__(self, index: int, params: list[nn.Parameter], start: int, numel: int, deferred: bool = False,
+                 whole: bool = False):
+        self.index, self.params, self.start, self.numel = index, params, start, numel
+        self.deferred, self.whole = deferred, whole
         self.num_ready, self.handle = 0, None
 
 
@@ -62,26 +69,27 @@ class ChunkBuffers:
         bucket order 0, 1, 2, ... on every rank; `deferred` parameters' buckets start only in `finish()`.
         Before `arm()` nothing communicates.
       * After `finish()` the gradients are averaged over the group: all of them (`shard=False`) or this rank's
-        `shard_pieces()` (`shard=True`). A parameter that got no gradient counts as zeros. With `group is None`
-        or `group_size == 1` nothing communicates.
+        `shard_pieces()` (`shard=True`), and always all of each `whole` parameter (each in a bucket of its
+        own). A parameter that got no gradient counts as zeros. With `group is None` or `group_size == 1`
+        nothing communicates.
     With a `trace` (trace.py), each launch is an "allreduce_launch" instant and each wait in `finish()` an
     "allreduce_wait" span.
     """
 
     def __init__(self, params: list[nn.Parameter], group, group_size: int, group_rank: int = 0,
-                 shard: bool = False, deferred=(), bucket_cap_mb: float = 25.0, trace=NO_TRACE):
+                 shard: bool = False, deferred=(), whole=(), bucket_cap_mb: float = 25.0, trace=NO_TRACE):
         self.group, self.group_size, self.group_rank, self.shard, self.trace = group, group_size, group_rank, shard, trace
         self.enabled = group is not None and group_size > 1
         self.armed = False
         params = [p for p in params if p.requires_grad]
-        deferred_ids = {id(p) for p in deferred}
+        deferred_ids, whole_ids = {id(p) for p in deferred}, {id(p) for p in whole}
         # Reverse registration order: backward produces the last layers' grads first, so the
         # first bucket fills (and can start communicating) earliest; deferred ones go last.
         self.buckets: list[_Bucket] = []
         for deferred_part in (False, True):
             self._plan([p for p in reversed(params) if (id(p) in deferred_ids) == deferred_part], bucket_cap_mb,
-                       deferred_part)
-        total = self.buckets[-1].start + self.buckets[-1].numel if self.buckets else 0
+                       deferred_part, whole_ids)
+        total = self._end()
         device = params[0].device if params else torch.device("cpu")
         self.values = torch.zeros(total, dtype=torch.float32, device=device)
         self.grads = torch.zeros_like(self.values)
@@ -98,18 +106,33 @@ class ChunkBuffers:
         self.params = [p for bucket in self.buckets for p in bucket.params]
         self.zero_grad()
 
-    def _plan(self, params, cap_mb: float, deferred: bool) -> None:
-        """Append buckets of about cap_mb holding params in order, each padded to a multiple of the group."""
+    def _end(self) -> int:
+        return self.buckets[-1].start + self.buckets[-1].numel if self.buckets else 0
+
+    def _padded(self, size: int) -> int:
+        """A bucket's length: `size`, rounded up to a multiple of the group when sharded."""
+        return -(-size // self.group_size) * self.group_size if self.shard else size
+
+    def _plan(self, params, cap_mb: float, deferred: bool, whole_ids: set[int]) -> None:
+        """Append buckets of about cap_mb holding params in order, each padded to a multiple of the group; a
+        whole parameter gets a bucket of its own, where the order reaches it."""
         cap, current = max(1, int(cap_mb * 2**20) // 4), []
-        start = self.buckets[-1].start + self.buckets[-1].numel if self.buckets else 0
-        for p in params + [None]:
-            size = sum(q.numel() for q in current)
-            if current and (p is None or size + p.numel() > cap):
-                padded = -(-size // self.group_size) * self.group_size if self.shard else size
-                self.buckets.append(_Bucket(len(self.buckets), current, start, padded, deferred))
-                current, start = [], start + padded
-            if p is not None:
+
+        def close(params, whole=False):
+            size = sum(q.numel() for q in params)
+            self.buckets.append(_Bucket(len(self.buckets), params, self._end(), self._padded(size), deferred, whole))
+
+        for p in params:
+            if id(p) in whole_ids or (current and sum(q.numel() for q in current) + p.numel() > cap):
+                if current:
+                    close(current)
+                current = []
+            if id(p) in whole_ids:
+                close([p], whole=True)
+            else:
                 current.append(p)
+        if current:
+            close(current)
 
     def zero_grad(self) -> None:
         """Zero every gradient in place; (re)attach `.grad` as views of the buffer."""
@@ -170,7 +193,7 @@ class ChunkBuffers:
             if bucket.num_ready < len(bucket.params) or (from_hook and bucket.deferred):
                 return
             data = self.grads[bucket.start:bucket.start + bucket.numel]
-            if self.shard:
+            if self.shard and not bucket.whole:
                 lo, hi = self.shard_range(bucket)
                 bucket.handle = reduce_scatter_into(self.grads[lo:hi], data, self.group, async_op=True)
             else:
@@ -192,7 +215,7 @@ class ChunkBuffers:
         for bucket in self.buckets:
             with self.trace.span("allreduce_wait", bucket=bucket.index):
                 bucket.handle.wait()
-            lo, hi = self.shard_range(bucket)
+            lo, hi = (bucket.start, bucket.start + bucket.numel) if bucket.whole else self.shard_range(bucket)
             self.grads[lo:hi].div_(self.group_size)
             bucket.handle = None
         self.armed = False
@@ -228,7 +251,7 @@ class GradientSync:
         self.sequence_parallel = [p for p in params if placement(p).sequence_parallel]
         self.tied = [p for p in params if placement(p).tied_across_stages]
         self.chunks = [ChunkBuffers(chunk, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank, shard,
-                                    deferred=self.sequence_parallel + self.tied, bucket_cap_mb=bucket_cap_mb,
+                                    deferred=self.sequence_parallel, whole=self.tied, bucket_cap_mb=bucket_cap_mb,
                                     trace=trace.bind(chunk=c)) for c, chunk in enumerate(chunks)]
 
     def start(self, chunk: int) -> None:
@@ -236,13 +259,14 @@ class GradientSync:
         self.chunks[chunk].arm()
 
     def finish(self) -> None:
-        """Sum the parameters held twice in a replica, then finish every chunk's dp x cp average."""
+        """Every gradient final: sequence-parallel sums over tp, every chunk's dp x cp average, then the tied
+        copies' sum over the embedding group (module docstring)."""
         ctx = self.ctx
         if ctx.tp > 1:
             all_reduce_grads(self.sequence_parallel, ctx.tp_group)
-        all_reduce_grads(self.tied, ctx.embedding_group)
         for chunk in self.chunks:
             chunk.finish()
+        all_reduce_grads(self.tied, ctx.embedding_group)
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
