@@ -21,7 +21,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Par
     members: dict[str, list] = {group: [] for group in GROUPS}
     for name, param in model.named_parameters():
         members[parametrization.group(value_name(name, param), param.ndim)].append(param)
-    return [{"params": params, "weight_decay": 0.0 if group == "vectors" else weight_decay,
+    return [{"params": params, "weight_decay": parametrization.weight_decay(group, weight_decay),
              "lr_scale": parametrization.lr_scale(group), "group": group}
             for group, params in members.items() if params]
 

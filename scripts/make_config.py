@@ -148,7 +148,7 @@ def show_lrs(overrides: list[str]) -> int:
         name, full = members[group][0]
         std = "ones" if group == "vectors" else f"{mup.init_std(name, len(full), cfg.model.init_method.std):.4g}"
         scale = mup.lr_scale(group)
-        decay = 0.0 if group == "vectors" else cfg.optimizer.weight_decay
+        decay = mup.weight_decay(group, cfg.optimizer.weight_decay)
         held = dict.fromkeys(re.sub(r"^model\.layers\.\d+\.", "", n).removesuffix(".weight") for n, _ in members[group])
         held = [n for n in held if n.startswith(("model.", "lm_head"))] + [   # the layers' tensors in one entry
             "model.layers.*.{" + ", ".join(n for n in held if not n.startswith(("model.", "lm_head"))) + "}"]

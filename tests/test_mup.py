@@ -6,6 +6,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from nanoexp.model.build import build_model
 from nanoexp.optim import build_optimizer, set_lr
@@ -41,6 +42,28 @@ def test_mup_init_and_learning_rates_scale_with_the_width():
     assert group_lrs(width_overrides(128, 16) + MUP, 1e-3) == pytest.approx(
         {"matrices": 1e-3, "hidden": 1e-3 / 4, "vectors": 1e-3}, rel=1e-12)
     assert group_lrs(width_overrides(128, 16), 1e-3) == {"matrices": 1e-3, "vectors": 1e-3}
+
+
+def test_the_hidden_matrices_decay_by_the_same_amount_at_every_width():
+    """torch's AdamW shrinks a weight by lr·wd a step. µP divides the hidden matrices' lr by m, so their weight
+    decay is multiplied by m: lr·wd, and the decay one step applies, do not depend on the width (before, the
+    hidden group kept optimizer.weight_decay and its decay per step fell as 1/m)."""
+    decays = {}
+    for width in (32, 64, 128):
+        cfg = compose_config(width_overrides(width, 16) + MUP + ["optimizer.weight_decay=0.1"])
+        model = build_model(cfg, ParallelContext())
+        optimizer = build_optimizer(cfg, model)
+        set_lr(optimizer, 1e-2)
+        groups = {group["group"]: group for group in optimizer.param_groups}
+        assert groups["vectors"]["weight_decay"] == 0 and groups["matrices"]["weight_decay"] == 0.1
+        weight = model.get_parameter("model.layers.0.mlp.up_proj.weight")
+        before = weight.detach().clone()
+        for param in model.parameters():   # no gradient signal: the step is the decay alone
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        decays[width] = (groups["hidden"]["lr"] * groups["hidden"]["weight_decay"], (weight / before).mean().item())
+    for lr_wd, shrink in decays.values():   # float32 weights: the ratio to ~1e-7
+        assert lr_wd == pytest.approx(1e-3, rel=1e-12) and shrink == pytest.approx(1 - 1e-3, abs=1e-6)
 
 
 def test_mup_at_its_base_width_is_the_standard_parametrization(tmp_path):

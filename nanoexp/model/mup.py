@@ -7,7 +7,9 @@ parameter trains with the scheduled rate η, and the forward pass has no multipl
 mup, the maximal update parametrization for Adam (Yang et al. 2022, "Tensor Programs V", the
 formulation with multipliers), with the width multiplier m = hidden_size / model.mup.base_width:
 - hidden matrices (the attention and MLP projections, whose two dimensions both grow with the width):
-  init std σ/√m, learning rate η/m;
+  init std σ/√m, learning rate η/m, weight decay λ·m: torch's AdamW decays a weight by lr·wd each step, so
+  λ·m keeps that decay, (η/m)·(λ·m) = η·λ, the same at every width (as Microsoft's mup package does in
+  MuAdamW with its default decoupled_wd=False; with λ unscaled the regularisation would weaken m-fold);
 - the embedding and the LM head (one dimension is the vocabulary, which does not grow): init std σ,
   learning rate η; the logits are multiplied by 1/m. The output layer keeps its init (rather than
   starting at zero) so that a tied embedding, which is also the input layer, obeys the same rule:
@@ -48,6 +50,13 @@ class Parametrization:
     def lr_scale(self, group: str) -> float:
         """The group's learning rate over the scheduled one."""
         return 1.0 / self.width_multiplier if group == "hidden" else 1.0
+
+    def weight_decay(self, group: str, weight_decay: float) -> float:
+        """The group's weight decay, from optimizer.weight_decay: none on vectors (norm weights), times m on
+        the hidden matrices (so that lr·wd does not depend on the width, see the module docstring)."""
+        if group == "vectors":
+            return 0.0
+        return weight_decay * self.width_multiplier if group == "hidden" else weight_decay
 
     def init_std(self, name: str, ndim: int, std: float) -> float:
         """The std a matrix is drawn with (vectors are norm weights: ones)."""
