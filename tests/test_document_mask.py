@@ -6,7 +6,8 @@ import torch
 
 from nanoexp.data import ByteTokenizer, PackedDataset
 from nanoexp.data.loader import TrainBatches, document_positions, eval_batches
-from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, init_weights
+from nanoexp.model.init import init_weights
+from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
 from nanoexp.parallel.context import ParallelContext
 from tests.data_files import random_documents
 from tests.helpers import FAST, train, train_losses

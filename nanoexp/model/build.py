@@ -1,10 +1,17 @@
 """Building this rank's shard of the model from the config: its shape, its pipeline stage's layers (or chunks
-of them, Layout.stage_layers), its tensor-parallel slices, initial weights (seeded, or a Hugging Face model's)."""
+of them, Layout.stage_layers), its tensor-parallel slices, initial weights (seeded, or a Hugging Face model's).
+
+The modules are built on the meta device (no memory), then only this rank's shards are materialised on its
+device and filled: no rank ever allocates or draws a full tensor it does not keep (init.py)."""
 from __future__ import annotations
+
+import torch
+from torch import nn
 
 from nanoexp.config import num_kv_heads, padded_vocab_size
 from nanoexp.hf import load_hf_weights
-from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, init_weights
+from nanoexp.model.init import init_weights
+from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
 from nanoexp.model.mup import parametrization_of
 from nanoexp.parallel.context import ParallelContext
 
@@ -25,12 +32,26 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     chunks of them), its tensor-parallel slices, as ctx.layout splits them (the config's layout when
     training; one process's to read a checkpoint of any layout). model.compile compiles each decoder block."""
     shape = model_shape(cfg)
-    model = LlamaForCausalLM(shape, ctx, ctx.layout.stage_layers(shape.num_hidden_layers, ctx.pp_rank),
-                             recompute_layer=cfg.parallelism.recompute_layer)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(shape, ctx, ctx.layout.stage_layers(shape.num_hidden_layers, ctx.pp_rank),
+                                 recompute_layer=cfg.parallelism.recompute_layer)
+    materialize(model, ctx.device)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
         load_hf_weights(model, cfg.model.init_method.path, ctx)
     if cfg.model.compile:
         for layer in model.model.layers.values():
             layer.compile()
-    return model.to(ctx.device)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter of a model built on the meta device uninitialised memory on `device`, keeping its
+    placement and the ties between modules (a tied LM head stays the embedding tensor)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                made[id(param)].__dict__.update(param.__dict__)   # its placement
+            setattr(module, name, made[id(param)])

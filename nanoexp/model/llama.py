@@ -15,7 +15,6 @@ The layout (ctx.layout) says whether activations are sequence parallel and which
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanoexp.model.mup import STANDARD, Parametrization
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, place, placement, value_name
 from nanoexp.parallel.zigzag import document_starts, zigzag_indices
@@ -313,23 +311,3 @@ class LlamaForCausalLM(nn.Module):
         """The LM head on the final norm of the last hidden states (times 1/m under µP)."""
         logits = self.lm_head(self.model.norm(x))
         return logits if self.shape.logit_multiplier == 1.0 else logits * self.shape.logit_multiplier
-
-
-@torch.no_grad()
-def init_weights(model: LlamaForCausalLM, std: float, seed: int, parametrization: Parametrization = STANDARD) -> None:
-    """Fill every parameter independently of the layout: draw the full tensor from a generator
-    seeded by (seed, the name of the values it holds) and keep this rank's tensor-parallel slice.
-    Norm weights are ones; matrices have std `std`, under µP scaled by their width (see mup.py)."""
-    ctx = model.ctx
-    for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        dim = placement(param).split_dim
-        full_shape = list(param.shape)
-        if dim is not None:
-            full_shape[dim] *= ctx.tp
-        source = value_name(name, param)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
-        full = torch.empty(full_shape).normal_(0.0, parametrization.init_std(source, param.ndim, std), generator=gen)
-        param.copy_(shard_tensor(full, dim, ctx))
