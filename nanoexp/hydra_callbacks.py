@@ -40,16 +40,18 @@ class SweepReport(Callback):
 
 
 def print_sweep_report(sweep_dir: str) -> None:
-    from nanoexp.sweep_report import collect, table
+    from nanoexp.sweep_report import busy_note, collect, table
 
     if not sweep_dir or not os.path.isdir(sweep_dir):
         return
     rows, _ = collect(sweep_dir)
     if not rows:
         return
-    columns = ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec"]
+    columns = ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec", "load"]
     failed = sum(row["state"] == "failed" for row in rows)
     print(f"\nsweep {os.path.abspath(sweep_dir)}: {len(rows)} jobs, {failed} failed\n{table(rows, columns)}")
+    if busy_note(rows):
+        print(busy_note(rows))
     for row in rows:
         if row["state"] != "completed":
             print(f"  job {row['job']} {row['state']}: {row['reason']}")

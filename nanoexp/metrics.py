@@ -1,4 +1,5 @@
-"""FLOP count and MFU, memory, and the metric writers (metrics.jsonl, TensorBoard, W&B).
+"""FLOP count (model and hardware FLOPs per token) and the metric writers (metrics.jsonl, TensorBoard, W&B).
+MFU divides the model FLOP/s by the peak of peak.py.
 
 Only global rank 0 creates a MetricsWriter; the trainer hands it plain dicts.
 """
@@ -7,26 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from dataclasses import dataclass
-
-import torch
 
 from nanoexp.model.llama import LlamaShape, layer_shapes
-
-# Dense (no 2:4 sparsity) peak TFLOP/s per GPU and model.dtype, matched against
-# torch.cuda.get_device_name in this order (so "H100 PCIe" wins over "H100").
-# Sources, NVIDIA datasheets: "H200 Tensor Core GPU" (H200 SXM), "H100 Tensor Core GPU" (H100 SXM
-# and PCIe), "A100 Tensor Core GPU" (A100 SXM/PCIe). bfloat16 is the tensor-core BF16 figure (the
-# datasheets print it with sparsity: 1979 / 1513 / 624, halved here); float32 is the plain FP32
-# (non-tensor-core) figure, since PyTorch does not use TF32 for matmuls by default. CPUs have no
-# entry: their peak is measured at start (measure_cpu_peak) unless logging.peak_tflops is set.
-PEAK_TFLOPS = [
-    ("H200", "bfloat16", 989.0), ("H200", "float32", 67.0),
-    ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "float32", 51.0),
-    ("H100", "bfloat16", 989.0), ("H100", "float32", 67.0),
-    ("A100", "bfloat16", 312.0), ("A100", "float32", 19.5),
-]
 
 
 def flops_per_token(shape: LlamaShape, seq_len: int) -> float:
@@ -55,56 +38,6 @@ def hardware_flops_per_token(shape: LlamaShape, seq_len: int, recompute_layer: b
         rerun = layer_matmul_params(shape) - shape.hidden_size * shape.intermediate_size
         extra = shape.num_hidden_layers * (2.0 * rerun + 4.0 * shape.hidden_size * seq_len)
     return flops_per_token(shape, seq_len) + extra
-
-
-@dataclass
-class Peak:
-    """A peak matmul throughput and where it came from."""
-    tflops: float | None
-    source: str
-
-
-def job_peak(device: torch.device, dtype: str, override: float | None, world_size: int, nodes: int,
-             measured: Peak | None = None) -> Peak:
-    """The whole job's peak, which MFU divides the job's model FLOP/s by. On CUDA: per GPU (the
-    override, else the datasheet table) times the GPUs. On CPU: per node (the override, else
-    `measured`, see `measure_cpu_peak`) times the nodes, since a node's ranks share its cores."""
-    if device.type == "cuda":
-        per_gpu, source = (override, "logging.peak_tflops") if override else gpu_table_peak(device, dtype)
-        return Peak(per_gpu * world_size if per_gpu else None, f"{source}, x {world_size} GPU(s)")
-    per_node, source = (override, "logging.peak_tflops") if override else (
-        (measured.tflops, measured.source) if measured else (None, "not measured"))
-    return Peak(per_node * nodes if per_node else None, f"{source}, x {nodes} node(s)")
-
-
-def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]:
-    name = torch.cuda.get_device_name(device)
-    for gpu, table_dtype, value in PEAK_TFLOPS:
-        if gpu in name and table_dtype == dtype:
-            return value, f"datasheet: {gpu} {dtype} dense"
-    return None, f"{name} is not in PEAK_TFLOPS: set logging.peak_tflops"
-
-
-def measure_cpu_peak(dtype: str, threads: int, size: int = 1024, repeats: int = 4) -> Peak:
-    """This node's matmul peak: the best of `repeats` timed size x size matmuls in `dtype` on `threads`
-    threads (about 0.05-0.3 s on 2 cores). The operands are built without any random generator, so
-    the training RNG is untouched; nothing is written anywhere."""
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.linspace(-1.0, 1.0, size * size).reshape(size, size).to(torch_dtype)
-        b = a.t().contiguous()
-        torch.mm(a, b)   # warm-up: thread pool, caches
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
-    tflops = 2.0 * size ** 3 / best / 1e12
-    return Peak(tflops, f"measured: best of {repeats} {size}x{size} {dtype} matmuls on {threads} threads")
 
 
 def start_wandb(run_dir: str, cfg):

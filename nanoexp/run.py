@@ -23,10 +23,10 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, setup_device,
                             spawn_local)
 from nanoexp.memory import return_freed_memory
-from nanoexp.metrics import Peak, job_peak, measure_cpu_peak
 from nanoexp.parallel.layout import Layout
+from nanoexp.peak import Peak, job_peak, node_peak, slow_dtype_warning
 from nanoexp.signals import handle_stop_signals
-from nanoexp.summary import read_summary, record_failure, stopped_by_signal
+from nanoexp.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
 
 log = logging.getLogger("nanoexp")
@@ -123,11 +123,16 @@ def fill_wandb_identity(cfg, job: HydraJob) -> None:
 
 
 def node_cpu_peak(cfg) -> Peak | None:
-    """This node's matmul peak, measured with all its cores before any worker starts, when MFU on
-    CPU needs it (no GPU, no logging.peak_tflops)."""
+    """This node's matmul peak (nanoexp/peak.py), measured with all its cores before any worker starts, when MFU
+    on CPU needs it (no GPU, no logging.peak_tflops); a warning when model.dtype is far slower than float32."""
     if torch.cuda.is_available() or cfg.logging.peak_tflops:
         return None
-    return measure_cpu_peak(cfg.model.dtype, threads=os.cpu_count() or 1)
+    threads = os.cpu_count() or 1
+    peak = node_peak(cfg.model.dtype, threads)
+    warning = slow_dtype_warning(cfg.model.dtype, threads, peak)
+    if warning:
+        log.warning("%s", warning)
+    return peak
 
 
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
@@ -140,8 +145,11 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     os.makedirs(run_dir, exist_ok=True)
     if env is None or env["rank"] == 0:
         log.info("run folder: %s", os.path.abspath(run_dir))
+    load = os.getloadavg()[0]
     with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
         launch_and_train(cfg, run_dir, env, world)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env else world
+    record_machine_load(run_dir, load, os.getloadavg()[0], local_processes)
 
 
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:

@@ -42,6 +42,26 @@ def _is_writer() -> bool:
     return env is None or env["rank"] == 0
 
 
+def record_machine_load(run_dir: str, start: float, end: float, processes: int) -> None:
+    """Add the machine's 1-minute load average before the run's workers started and when they ended, its cores
+    and the run's own processes on it: throughput measured on a machine busy with other work is not comparable
+    (nanoexp.sweep_report flags such jobs)."""
+    summary = read_summary(run_dir) if _is_writer() else None
+    if summary is None:
+        return
+    summary["machine_load"] = {"start": start, "end": end, "cpus": os.cpu_count(), "processes": processes}
+    write_summary(run_dir, summary)
+
+
+def machine_was_busy(summary: dict) -> bool:
+    """Whether other work kept the machine's cores busy during the run: its load average before the run, or at
+    its end beyond the run's own processes, reached the number of cores."""
+    load = summary.get("machine_load")
+    if not load:
+        return False
+    return max(load["start"], load["end"] - load["processes"]) >= load["cpus"]
+
+
 def record_failure(run_dir: str, error: BaseException) -> None:
     """Make the run folder's summary.json say `failed` and why, keeping the metrics a trainer may have written."""
     if not _is_writer():

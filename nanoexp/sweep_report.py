@@ -23,10 +23,10 @@ import subprocess
 import yaml
 
 from nanoexp.parallel.layout import Layout
-from nanoexp.summary import read_summary
+from nanoexp.summary import machine_was_busy, read_summary
 
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
-           "peak_memory_mb", "state", "reason"]
+           "peak_memory_mb", "load", "state", "reason"]
 # One format per column (None: as is).
 FORMATS = {"lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
            "mfu": "{:.2%}", "peak_memory_mb": "{:,.0f}"}
@@ -94,6 +94,8 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
     summary = read_summary(folder) or {}
     for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
         row[key] = summary.get(key)
+    load, row["busy"] = summary.get("machine_load"), machine_was_busy(summary)
+    row["load"] = f"{load['start']:.1f}/{load['end']:.1f}{' busy' if row['busy'] else ''}" if load else None
     row["state"], row["reason"] = job_state(sweep_dir, folder, summary, job_id)
     return row, records
 
@@ -146,6 +148,15 @@ def collect(sweep_dir: str) -> tuple[list[dict], dict[int, list[dict]]]:
         curves[number] = records
     differing_overrides(rows)
     return rows, curves
+
+
+def busy_note(rows: list[dict]) -> str | None:
+    """The line under a table whose jobs did not have the machine to themselves, naming them."""
+    busy = [row["job"] for row in rows if row.get("busy")]
+    if not busy:
+        return None
+    return (f"jobs {busy} ran while other work kept the machine's cores busy (load average before/after the job "
+            "in column load): their tokens/s and MFU are not comparable with the others'")
 
 
 def cell(column: str, value) -> str:

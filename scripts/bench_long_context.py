@@ -38,7 +38,7 @@ import torch
 
 from nanoexp.config import compose
 from nanoexp.memory import MB, estimate, total
-from nanoexp.metrics import measure_cpu_peak
+from nanoexp.peak import measure_cpu_peak
 from nanoexp.model.build import model_shape
 from nanoexp.parallel import attention_blocks
 from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
@@ -104,7 +104,7 @@ def tile_timings(args, shape) -> None:
     2048² float32 matmul. A block's matmuls: q·k and p·v forward, q·k again and four gradient products
     backward, 2·n·m·d FLOPs each per head."""
     chunk = args.sequence_length // 4
-    peak = measure_cpu_peak("float32", threads=1, size=2048).tflops * 1e3   # GFLOP/s
+    peak = measure_cpu_peak("float32", threads=1, max_size=2048).tflops * 1e3   # GFLOP/s
     flops = 7 * 2 * chunk * chunk * shape.head_dim * shape.num_attention_heads
     print(f"one thread's 2048² float32 matmul: {peak:.1f} GFLOP/s; a full block = {flops / 1e9:.3f} GFLOP")
     for tile in args.tiles:

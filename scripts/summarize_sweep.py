@@ -24,7 +24,7 @@ import math
 import os
 import sys
 
-from nanoexp.sweep_report import COLUMNS, collect, table
+from nanoexp.sweep_report import COLUMNS, busy_note, collect, table
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.sweep_dir}: no jobs found (no <n>/.hydra folders, no .submitit jobs)", file=sys.stderr)
         return 1
     print(table(rows))
+    if busy_note(rows):
+        print(busy_note(rows))
     write_csv(rows, os.path.join(out, "summary.csv"))
     written = ["summary.csv"]
     transfer = lr_sweep(rows)

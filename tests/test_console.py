@@ -19,7 +19,7 @@ def test_debug_fast_run_tells_what_it_is_how_far_and_how_it_ended(tmp_path):
     for fact in (f"run folder: {tmp_path / 'run'}", "model: 541,536 parameters (hidden 96, 4 layers",
                  "layout: dp1tp1pp1 (1 process)", "global batch: 32 sequences x 128 tokens = 4,096 tokens per step",
                  "data: builtin: 37,541 training samples per epoch", "held-out 1,968 samples",
-                 "starting from step 1", "peak for MFU: ", "measured: best of 4 1024x1024 float32 matmuls"):
+                 "starting from step 1", "peak for MFU: ", "float32 matmuls on", "nanoexp/peaks.json"):
         assert fact in out, fact
     steps = [line for line in out.splitlines() if "| loss " in line]
     assert [line.split("step ")[1].split(" |")[0] for line in steps] == ["1/4", "2/4", "3/4", "4/4"]
@@ -28,7 +28,7 @@ def test_debug_fast_run_tells_what_it_is_how_far_and_how_it_ended(tmp_path):
     last = out.rstrip().splitlines()[-1]
     assert "completed | 4 steps | final loss" in last and last.endswith(str(tmp_path / "run" / "summary.json"))
     assert f"eval loss {summary['eval_loss']:.4f}" in last and summary["mfu"] > 0
-    assert summary["peak_tflops"] > 0 and summary["peak_source"].startswith("measured")
+    assert summary["peak_tflops"] > 0 and "kept in" in summary["peak_source"]   # the machine's best, cached
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "4", "latest.txt"]
 
 

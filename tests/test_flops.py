@@ -16,9 +16,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import nanoexp.model.llama as llama
-from nanoexp.metrics import flops_per_token, hardware_flops_per_token, job_peak, measure_cpu_peak
-from nanoexp.parallel.context import ParallelContext
+from nanoexp.metrics import flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
+from nanoexp.parallel.context import ParallelContext
 from tests.helpers import FAST, compose_config
 
 
@@ -57,31 +57,3 @@ def test_recomputation_counts_as_hardware_not_model_flops(monkeypatch):
     assert counted == pytest.approx(hardware_flops_per_token(shape, 32, True) * tokens, rel=1e-9)
     assert counted > flops_per_token(shape, 32) * tokens * 1.2   # and they are not model FLOPs
     assert hardware_flops_per_token(shape, 32, False) == flops_per_token(shape, 32)
-
-
-def test_peak_table_matches_names_and_dtypes(monkeypatch):
-    gpu = torch.device("cuda", 0)   # only the device type is read; no GPU needed
-    for name, dtype, peak in [("NVIDIA H200", "bfloat16", 989.0), ("NVIDIA H100 80GB HBM3", "bfloat16", 989.0),
-                              ("NVIDIA H100 PCIe", "bfloat16", 756.0), ("NVIDIA A100-SXM4-80GB", "float32", 19.5),
-                              ("NVIDIA GeForce RTX 4090", "bfloat16", None)]:
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
-        job = job_peak(gpu, dtype, None, world_size=8, nodes=1)
-        assert job.tflops == (None if peak is None else 8 * peak), name   # per GPU x GPUs
-    assert job_peak(gpu, "bfloat16", 100.0, world_size=4, nodes=1).tflops == 400.0
-
-
-def test_cpu_peak_is_per_node_and_measured_without_the_training_rng():
-    """On CPU the ranks of a node share its cores: the job's peak is the node's times the nodes, not
-    times the ranks. The measurement draws no random numbers (the training RNG stays where it was)."""
-    cpu = torch.device("cpu")
-    assert job_peak(cpu, "float32", None, world_size=8, nodes=1).tflops is None   # nothing measured
-    assert job_peak(cpu, "float32", 2.5, world_size=8, nodes=2).tflops == 5.0
-    torch.manual_seed(0)
-    before = torch.get_rng_state()
-    threads = torch.get_num_threads()
-    measured = measure_cpu_peak("float32", threads=2)
-    assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
-    # A 2-core CPU does 57-211 GFLOP/s here; any real machine lands between 1 GFLOP/s and 1 PFLOP/s.
-    assert 1e-3 < measured.tflops < 1e3 and "1024x1024 float32" in measured.source
-    job = job_peak(cpu, "float32", None, world_size=4, nodes=1, measured=measured)
-    assert job.tflops == measured.tflops and "x 1 node" in job.source

@@ -83,13 +83,15 @@ def test_local_multirun_runs_every_job_and_matches_one_process(local_sweep):
     assert failed["status"] == "failed" and "ConfigError" in failed["error"]
     # The sweep ends with its results: the jobs, what differs between them, state, losses, speed.
     report = result.stdout[result.stdout.index(f"sweep {sweep}: 3 jobs, 1 failed"):].splitlines()
-    assert report[1].split() == ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec"]
+    assert report[1].split() == ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec", "load"]
     rows = [line.split() for line in report[2:5]]
     assert [r[:3] for r in rows] == [["0", "parallelism=dp2tp1pp1", "completed"],
                                      ["1", "parallelism=dp1tp2pp1", "completed"],
                                      ["2", "parallelism=dp1tp4pp1", "failed"]]
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     assert rows[0][3:5] == [f"{summary['final_loss']:.4f}", f"{summary['eval_loss']:.4f}"]   # +experiment: same in all
+    load = summary["machine_load"]   # the machine's load before/after each job, in the table
+    assert rows[0][6] == f"{load['start']:.1f}/{load['end']:.1f}" and load["processes"] == 2
     assert f"python scripts/summarize_sweep.py {sweep}" in result.stdout
 
 
@@ -193,3 +195,18 @@ def test_sweep_table_shows_only_the_overrides_that_differ_with_one_format_per_co
     lines = table(rows, ["job", "overrides", "final_loss", "tokens_per_sec", "mfu", "state"]).splitlines()
     assert lines[1].split()[2:5] == ["2.0000", "12,346", "12.34%"]
     assert lines[2].split()[3:6] == ["1.2346", "999", "-"]
+
+
+def test_jobs_on_a_busy_machine_are_flagged():
+    """tokens/s of identical jobs varied 60x in a sweep on a shared machine, unflagged: the report marks jobs whose
+    machine load (before the job, or after it beyond its own processes) reached the number of cores."""
+    from nanoexp.summary import machine_was_busy
+    from nanoexp.sweep_report import busy_note
+
+    def summary(start, end, processes=1):
+        return {"machine_load": {"start": start, "end": end, "cpus": 2, "processes": processes}}
+    assert not machine_was_busy(summary(0.3, 1.2)) and not machine_was_busy({})
+    assert machine_was_busy(summary(2.5, 1.0)) and machine_was_busy(summary(0.2, 4.1, processes=2))
+    assert not machine_was_busy(summary(0.2, 3.9, processes=2))   # its own two processes, nothing else
+    assert busy_note([{"job": 0, "busy": False}]) is None
+    assert "jobs [1, 3]" in busy_note([{"job": j, "busy": j % 2 == 1} for j in range(4)])

@@ -13,7 +13,7 @@ from tests.helpers import FAST, compose_config, train, train_losses
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "consumed_tokens", "peak_memory_mb",
                "model_tflops_per_sec", "mfu", "data_wait_sec"}
 SUMMARY_FIELDS = {"status", "final_loss", "eval_loss", "train_steps", "tokens_per_sec", "mfu", "peak_memory_mb",
-                  "wall_seconds", "world_size", "layout", "global_batch_size", "num_parameters"}
+                  "wall_seconds", "world_size", "layout", "global_batch_size", "num_parameters", "machine_load"}
 RUN = FAST + ["tokens.train_steps=30", "tokens.val_check_interval=15",
               "optimizer.learning_rate_scheduler.learning_rate=3e-3",
               "optimizer.learning_rate_scheduler.lr_warmup_steps=5"]
@@ -35,6 +35,8 @@ def test_loss_falls_and_files_are_complete(tmp_path):
     assert summary["status"] == "completed" and summary["layout"] == "dp1tp1pp1" and summary["world_size"] == 1
     assert summary["final_loss"] == steps[-1]["loss"] and summary["eval_loss"] == evals[-1]["eval_loss"]
     assert summary["train_steps"] == 30 and summary["global_batch_size"] == 8
+    load = summary["machine_load"]   # before and after: whether the run had the machine to itself
+    assert load["cpus"] == os.cpu_count() and load["processes"] == 1 and load["start"] >= 0 and load["end"] >= 0
     # Memory: a true peak per rank above a baseline measured before the model, and what it held.
     assert summary["peak_memory_mb_per_rank"] == [summary["peak_memory_mb"]]
     assert 0 < summary["baseline_memory_mb"] < summary["peak_memory_mb"]

@@ -1,0 +1,164 @@
+"""The peak matmul throughput MFU is measured against: a property of the machine, not of the moment.
+
+GPUs: a datasheet table (dense, per model.dtype) times the GPUs, or `logging.peak_tflops`. CPUs have no table:
+the node's peak is measured before any worker starts, as the best of a few square matmuls on all its cores.
+One measurement on a busy machine reads low (MFU above 100 % followed from it), and a small matmul reads low on
+an idle one too (1024² matrices gave 84.5 GFLOP/s where 2048² gave 131 on a 2-core CPU), so:
+- the matmuls grow until one takes long enough to be timed well (2048², or less for a dtype the CPU computes
+  slowly), and the best of a few counts;
+- each machine keeps the best figure it ever measured, per (host, CPU model, threads, dtype), in
+  `$XDG_CACHE_HOME/nanoexp/peaks.json` (~/.cache by default), refreshed when a new measurement beats it; the peak
+  is the better of the cached and the new figure, and its source says which.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Dense (no 2:4 sparsity) peak TFLOP/s per GPU and model.dtype, matched against
+# torch.cuda.get_device_name in this order (so "H100 PCIe" wins over "H100").
+# Sources, NVIDIA datasheets: "H200 Tensor Core GPU" (H200 SXM), "H100 Tensor Core GPU" (H100 SXM
+# and PCIe), "A100 Tensor Core GPU" (A100 SXM/PCIe). bfloat16 is the tensor-core BF16 figure (the
+# datasheets print it with sparsity: 1979 / 1513 / 624, halved here); float32 is the plain FP32
+# (non-tensor-core) figure, since PyTorch does not use TF32 for matmuls by default.
+PEAK_TFLOPS = [
+    ("H200", "bfloat16", 989.0), ("H200", "float32", 67.0),
+    ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "float32", 51.0),
+    ("H100", "bfloat16", 989.0), ("H100", "float32", 67.0),
+    ("A100", "bfloat16", 312.0), ("A100", "float32", 19.5),
+]
+SLOW_DTYPE = 0.25   # a dtype whose CPU peak is below this share of float32's is worth a warning
+
+
+@dataclass
+class Peak:
+    """A peak matmul throughput and where it came from."""
+    tflops: float | None
+    source: str
+
+
+def job_peak(device: torch.device, dtype: str, override: float | None, world_size: int, nodes: int,
+             measured: Peak | None = None) -> Peak:
+    """The whole job's peak, which MFU divides the job's model FLOP/s by. On CUDA: per GPU (the override, else
+    the datasheet table) times the GPUs. On CPU: per node (the override, else `measured`, see node_peak) times
+    the nodes, since a node's ranks share its cores."""
+    if device.type == "cuda":
+        per_gpu, source = (override, "logging.peak_tflops") if override else gpu_table_peak(device, dtype)
+        return Peak(per_gpu * world_size if per_gpu else None, f"{source}, x {world_size} GPU(s)")
+    per_node, source = (override, "logging.peak_tflops") if override else (
+        (measured.tflops, measured.source) if measured else (None, "not measured"))
+    return Peak(per_node * nodes if per_node else None, f"{source}, x {nodes} node(s)")
+
+
+def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]:
+    name = torch.cuda.get_device_name(device)
+    for gpu, table_dtype, value in PEAK_TFLOPS:
+        if gpu in name and table_dtype == dtype:
+            return value, f"datasheet: {gpu} {dtype} dense"
+    return None, f"{name} is not in PEAK_TFLOPS: set logging.peak_tflops"
+
+
+def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: int = 3,
+                     min_seconds: float = 0.05) -> Peak:
+    """This node's matmul peak now: square matmuls in `dtype` on `threads` threads, the size doubling from 256
+    until one takes `min_seconds` (or reaches max_size), then the best of `repeats` at that size. The operands
+    are built without any random generator, so the training RNG is untouched; nothing is written."""
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        size = 256
+        while True:
+            a = torch.linspace(-1.0, 1.0, size * size).reshape(size, size).to(torch_dtype)
+            b = a.t().contiguous()
+            torch.mm(a, b)   # warm-up: thread pool, caches
+            times = [_timed_mm(a, b)]
+            if size >= max_size or times[0] >= min_seconds:
+                break
+            size *= 2
+        times += [_timed_mm(a, b) for _ in range(repeats - 1)]
+    finally:
+        torch.set_num_threads(previous)
+    tflops = 2.0 * size ** 3 / min(times) / 1e12
+    return Peak(tflops, f"measured: best of {repeats} {size}x{size} {dtype} matmuls on {threads} threads")
+
+
+def _timed_mm(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - start
+
+
+def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
+    """The node's CPU peak: measured now, and the best this machine ever measured for the same CPU, threads and
+    dtype (cached, see the module docstring), whichever is higher."""
+    now = measure_cpu_peak(dtype, threads)
+    path = cache_path or default_cache_path()
+    key = f"{platform.node()} | {cpu_model()} | {threads} threads | {dtype}"
+    cache = _read_cache(path)
+    best = cache.get(key)
+    if best is None or now.tflops > best["tflops"]:
+        best = {"tflops": now.tflops, "date": datetime.date.today().isoformat()}
+        cache[key] = best
+        _write_cache(path, cache)
+    if math.isclose(best["tflops"], now.tflops):
+        return Peak(now.tflops, f"{now.source} (this machine's best so far, kept in {path})")
+    return Peak(best["tflops"], f"this machine's best {dtype} measurement on {threads} threads ({best['date']}, "
+                f"kept in {path}); now {now.tflops:.3g} TFLOP/s ({now.source.removeprefix('measured: ')})")
+
+
+def slow_dtype_warning(dtype: str, threads: int, peak: Peak) -> str | None:
+    """A warning when `dtype`'s CPU peak is far below float32's on this machine (no native bf16), else None."""
+    if dtype == "float32" or not peak.tflops:
+        return None
+    float32 = measure_cpu_peak("float32", threads)
+    if peak.tflops >= SLOW_DTYPE * float32.tflops:
+        return None
+    return (f"model.dtype={dtype}: this CPU's {dtype} matmuls run at {peak.tflops * 1e3:.3g} GFLOP/s, "
+            f"{float32.tflops / peak.tflops:.0f}x slower than float32's {float32.tflops * 1e3:.3g} (no native "
+            f"{dtype} here): training will be that much slower; model.dtype=float32 is faster on this machine")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def default_cache_path() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "nanoexp", "peaks.json")
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+        return cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: str, cache: dict) -> None:
+    """Atomically (concurrent runs on one machine), and never fatal: a read-only home only loses the cache."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -1,0 +1,72 @@
+"""The peak matmul throughput MFU divides by (nanoexp/peak.py): the GPU datasheet table, the CPU node's
+measured peak (the best this machine measured, cached), an MFU that cannot pass 100 %, and the warning for a dtype
+the CPU computes far slower than float32."""
+import json
+import os
+import re
+
+import torch
+
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning
+from nanoexp.trainer import Trainer
+from tests.helpers import FAST, compose_config
+
+
+def test_peak_table_matches_names_and_dtypes(monkeypatch):
+    gpu = torch.device("cuda", 0)   # only the device type is read; no GPU needed
+    for name, dtype, peak in [("NVIDIA H200", "bfloat16", 989.0), ("NVIDIA H100 80GB HBM3", "bfloat16", 989.0),
+                              ("NVIDIA H100 PCIe", "bfloat16", 756.0), ("NVIDIA A100-SXM4-80GB", "float32", 19.5),
+                              ("NVIDIA GeForce RTX 4090", "bfloat16", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        job = job_peak(gpu, dtype, None, world_size=8, nodes=1)
+        assert job.tflops == (None if peak is None else 8 * peak), name   # per GPU x GPUs
+    assert job_peak(gpu, "bfloat16", 100.0, world_size=4, nodes=1).tflops == 400.0
+
+
+def test_cpu_peak_is_per_node_and_measured_without_the_training_rng():
+    """On CPU the ranks of a node share its cores: the job's peak is the node's times the nodes, not
+    times the ranks. The measurement draws no random numbers (the training RNG stays where it was)."""
+    cpu = torch.device("cpu")
+    assert job_peak(cpu, "float32", None, world_size=8, nodes=1).tflops is None   # nothing measured
+    assert job_peak(cpu, "float32", 2.5, world_size=8, nodes=2).tflops == 5.0
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    measured = measure_cpu_peak("float32", threads=2)
+    assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
+    # A 2-core CPU does 57-211 GFLOP/s here; any real machine lands between 1 GFLOP/s and 1 PFLOP/s.
+    assert 1e-3 < measured.tflops < 1e3 and re.search(r"best of 3 \d+x\d+ float32 matmuls on 2 threads", measured.source)
+    job = job_peak(cpu, "float32", None, world_size=4, nodes=1, measured=measured)
+    assert job.tflops == measured.tflops and "x 1 node" in job.source
+
+
+def test_the_node_peak_is_the_best_this_machine_measured(tmp_path):
+    """A measurement on a busy machine reads low: the peak is the best figure kept for this machine, CPU, thread
+    count and dtype, and a better new measurement replaces it."""
+    cache = str(tmp_path / "peaks.json")
+    first = node_peak("float32", 1, cache)
+    key = next(iter(json.load(open(cache))))
+    assert "threads" in key and "float32" in key and first.tflops == json.load(open(cache))[key]["tflops"]
+    json.dump({key: {"tflops": 1e6, "date": "2026-01-01"}}, open(cache, "w"))   # a figure no CPU reaches
+    kept = node_peak("float32", 1, cache)
+    assert kept.tflops == 1e6 and "this machine's best float32 measurement on 1 threads (2026-01-01" in kept.source
+    json.dump({key: {"tflops": 1e-9, "date": "2026-01-01"}}, open(cache, "w"))   # beaten at once
+    assert node_peak("float32", 1, cache).tflops > 1e-9 and json.load(open(cache))[key]["tflops"] > 1e-9
+
+
+def test_a_throughput_above_the_peak_is_never_reported_as_mfu(caplog):
+    cfg = compose_config(FAST)
+    trainer = Trainer(cfg, ParallelContext(), os.devnull, peak=Peak(2.0, "a test's peak"))
+    trainer.batches.close()
+    assert trainer.mfu(1.0) == 0.5
+    with caplog.at_level("WARNING", logger="nanoexp"):
+        assert trainer.mfu(3.0) is None and trainer.mfu(4.0) is None
+    assert sum("above the peak" in r.getMessage() for r in caplog.records) == 1   # said once
+
+
+def test_a_dtype_far_slower_than_float32_is_warned_about():
+    assert slow_dtype_warning("float32", 1, Peak(1.0, "")) is None
+    warning = slow_dtype_warning("bfloat16", 1, Peak(1e-9, "a tiny bf16 peak"))
+    assert "model.dtype=bfloat16" in warning and "slower than float32" in warning
+    assert slow_dtype_warning("bfloat16", 1, Peak(1e6, "a huge bf16 peak")) is None
