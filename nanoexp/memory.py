@@ -21,6 +21,13 @@ Estimated, for one rank (bytes, float32 master weights and gradients):
                interleaved its own count), plus one layer recomputed during backward with
                recomputation, plus the head's logits on the last stage, plus under cp one ring-attention
                tile's scores (`ring_workspace`).
+  communication  on CPU (gloo) with ZeRO-1, 4 B x the parameters: gloo's reduce-scatter reduces each gradient
+               bucket in a copy, and the last backward's buckets are in flight together as it ends (measured
+               2026-12-01: 80 MB for 76 MB of gradients at dp 2 and 4); NCCL reduces in place.
+The peak is the model state plus the largest of the activations, the update's temporaries and the
+communication's: they are held at different moments of a step. What the compute runtime keeps once it has
+run (kernels' code pages, thread pools: ~26 MB a CPU rank) is in the baseline, which is measured after a
+warm-up step (`warm_up_runtime`).
 The saved floats per token of one decoder layer were counted from the tensors autograd keeps
 (saved_tensors_hooks, tests/test_memory.py checks the formula against them): 8h + 2kv + 4i + heads
 + 2 with tp = 1 (h hidden, kv the key/value width, i the MLP width); with tp the heads and the MLP
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import re
 
@@ -76,13 +84,39 @@ def return_freed_memory() -> None:
         pass
 
 
-def start_measuring(device: torch.device) -> float:
-    """Reset this process's peak and return its current memory (MB): the runtime baseline. It
-    includes torch._dynamo, which torch imports on the first optimizer it builds (~70 MB)."""
+def warm_up_runtime(dtype: str = "float32") -> None:
+    """One tiny training step of plain tensors (embedding, linear layers, attention, a norm, cross-entropy,
+    backward, a foreach AdamW update, under bf16 autocast when `dtype` says so), so that what the compute
+    runtime keeps once it has run (the kernels' code pages, thread pools, kernel caches: 26 MB a CPU rank after
+    a step of a 0.7 MB model, 17 MB of it file-backed code, measured 2026-12-01) is resident when the baseline
+    is taken: the baseline holds the runtime, the estimate the run's tensors. Draws no random numbers."""
+    import torch.nn.functional as F
+
+    def values(*shape):
+        return torch.linspace(-0.1, 0.1, math.prod(shape)).reshape(shape).requires_grad_()
+
+    embedding, weight, head = values(320, 64), values(64, 64), values(320, 64)
+    ids = torch.arange(4 * 32).reshape(4, 32) % 320
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    with autocast:
+        x = F.embedding(ids, embedding)
+        x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
+        q = F.linear(x, weight).view(4, 32, 4, 16).transpose(1, 2)
+        x = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(4, 32, 64)
+        loss = F.cross_entropy(F.linear(F.silu(x), head).float().flatten(0, 1), ids.flatten())
+    loss.backward()
+    torch.optim.AdamW([embedding, weight, head], foreach=True).step()
+
+
+def start_measuring(device: torch.device, dtype: str = "float32") -> float:
+    """Reset this process's peak and return its current memory (MB): the runtime baseline, taken after a
+    warm-up of the compute runtime on CPU (warm_up_runtime). It includes torch._dynamo, which torch imports on
+    the first optimizer it builds (~70 MB)."""
     import torch._dynamo  # noqa: F401
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device) / MB
+    warm_up_runtime(dtype)
     try:   # Linux: "5" resets the peak resident set size (VmHWM) to the current one
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -203,8 +237,9 @@ def ring_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
     return scores + 4 * kv * t.sequence_length * (1 + 1 / cp)
 
 
-def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
-    """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline."""
+def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> dict[str, float]:
+    """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline, on a CPU
+    (gloo) or CUDA (NCCL) device."""
     layout, recompute = Layout.from_config(cfg), cfg.parallelism.recompute_layer
     params, chunks = held_parameters(shape, layout, pp_rank)
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
@@ -217,28 +252,31 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int) -> dict[str, float]:
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
     activations = (act_bytes * tokens * (layers * per_layer + transient + heads * head)
                    + ring_workspace(cfg, layout, shape))
-    shards = layout.dp_cp if cfg.optimizer.zero_stage == 1 else 1   # ZeRO-1 shards over dp x cp
+    sharded = cfg.optimizer.zero_stage == 1 and layout.dp_cp > 1   # ZeRO-1 shards over dp x cp
+    shards = layout.dp_cp if sharded else 1
     return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / shards,
-            "activations": activations, "update_workspace": 4 * params / shards}
+            "activations": activations, "update_workspace": 4 * params / shards,
+            "communication": 4 * params if sharded and device_type == "cpu" else 0}
 
 
 def total(parts: dict[str, float]) -> float:
-    """The peak: model state plus the larger of the activations (held during backward) and the
-    update's temporaries (AdamW's sqrt of the second moment, at the optimizer step); they never
-    coexist."""
+    """The peak: model state plus the largest of the activations (held during backward), the update's
+    temporaries (AdamW's sqrt of the second moment, at the optimizer step) and the communication's (gloo's
+    copies of the gradient buckets in flight, as backward ends); they never coexist."""
     return (parts["parameters"] + parts["gradients"] + parts["optimizer"]
-            + max(parts["activations"], parts["update_workspace"]))
+            + max(parts["activations"], parts["update_workspace"], parts.get("communication", 0)))
 
 
-def busiest_rank_estimate(cfg, shape: LlamaShape) -> tuple[int, dict[str, float]]:
+def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> tuple[int, dict[str, float]]:
     """(pp rank, its estimate) of the rank with the largest total."""
-    estimates = [(r, estimate(cfg, shape, r)) for r in range(Layout.from_config(cfg).pp)]
+    estimates = [(r, estimate(cfg, shape, r, device_type)) for r in range(Layout.from_config(cfg).pp)]
     return max(estimates, key=lambda item: total(item[1]))
 
 
-def runtime_baseline_mb(device_type: str) -> float:
+def runtime_baseline_mb(device_type: str, dtype: str = "float32") -> float:
     """The memory a rank holds before its model: this process's own RSS (Python, torch and
-    nanoexp imported), plus the nominal CUDA context on GPUs."""
+    nanoexp imported, the compute runtime warmed up as a rank's is), plus the nominal CUDA context on GPUs."""
     import torch._dynamo  # noqa: F401  (loaded by every run's first optimizer)
+    warm_up_runtime(dtype)
     rss = psutil.Process(os.getpid()).memory_info().rss / MB
     return rss + (CUDA_CONTEXT_MB if device_type == "cuda" else 0)

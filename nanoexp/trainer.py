@@ -21,7 +21,7 @@ from nanoexp.console import StepClock, describe_data, memory_line, run_facts, st
 from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.memory import peak_memory_mb, saved_activation_bytes, start_measuring
-from nanoexp.metrics import MetricsWriter, Peak, flops_per_token, hardware_flops_per_token
+from nanoexp.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
 from nanoexp.model.llama import count_parameters
 from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
@@ -31,6 +31,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
 from nanoexp.parallel.zigzag import zigzag_split
+from nanoexp.peak import Peak
 from nanoexp.profiling import StepProfiler
 from nanoexp.signals import stop_agreed
 from nanoexp.summary import memory_fields, write_summary
@@ -65,7 +66,7 @@ class Trainer:
         self.batches = StagedBatches(cfg, self.global_batch, ctx.dp_rank, ctx.dp, self.resume.step + 1,
                                      self.resume.consumed_samples, self.resume.stage_consumed_samples,
                                      on_stage_start=self.announce_stage)
-        self.baseline_mb = start_measuring(ctx.device)   # the runtime and the data, before the model
+        self.baseline_mb = start_measuring(ctx.device, cfg.model.dtype)   # the runtime and the data, before the model
         self.build_model_and_optimizer()
         self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         t = cfg.tokens
@@ -78,7 +79,7 @@ class Trainer:
         self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards
             self.shape, t.sequence_length, cfg.parallelism.recompute_layer)
         self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
-        self.peak = peak or Peak(None, "not measured")
+        self.peak, self.peak_refuted = peak or Peak(None, "not measured"), False
         self.loss_denominator = 1.0   # see replica_target_tokens
         self.saved_bytes, self.memory = None, {}   # see memory_breakdown
         self.writer = MetricsWriter(run_dir, cfg) if self.is_writer else None
@@ -269,8 +270,21 @@ class Trainer:
                 "consumed_tokens": self.progress.consumed_tokens, "step_time_sec": step_time,
                 "data_wait_sec": data_wait, "peak_memory_mb": peak_memory_mb(self.ctx.device),
                 "skipped_steps": self.progress.skipped_steps, "model_tflops_per_sec": tflops,
-                "hardware_tflops_per_sec": self.hardware_flops_per_step / step_time / 1e12,
-                "mfu": tflops / self.peak.tflops if self.peak.tflops else None}
+                "hardware_tflops_per_sec": self.hardware_flops_per_step / step_time / 1e12, "mfu": self.mfu(tflops)}
+
+    def mfu(self, tflops: float) -> float | None:
+        """Model FLOP/s over the peak; None without a peak, or when above 1: the machine cannot beat its peak,
+        so the peak is wrong (said once in the log)."""
+        if not self.peak.tflops:
+            return None
+        if tflops <= self.peak.tflops:
+            return tflops / self.peak.tflops
+        if self.is_writer and not self.peak_refuted:
+            log.warning("the model runs at %.3g TFLOP/s, above the peak of %.3g TFLOP/s (%s): that peak is wrong "
+                        "(measured on a busy machine?), so MFU is not reported; set logging.peak_tflops",
+                        tflops, self.peak.tflops, self.peak.source)
+        self.peak_refuted = True
+        return None
 
     def log_record(self, record: dict) -> None:
         if not self.is_writer:
@@ -330,10 +344,11 @@ class Trainer:
 
     def finish(self, summary: dict) -> None:
         timed = self.step_times[2:] or self.step_times
-        record = self.last_record
+        record, seconds = self.last_record, sum(timed) / len(timed) if timed else None
         summary.update(final_loss=record.get("loss"), eval_loss=self.eval_loss, train_steps=record.get("step", 0),
-                       tokens_per_sec=self.tokens_per_step * len(timed) / sum(timed) if timed else None,
-                       consumed_tokens=self.progress.consumed_tokens, mfu=record.get("mfu"),
+                       tokens_per_sec=self.tokens_per_step / seconds if seconds else None,   # after the first two
+                       consumed_tokens=self.progress.consumed_tokens,
+                       mfu=self.mfu(self.flops_per_step / seconds / 1e12) if seconds else None,   # of that mean
                        peak_tflops=self.peak.tflops, peak_source=self.peak.source, wall_seconds=self.clock.elapsed())
         summary.setdefault("peak_memory_mb", peak_memory_mb(self.ctx.device))   # this rank's, after a failure
         if self.batches.named:

@@ -26,6 +26,7 @@ import tempfile
 from nanoexp.config import compose
 from nanoexp.memory import MB, estimate, total
 from nanoexp.model.build import model_shape
+from nanoexp.parallel.layout import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CASES = [
@@ -58,10 +59,9 @@ def run_case(case: str, args) -> list[dict]:
         with open(os.path.join(run_dir, "summary.json")) as f:
             summary = json.load(f)
     cfg, rows = compose(overrides), []
-    shape, p = model_shape(cfg), cfg.parallelism
+    shape, layout = model_shape(cfg), Layout.from_config(cfg)
     for rank, peak in enumerate(summary["peak_memory_mb_per_rank"]):
-        pp_rank = rank // (p.dp * p.cp * p.tp)   # ranks are laid out (pp, dp, cp, tp)
-        parts = estimate(cfg, shape, pp_rank)
+        parts = estimate(cfg, shape, layout.position(rank)[0])
         state = parts["parameters"] + parts["gradients"] + parts["optimizer"]
         rows.append({"case": case, "rank": rank, "measured_mb": peak - summary["baseline_memory_mb"],
                      "estimate_mb": total(parts) / MB, "model_state_mb": state / MB,

@@ -24,7 +24,7 @@ from nanoexp.model.build import model_shape
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 
-KINDS = ("parameters", "gradients", "optimizer", "activations")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,15 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout.from_config(cfg)
     validate(cfg, world_size=layout.world_size)
     shape = model_shape(cfg)
-    busiest, parts = busiest_rank_estimate(cfg, shape)
+    busiest, parts = busiest_rank_estimate(cfg, shape, args.device)
     result = {"per_rank_mb": {k: parts[k] / MB for k in KINDS}, "total_mb": total(parts) / MB,
-              "runtime_mb": runtime_baseline_mb(args.device)}
+              "runtime_mb": runtime_baseline_mb(args.device, cfg.model.dtype)}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{'pp stage':>8}" + "".join(f"{k:>13}" for k in KINDS) + f"{'total':>10}  (MB per rank above the baseline)")
     for pp_rank in range(layout.pp):
-        stage = estimate(cfg, shape, pp_rank)
+        stage = estimate(cfg, shape, pp_rank, args.device)
         print(f"{pp_rank:>8}" + "".join(f"{stage[k] / MB:>13.1f}" for k in KINDS) + f"{total(stage) / MB:>10.1f}")
     print(f"busiest: pp stage {busiest}, {result['total_mb']:.1f} MB above a runtime baseline of "
           f"{result['runtime_mb']:.0f} MB: {result['total_mb'] + result['runtime_mb']:.0f} MB per rank")

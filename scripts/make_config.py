@@ -55,7 +55,7 @@ def estimate(cfg) -> dict[str, float]:
     """Bytes on the busiest GPU of this layout, by kind: nanoexp.memory's estimate of the busiest
     pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies
     of the weights autocast keeps during a step, and the CUDA context."""
-    _, parts = busiest_rank_estimate(cfg, model_shape(cfg))
+    _, parts = busiest_rank_estimate(cfg, model_shape(cfg), "cuda")
     held = parts["parameters"] / 4
     return {"parameters": parts["parameters"], "gradients": parts["gradients"], "optimizer": parts["optimizer"],
             "weight_copies": 2 * held if cfg.model.dtype == "bfloat16" else 0,

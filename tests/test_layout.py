@@ -65,3 +65,10 @@ def test_the_trainer_refuses_a_context_of_another_layout():
     cfg = compose_config(["parallelism.tp_mode=reduce_scatter"])   # sequence parallel, one process
     with pytest.raises(ValueError, match="is not the config's"):
         Trainer(cfg, ParallelContext(), os.devnull)
+
+
+def test_the_rank_grid_has_tp_innermost_and_round_trips():
+    layout = Layout(dp=2, cp=3, tp=2, pp=2)
+    assert [layout.position(r) for r in (0, 1, 2, 6, 12)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0),
+                                                               (1, 0, 0, 0)]
+    assert all(layout.rank_at(*layout.position(r)) == r for r in range(layout.world_size))

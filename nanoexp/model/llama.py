@@ -23,10 +23,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, place, placement, value_name
-from nanoexp.parallel.zigzag import document_starts, zigzag_indices
+from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, place
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                              column_input, shard_tensor, vocab_parallel_cross_entropy)
+                                              column_input, vocab_parallel_cross_entropy)
+from nanoexp.parallel.zigzag import document_starts, zigzag_indices
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_func

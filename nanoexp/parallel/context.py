@@ -39,9 +39,7 @@ class ParallelContext:
         if actual != self.world_size:
             raise ValueError(f"world size {actual} != dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp}")
         self.backend = dist.get_backend() if dist.is_initialized() else None
-        self.pp_rank, rest = divmod(self.rank, self.dp * self.cp * self.tp)
-        self.dp_rank, rest = divmod(rest, self.cp * self.tp)
-        self.cp_rank, self.tp_rank = divmod(rest, self.tp)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = layout.position(self.rank)
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank   # rank order within dp_cp_group
         self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
         self.model_parallel_group = self.embedding_group = None
@@ -51,8 +49,7 @@ class ParallelContext:
     # -- grid helpers ------------------------------------------------------------------
     def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
         """The rank at this grid position (cp_rank None: this rank's own cp rank)."""
-        cp_rank = self.cp_rank if cp_rank is None else cp_rank
-        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+        return self.layout.rank_at(pp_rank, dp_rank, self.cp_rank if cp_rank is None else cp_rank, tp_rank)
 
     def _build_groups(self):
         # Every rank must call new_group for every group, in the same order. The groups of the

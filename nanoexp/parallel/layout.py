@@ -56,6 +56,17 @@ class Layout:
         shards its state) over dp x cp."""
         return self.dp * self.cp
 
+    # -- the rank grid: (pp, dp, cp, tp), tp innermost (context.py says why) -------------------
+    def rank_at(self, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
+        """The global rank at this grid position."""
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def position(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp_rank, dp_rank, cp_rank, tp_rank) of a global rank: the inverse of rank_at."""
+        pp_rank, rest = divmod(rank, self.dp * self.cp * self.tp)
+        dp_rank, rest = divmod(rest, self.cp * self.tp)
+        return (pp_rank, dp_rank, *divmod(rest, self.tp))
+
     @property
     def name(self) -> str:
         """dp2tp2pp2; cp is named only when it is used (dp1cp2tp2pp2), so 3D names never change."""
