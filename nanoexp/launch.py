@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import re
 import socket
 import sys
 import time
@@ -31,7 +32,25 @@ log = logging.getLogger("nanoexp")
 
 
 class WorkerFailed(RuntimeError):
-    """A local worker died or raised; the message names the rank and carries its error."""
+    """A worker died or raised, or lost a peer; the message names the rank (and host) and carries its error."""
+
+
+def lost_peer(error: BaseException, timeout_s: float) -> str | None:
+    """What a collective's error says about the other ranks, in one line naming the peer's host when the
+    error gives its address; None for an error that is not about a peer (a bug, a bad input, ...)."""
+    text = str(error)
+    peer = re.search(r"(?:closed by peer|reset by peer|refused)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+", text)
+    if peer:
+        address = peer.group(1)
+        try:
+            host = socket.gethostbyaddr(address)[0]
+        except OSError:
+            host = address
+        return f"lost contact with {host} ({address}): its process died or its link went down"
+    if re.search(r"timed out|timeout", text, re.IGNORECASE):
+        return (f"a collective waited parallelism.collective_timeout_s={timeout_s:g} s for a peer that never came: "
+                "a host is lost, partitioned or stuck")
+    return None
 
 
 def launcher_env() -> dict | None:

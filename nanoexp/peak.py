@@ -47,14 +47,26 @@ class Peak:
 def job_peak(device: torch.device, dtype: str, override: float | None, world_size: int, nodes: int,
              measured: Peak | None = None) -> Peak:
     """The whole job's peak, which MFU divides the job's model FLOP/s by. On CUDA: per GPU (the override, else
-    the datasheet table) times the GPUs. On CPU: per node (the override, else `measured`, see node_peak) times
-    the nodes, since a node's ranks share its cores."""
+    the datasheet table) times the GPUs. On CPU, where a node's ranks share its cores: the override per node
+    times the nodes, else `measured`, every node's own peak summed (sum_of_node_peaks)."""
     if device.type == "cuda":
         per_gpu, source = (override, "logging.peak_tflops") if override else gpu_table_peak(device, dtype)
         return Peak(per_gpu * world_size if per_gpu else None, f"{source}, x {world_size} GPU(s)")
-    per_node, source = (override, "logging.peak_tflops") if override else (
-        (measured.tflops, measured.source) if measured else (None, "not measured"))
-    return Peak(per_node * nodes if per_node else None, f"{source}, x {nodes} node(s)")
+    if override:
+        return Peak(override * nodes, f"logging.peak_tflops, x {nodes} node(s)")
+    return measured or Peak(None, "not measured")
+
+
+def sum_of_node_peaks(peaks: list[Peak | None]) -> Peak | None:
+    """The job's CPU peak from each node's (None for ranks that did not measure): their sum."""
+    measured = [peak for peak in peaks if peak is not None and peak.tflops]
+    if not measured:
+        return None
+    if len(measured) == 1:
+        return Peak(measured[0].tflops, f"{measured[0].source}, x 1 node(s)")
+    return Peak(sum(peak.tflops for peak in measured),
+                f"the sum of {len(measured)} nodes' peaks ({', '.join(f'{p.tflops:.3g}' for p in measured)} TFLOP/s), "
+                f"node 0's: {measured[0].source}")
 
 
 def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]:

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -20,11 +21,11 @@ from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, setup_device,
-                            spawn_local)
+from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, lost_peer,
+                            setup_device, spawn_local)
 from nanoexp.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
-from nanoexp.peak import Peak, job_peak, node_peak, slow_dtype_warning
+from nanoexp.peak import Peak, job_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.signals import handle_stop_signals
 from nanoexp.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
@@ -45,8 +46,8 @@ class HydraJob:
     def multirun(self) -> bool:
         return self.sweep_dir is not None
 
-# Keep the shared console and train.log readable: rank 0 talks, every rank has its own file.
-LOG_FORMAT = "[%(asctime)s][rank {rank}][%(levelname)s] %(message)s"
+# Keep the shared console and train.log readable: rank 0 talks, every rank has its own file, saying its host.
+LOG_FORMAT = "[%(asctime)s][rank {rank} on {host}][%(levelname)s] %(message)s"
 
 
 def setup_rank_logging(run_dir: str, rank: int) -> None:
@@ -61,7 +62,7 @@ def setup_rank_logging(run_dir: str, rank: int) -> None:
                 handler.close()
     handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank_{rank}.log"))
     handler.set_name("nanoexp_rank")
-    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank, host=socket.gethostname())))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
 
@@ -97,7 +98,7 @@ def stage_error(stage, message: str) -> str:
     return renamed if renamed != message else f"{stage.key} (stage {stage.name!r}): {message}"
 
 
-def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Peak | None = None) -> dict:
+def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
     from nanoexp.fault_injection import FaultInjection
     from nanoexp.parallel.context import ParallelContext
@@ -108,7 +109,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, node_peak: Pea
         return_freed_memory()
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, node_peak)
+    peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
     faults = FaultInjection(cfg.fault_injection, rank)   # the robustness tests' faults, off by default
     return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()
 
@@ -155,23 +156,44 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
     if env is not None:   # torchrun or SLURM started us: join their world
         export_slurm_rendezvous()   # MASTER_ADDR/PORT from the SLURM node list (torchrun sets its own)
+        warning = restart_store_warning(os.environ)
+        if warning and env["rank"] == 0:
+            log.warning("%s", warning)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
-        # The node's first rank measures the peak with every core while its peers wait in init.
-        peak = node_cpu_peak(cfg) if env["local_rank"] == 0 and env["rank"] == 0 else None
+        # Each node's first rank measures its node's peak with every core while its peers wait in init.
+        peak = node_cpu_peak(cfg) if env["local_rank"] == 0 else None
         device = setup_device(env["local_rank"], local_world)
         init_distributed(env["rank"], env["world_size"], device, cfg.parallelism.collective_timeout_s)
-        shared = [run_dir, peak]
+        shared, node_peaks = [run_dir], [None] * env["world_size"]
         dist.broadcast_object_list(shared, src=0)   # every rank writes into rank 0's run folder
+        dist.all_gather_object(node_peaks, peak)
         try:
-            worker(env["rank"], env["world_size"], device, cfg, shared[0], shared[1])
+            worker(env["rank"], env["world_size"], device, cfg, shared[0], sum_of_node_peaks(node_peaks))
+        except RuntimeError as error:   # one line for a lost peer: its host, and that the checkpoints are intact
+            lost = lost_peer(error, cfg.parallelism.collective_timeout_s)
+            if lost is None:
+                raise
+            raise WorkerFailed(f"rank {env['rank']} on {socket.gethostname()}: {lost}; the run stopped, its "
+                               "checkpoints are intact (resume with checkpoint.resume=auto)") from error
         finally:
             dist.destroy_process_group()
     elif world == 1:
-        peak = node_cpu_peak(cfg)
-        worker(0, 1, setup_device(0, 1), cfg, run_dir, peak)
+        worker(0, 1, setup_device(0, 1), cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)]))
     else:
-        spawn_local(world, worker, (cfg, run_dir, node_cpu_peak(cfg)), timeout_s=cfg.parallelism.collective_timeout_s,
-                    method=cfg.parallelism.start_method)
+        spawn_local(world, worker, (cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)])),
+                    timeout_s=cfg.parallelism.collective_timeout_s, method=cfg.parallelism.start_method)
+
+
+def restart_store_warning(environ) -> str | None:
+    """torchrun restarts the world (--max-restarts) but shares one TCPStore across its rounds by default: the
+    restarted workers then read the dead ones' addresses from it and fail to connect (gloo's "connectFullMesh
+    failed ... Connection refused"). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment gives every
+    round a fresh store."""
+    if int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return ("torchrun --max-restarts > 0 with its shared TCPStore: a restarted world would find the dead workers' "
+                "addresses in it and fail to connect; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "(docs/multi-node.md)")
+    return None
 
 
 def remove_run_folder(folder: str) -> None:

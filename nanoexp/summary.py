@@ -31,9 +31,11 @@ def write_summary(run_dir: str, summary: dict) -> None:
 
 
 def memory_fields(ranks: list[dict]) -> dict:
-    """summary.json's memory fields from every rank's {"peak", "baseline", "memory"} (in global rank order)."""
+    """summary.json's memory fields and hosts from every rank's {"peak", "baseline", "memory", "host"} (in global
+    rank order): `hosts` lists each host once, in the order of its first rank."""
     return {"peak_memory_mb": max(r["peak"] for r in ranks), "peak_memory_mb_per_rank": [r["peak"] for r in ranks],
-            "baseline_memory_mb": max(r["baseline"] for r in ranks), "memory": [r["memory"] for r in ranks]}
+            "baseline_memory_mb": max(r["baseline"] for r in ranks), "memory": [r["memory"] for r in ranks],
+            "hosts": list(dict.fromkeys(r["host"] for r in ranks))}
 
 
 def _is_writer() -> bool:

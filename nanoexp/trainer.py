@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import math
+import socket
 import time
 
 import torch
@@ -312,8 +313,9 @@ class Trainer:
         return memory
 
     def memory_of_every_rank(self) -> dict:
-        """summary.json's memory fields, from every rank (a collective: call it on all ranks)."""
-        mine = {"peak": peak_memory_mb(self.ctx.device), "baseline": self.baseline_mb, "memory": self.memory}
+        """summary.json's memory fields and hosts, from every rank (a collective: call it on all ranks)."""
+        mine = {"peak": peak_memory_mb(self.ctx.device), "baseline": self.baseline_mb, "memory": self.memory,
+                "host": socket.gethostname()}
         ranks = [mine] * self.ctx.world_size
         if self.ctx.world_size > 1:
             dist.all_gather_object(ranks, mine)

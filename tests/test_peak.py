@@ -5,10 +5,11 @@ import json
 import os
 import re
 
+import pytest
 import torch
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning
+from nanoexp.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.trainer import Trainer
 from tests.helpers import FAST, compose_config
 
@@ -37,8 +38,12 @@ def test_cpu_peak_is_per_node_and_measured_without_the_training_rng():
     assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
     # A 2-core CPU does 57-211 GFLOP/s here; any real machine lands between 1 GFLOP/s and 1 PFLOP/s.
     assert 1e-3 < measured.tflops < 1e3 and re.search(r"best of 3 \d+x\d+ float32 matmuls on 2 threads", measured.source)
-    job = job_peak(cpu, "float32", None, world_size=4, nodes=1, measured=measured)
+    job = job_peak(cpu, "float32", None, world_size=4, nodes=1, measured=sum_of_node_peaks([measured, None, None]))
     assert job.tflops == measured.tflops and "x 1 node" in job.source
+    # several nodes: each node's first rank measures its own, and the job's peak is their sum
+    two = sum_of_node_peaks([Peak(0.2, "node 0"), None, Peak(0.1, "node 1"), None])
+    assert two.tflops == pytest.approx(0.3) and "the sum of 2 nodes' peaks" in two.source
+    assert sum_of_node_peaks([None, None]) is None
 
 
 def test_the_node_peak_is_the_best_this_machine_measured(tmp_path):
