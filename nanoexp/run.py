@@ -155,28 +155,7 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
 
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
     if env is not None:   # torchrun or SLURM started us: join their world
-        export_slurm_rendezvous()   # MASTER_ADDR/PORT from the SLURM node list (torchrun sets its own)
-        warning = restart_store_warning(os.environ)
-        if warning and env["rank"] == 0:
-            log.warning("%s", warning)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
-        # Each node's first rank measures its node's peak with every core while its peers wait in init.
-        peak = node_cpu_peak(cfg) if env["local_rank"] == 0 else None
-        device = setup_device(env["local_rank"], local_world)
-        init_distributed(env["rank"], env["world_size"], device, cfg.parallelism.collective_timeout_s)
-        shared, node_peaks = [run_dir], [None] * env["world_size"]
-        dist.broadcast_object_list(shared, src=0)   # every rank writes into rank 0's run folder
-        dist.all_gather_object(node_peaks, peak)
-        try:
-            worker(env["rank"], env["world_size"], device, cfg, shared[0], sum_of_node_peaks(node_peaks))
-        except RuntimeError as error:   # one line for a lost peer: its host, and that the checkpoints are intact
-            lost = lost_peer(error, cfg.parallelism.collective_timeout_s)
-            if lost is None:
-                raise
-            raise WorkerFailed(f"rank {env['rank']} on {socket.gethostname()}: {lost}; the run stopped, its "
-                               "checkpoints are intact (resume with checkpoint.resume=auto)") from error
-        finally:
-            dist.destroy_process_group()
+        join_launcher_world(cfg, run_dir, env)
     elif world == 1:
         worker(0, 1, setup_device(0, 1), cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)]))
     else:
@@ -184,16 +163,46 @@ def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
                     timeout_s=cfg.parallelism.collective_timeout_s, method=cfg.parallelism.start_method)
 
 
-def restart_store_warning(environ) -> str | None:
-    """torchrun restarts the world (--max-restarts) but shares one TCPStore across its rounds by default: the
-    restarted workers then read the dead ones' addresses from it and fail to connect (gloo's "connectFullMesh
-    failed ... Connection refused"). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment gives every
-    round a fresh store."""
+def join_launcher_world(cfg, run_dir: str, env: dict) -> None:
+    """This process is one rank of a world torchrun or SLURM started, on one node or several."""
+    export_slurm_rendezvous()   # MASTER_ADDR/PORT from the SLURM node list (torchrun sets its own)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
+    if env["rank"] == 0:
+        for warning in launcher_warnings(Layout.from_config(cfg), local_world, os.environ):
+            log.warning("%s", warning)
+    # Each node's first rank measures its node's peak with every core while its peers wait in init.
+    peak = node_cpu_peak(cfg) if env["local_rank"] == 0 else None
+    device = setup_device(env["local_rank"], local_world)
+    init_distributed(env["rank"], env["world_size"], device, cfg.parallelism.collective_timeout_s)
+    shared, node_peaks = [run_dir], [None] * env["world_size"]
+    dist.broadcast_object_list(shared, src=0)   # every rank writes into rank 0's run folder
+    dist.all_gather_object(node_peaks, peak)
+    try:
+        worker(env["rank"], env["world_size"], device, cfg, shared[0], sum_of_node_peaks(node_peaks))
+    except RuntimeError as error:   # one line for a lost peer: its host, and that the checkpoints are intact
+        lost = lost_peer(error, cfg.parallelism.collective_timeout_s)
+        if lost is None:
+            raise
+        raise WorkerFailed(f"rank {env['rank']} on {socket.gethostname()}: {lost}; the run stopped, its "
+                           "checkpoints are intact (resume with checkpoint.resume=auto)") from error
+    finally:
+        dist.destroy_process_group()
+
+
+def launcher_warnings(layout: Layout, ranks_per_node: int, environ) -> list[str]:
+    """What rank 0 warns about a launcher's world before it starts: tp or cp groups that cross nodes, and
+    torchrun restarts that would fail to reconnect."""
+    warnings = [f"parallelism.{dim}={getattr(layout, dim)} spans nodes of {ranks_per_node} ranks: its collectives in "
+                "every layer cross the network; keep tp·cp within a node (dividing the ranks per node), see "
+                "docs/multi-node.md" for dim in layout.dims_crossing_nodes(ranks_per_node)]
+    # torchrun restarts the world (--max-restarts) but by default shares one TCPStore across its rounds: restarted
+    # workers then read the dead ones' addresses from it and fail to connect (gloo: "connectFullMesh failed ...
+    # Connection refused"). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every round a fresh store.
     if int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return ("torchrun --max-restarts > 0 with its shared TCPStore: a restarted world would find the dead workers' "
-                "addresses in it and fail to connect; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                "(docs/multi-node.md)")
-    return None
+        warnings.append("torchrun --max-restarts > 0 with its shared TCPStore: a restarted world would find the dead "
+                        "workers' addresses in it and fail to connect; start torchrun with "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/multi-node.md)")
+    return warnings
 
 
 def remove_run_folder(folder: str) -> None:

@@ -81,6 +81,12 @@ def stop_requested() -> bool:
     return _received["signum"] is not None
 
 
+def received_signal_name() -> str | None:
+    """The stop signal this process received ("SIGUSR2", ...), None if none did."""
+    signum = _received["signum"]
+    return None if signum is None else signal.Signals(signum).name
+
+
 def stop_agreed(ctx) -> bool:
     """True on every rank if any rank has received a stop signal (a collective: call it on all)."""
     flag = torch.tensor([1.0 if stop_requested() else 0.0], device=ctx.device)

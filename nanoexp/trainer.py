@@ -34,7 +34,7 @@ from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
 from nanoexp.parallel.zigzag import zigzag_split
 from nanoexp.peak import Peak
 from nanoexp.profiling import StepProfiler
-from nanoexp.signals import stop_agreed
+from nanoexp.signals import received_signal_name, stop_agreed
 from nanoexp.summary import memory_fields, write_summary
 
 log = logging.getLogger("nanoexp")
@@ -260,8 +260,10 @@ class Trainer:
             self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
         stop = stop_agreed(self.ctx)   # a collective: every rank stops after the same step
         self.checkpoints.after_step(step, step == total, stop, self.model, self.optimizer, self.progress)
-        if stop and step != total:
-            log.info("stop signal received: checkpoint saved after step %d, exiting", step)
+        if stop and step != total:   # each rank's log says whether the signal reached it (every node, on SLURM)
+            name = received_signal_name()
+            log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
+                     f"{name} reached this rank" if name else "it reached another rank")
         return stop and step != total
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:

@@ -83,7 +83,8 @@ run() {   # run K COMMAND...: COMMAND in host K's network namespace, with host K
   shift
   local ns="$PREFIX$k"
   ip netns list | awk '{print $1}' | grep -qx "$ns" || die "no host $k: run 'bash scripts/fake_hosts.sh up N' first"
-  exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$ns" "$@"
+  # nsenter rather than `ip netns exec`, which remounts /sys and so hides the cgroups that slurmd needs.
+  exec nsenter --net="/run/netns/$ns" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$ns" "$@"
 }
 
 status() {

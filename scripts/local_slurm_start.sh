@@ -18,13 +18,31 @@
 #
 # Environment knobs: NANOEXP_SLURM_DIR (default /tmp/nanoexp-slurm), NANOEXP_SLURM_CPUS (8),
 # NANOEXP_SLURM_PARTITION (debug), NANOEXP_SLURM_DB_PORT (3307, the private MariaDB on 127.0.0.1).
+#
+# Several nodes: NANOEXP_SLURM_HOSTS=N makes a second, separate cluster ("nanoexp-hosts") whose nodes are the fake
+# hosts of scripts/fake_hosts.sh (brought up here): one slurmd per host, in the host's network and under its name;
+# the controller, slurmdbd and MariaDB on host 0, the head node (traffic stays on the hosts' own addresses and
+# loopbacks). Its files live in /tmp/nanoexp-slurm-hosts, its configuration in etc/ there; clients run on host 0:
+#   SLURM_CONF=/tmp/nanoexp-slurm-hosts/etc/slurm.conf bash scripts/fake_hosts.sh run 0 sinfo
 set -euo pipefail
 
-DIR=${NANOEXP_SLURM_DIR:-/tmp/nanoexp-slurm}
+HOSTS=${NANOEXP_SLURM_HOSTS:-0}
+FAKE_HOSTS="$(dirname "$0")/fake_hosts.sh"
+if [ "$HOSTS" -gt 0 ]; then
+  DIR=${NANOEXP_SLURM_DIR:-/tmp/nanoexp-slurm-hosts}
+  CLUSTER=nanoexp-hosts
+  CONF_DIR=$DIR/etc
+  ON_HEAD=(bash "$FAKE_HOSTS" run 0)   # runs a command on the head node
+else
+  DIR=${NANOEXP_SLURM_DIR:-/tmp/nanoexp-slurm}
+  CLUSTER=nanoexp
+  CONF_DIR=/etc/slurm
+  ON_HEAD=()
+fi
+export SLURM_CONF=$CONF_DIR/slurm.conf   # slurmdbd.conf is read from the same folder
 CPUS=${NANOEXP_SLURM_CPUS:-8}
 PARTITION=${NANOEXP_SLURM_PARTITION:-debug}
 DB_PORT=${NANOEXP_SLURM_DB_PORT:-3307}
-CLUSTER=nanoexp
 OURS=$DIR/ours
 LOGS=$DIR/log
 TAG="# written by nanoexp scripts/local_slurm_start.sh"
@@ -40,7 +58,7 @@ running() {
     && ! grep -q '^State:[[:space:]]*Z' "/proc/$2/status" 2>/dev/null
 }
 pidfile_pid() { [ -s "$1" ] && tr -dc '0-9' <"$1" || true; }
-port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+port_in_use() { "${ON_HEAD[@]}" bash -c '(exec 3<>"/dev/tcp/127.0.0.1/$0")' "$1" 2>/dev/null; }   # on the head
 # until_true SECONDS COMMAND...: poll every 0.2 s; fails when the time is up.
 until_true() {
   local deadline=$((SECONDS + $1)); shift
@@ -72,7 +90,10 @@ if [ ${#needed[@]} -gt 0 ]; then
   { apt-get update -q && apt-get install -y -q --no-install-recommends "${needed[@]}"; } >"$DIR.apt.log" 2>&1 \
     || { tail -20 "$DIR.apt.log"; fail "package installation failed (log: $DIR.apt.log)"; }
 fi
-mkdir -p "$OURS" "$LOGS" "$DIR/state" "$DIR/spool" /etc/slurm
+mkdir -p "$OURS" "$LOGS" "$DIR/state" "$DIR/spool" "$CONF_DIR"
+if [ "$HOSTS" -gt 0 ]; then
+  bash "$FAKE_HOSTS" up "$HOSTS" >/dev/null || fail "scripts/fake_hosts.sh up $HOSTS failed"
+fi
 
 # 2. munge: the authentication every Slurm daemon and client uses.
 if [ ! -s /etc/munge/munge.key ]; then
@@ -88,14 +109,28 @@ if ! { munge -n | unmunge; } >/dev/null 2>&1; then
   record munged "$(pidfile_pid /run/munge/munged.pid)"
 fi
 
-# 3. Configuration: one node (this machine) in one partition, accounting through slurmdbd.
-node=$(hostname -s)
+# 3. Configuration: this machine as one node, or each fake host as a node sharing its memory, in one partition;
+# accounting through slurmdbd.
 memory_mb=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+node_line() {
+  echo "NodeName=$1 NodeAddr=$2 CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1" \
+    "RealMemory=$((memory_mb / (HOSTS > 0 ? HOSTS : 1))) State=UNKNOWN"
+}
+if [ "$HOSTS" -gt 0 ]; then
+  nodes=(); for k in $(seq 0 $((HOSTS - 1))); do nodes+=("nanoexp-host$k"); done
+  address() { getent hosts "$1" | awk '{print $1}'; }   # fake_hosts.sh's /etc/hosts lines
+  head_node="${nodes[0]}($(address "${nodes[0]}"))"
+  node_lines=$(for node in "${nodes[@]}"; do node_line "$node" "$(address "$node")"; done)
+else
+  nodes=("$(hostname -s)")
+  head_node="${nodes[0]}(127.0.0.1)"
+  node_lines=$(node_line "${nodes[0]}" 127.0.0.1)
+fi
 changed=0
-install_config /etc/slurm/slurm.conf 0644 <<EOF && changed=1
+install_config "$SLURM_CONF" 0644 <<EOF && changed=1
 $TAG
 ClusterName=$CLUSTER
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$head_node
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=10
@@ -113,19 +148,19 @@ SlurmdParameters=config_overrides
 KillWait=5
 MailProg=/bin/true
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
-SlurmdLogFile=$LOGS/slurmd.log
+SlurmdLogFile=$LOGS/slurmd-%n.log
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$memory_mb State=UNKNOWN
+$node_lines
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
-install_config /etc/slurm/slurmdbd.conf 0600 <<EOF && changed=1
+install_config "$CONF_DIR/slurmdbd.conf" 0600 <<EOF && changed=1
 $TAG
 AuthType=auth/munge
 DbdHost=localhost
@@ -139,8 +174,8 @@ StorageUser=slurm
 StoragePass=slurm
 StorageLoc=slurm_acct_db
 EOF
-if [ -f /etc/slurm/gres.conf ] && ! grep -qF "$TAG" /etc/slurm/gres.conf; then   # our node declares no GRES
-  mv /etc/slurm/gres.conf /etc/slurm/gres.conf.before-nanoexp; changed=1
+if [ -f "$CONF_DIR/gres.conf" ] && ! grep -qF "$TAG" "$CONF_DIR/gres.conf"; then   # our nodes declare no GRES
+  mv "$CONF_DIR/gres.conf" "$CONF_DIR/gres.conf.before-nanoexp"; changed=1
 fi
 
 # 4. Accounting: a private MariaDB (datadir under $DIR, TCP only on 127.0.0.1) and slurmdbd.
@@ -154,7 +189,7 @@ fi
 install -d -o mysql -g mysql -m 0755 "$db_run"
 if ! running mariadbd "$(pidfile_pid "$db_run/mariadbd.pid")"; then
   port_in_use "$DB_PORT" && fail "port $DB_PORT is taken: set NANOEXP_SLURM_DB_PORT"
-  setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$DIR/mysql" --socket="$db_socket" \
+  setsid "${ON_HEAD[@]}" /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$DIR/mysql" --socket="$db_socket" \
     --pid-file="$db_run/mariadbd.pid" --port="$DB_PORT" --bind-address=127.0.0.1 --log-error="$LOGS/mariadb.log" \
     </dev/null >/dev/null 2>&1 &
   until_true 60 mariadb-admin --socket="$db_socket" ping || fail "mariadbd did not start ($LOGS/mariadb.log)"
@@ -166,36 +201,51 @@ mariadb --socket="$db_socket" -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
   GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" || fail "could not create the accounting database"
 if ! running slurmdbd "$(pidfile_pid "$DIR/slurmdbd.pid")"; then
   port_in_use 6819 && fail "port 6819 is taken by a slurmdbd this script did not start"
-  slurmdbd
+  "${ON_HEAD[@]}" slurmdbd
   until_true 30 port_in_use 6819 || fail "slurmdbd did not start ($LOGS/slurmdbd.log)"
   record slurmdbd "$(pidfile_pid "$DIR/slurmdbd.pid")"
 fi
 
-# 5. The controller and the node daemon (restarted when the configuration changed).
-for daemon in slurmd slurmctld; do
+# 5. The controller and the node daemons (restarted when the configuration changed). "slurmd-<node>" is the
+# slurmd of <node>, started on it (with fake hosts: in that host's network and under its name).
+daemons=(slurmctld); for node in "${nodes[@]}"; do daemons+=("slurmd-$node"); done
+on_node() { if [ "$HOSTS" -gt 0 ]; then bash "$FAKE_HOSTS" run "${1#nanoexp-host}" "${@:2}"; else "${@:2}"; fi; }
+for daemon in slurmd "${daemons[@]}"; do   # "slurmd": the one node's daemon as earlier versions named it
   pid=$(pidfile_pid "$DIR/$daemon.pid")
-  if [ "$changed" = 1 ] && running "$daemon" "$pid"; then
+  if [ "$changed" = 1 ] && running "${daemon%%-*}" "$pid"; then
     [ -f "$OURS/$daemon" ] || fail "$daemon (pid $pid) was not started by this script: stop it first"
     say "configuration changed: restarting $daemon"
     kill "$pid"; until_true 30 sh -c "! kill -0 $pid" || fail "$daemon did not stop"
+    rm -f "$OURS/$daemon"
   fi
 done
-for daemon in slurmctld slurmd; do
-  running "$daemon" "$(pidfile_pid "$DIR/$daemon.pid")" && continue
-  "$daemon"
+for daemon in "${daemons[@]}"; do
+  running "${daemon%%-*}" "$(pidfile_pid "$DIR/$daemon.pid")" && continue
+  if [ "$daemon" = slurmctld ]; then
+    "${ON_HEAD[@]}" slurmctld
+  else
+    mkdir -p "$DIR/spool/${daemon#slurmd-}"
+    on_node "${daemon#slurmd-}" slurmd
+  fi
   until_true 20 test -s "$DIR/$daemon.pid" || fail "$daemon did not start ($LOGS/$daemon.log)"
   record "$daemon" "$(pidfile_pid "$DIR/$daemon.pid")"
 done
 
-# 6. Ready when the node is idle and the cluster is known to the accounting database.
+# 6. Ready when every node is idle and the cluster is known to the accounting database.
 deadline=$((SECONDS + 90))
-until sinfo -h -n "$node" -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; do
-  if sinfo -h -n "$node" -o %T 2>/dev/null | grep -qE '^(down|drain|fail|inval)'; then
-    scontrol update nodename="$node" state=resume 2>/dev/null || true
-  fi
-  [ "$SECONDS" -lt "$deadline" ] || { sinfo; tail -5 "$LOGS"/slurm*.log; fail "node $node not idle after 90 s"; }
-  sleep 0.3
+node_state() { "${ON_HEAD[@]}" sinfo -h -n "$1" -o %T 2>/dev/null; }
+for node in "${nodes[@]}"; do
+  until node_state "$node" | grep -qE '^(idle|mixed|allocated)'; do
+    if node_state "$node" | grep -qE '^(down|drain|fail|inval)'; then
+      "${ON_HEAD[@]}" scontrol update nodename="$node" state=resume 2>/dev/null || true
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      "${ON_HEAD[@]}" sinfo; tail -5 "$LOGS"/slurm*.log; fail "node $node not idle after 90 s"
+    fi
+    sleep 0.3
+  done
 done
-until_true 30 sh -c "sacctmgr -n -P show cluster format=cluster | grep -qx $CLUSTER" \
+until_true 30 sh -c "${ON_HEAD[*]} sacctmgr -n -P show cluster format=cluster | grep -qx $CLUSTER" \
   || fail "cluster $CLUSTER is not registered in slurmdbd ($LOGS/slurmdbd.log)"
-say "ready in $((SECONDS - started_at)) s: node $node, $CPUS CPUs, partition $PARTITION, accounting on"
+say "ready in $((SECONDS - started_at)) s: node(s) ${nodes[*]}, $CPUS CPUs each, partition $PARTITION, accounting on"
+[ "$HOSTS" -eq 0 ] || say "clients run on host 0: SLURM_CONF=$SLURM_CONF bash $FAKE_HOSTS run 0 sinfo"

@@ -72,3 +72,24 @@ def test_the_rank_grid_has_tp_innermost_and_round_trips():
     assert [layout.position(r) for r in (0, 1, 2, 6, 12)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0),
                                                                (1, 0, 0, 0)]
     assert all(layout.rank_at(*layout.position(r)) == r for r in range(layout.world_size))
+
+
+def test_tp_and_cp_groups_that_cross_nodes_are_named():
+    assert Layout(dp=2, tp=2, pp=2).dims_crossing_nodes(2) == []           # tp pairs: one per node
+    assert Layout(dp=2, tp=4).dims_crossing_nodes(2) == ["tp"]             # a tp group over two nodes
+    assert Layout(dp=2, tp=2).dims_crossing_nodes(3) == ["tp"]             # ranks 2,3 straddle nodes 0 and 1
+    assert Layout(cp=2, tp=2, pp=2).dims_crossing_nodes(4) == []
+    assert Layout(cp=2, tp=2, pp=2).dims_crossing_nodes(2) == ["cp"]       # tp inside, the cp ring across
+    assert Layout(dp=8, tp=4).dims_crossing_nodes(32) == []                # one node holds everything
+
+
+def test_launcher_warnings_name_the_key_and_the_torchrun_fix():
+    from nanoexp.run import launcher_warnings
+    assert launcher_warnings(Layout(dp=2, tp=2), 2, {}) == []
+    (tp_warning,) = launcher_warnings(Layout(dp=1, tp=4), 2, {})
+    assert tp_warning.startswith("parallelism.tp=4 spans nodes of 2 ranks")
+    restarts = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    (store_warning,) = launcher_warnings(Layout(dp=2, tp=2), 2, restarts)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in store_warning
+    fresh_store = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}   # what that env gives
+    assert launcher_warnings(Layout(dp=2, tp=2), 2, fresh_store) == []

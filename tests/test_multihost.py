@@ -66,7 +66,7 @@ FAULT_RUN = ["tokens.train_steps=16", "tokens.val_check_interval=0", "checkpoint
              "optimizer.learning_rate_scheduler.lr_warmup_steps=2", "fault_injection.slow_step_s=0.3",
              "parallelism=dp2tp2pp1", "parallelism.collective_timeout_s=15"]
 # torchrun shares one TCPStore across its restarts unless told not to; restarted workers would read the dead ones'
-# addresses from it (nanoexp warns at start, see run.restart_store_warning).
+# addresses from it (nanoexp warns at start, see run.launcher_warnings).
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -101,6 +101,7 @@ def test_a_killed_worker_restarts_the_world_which_resumes_exactly(uninterrupted,
     assert all(agent.returncode == 0 for agent in agents), outputs[0][-3000:] + outputs[1][-3000:]
     log = (run_dir / "train.log").read_text()
     assert "resuming from" in log and f"{run_dir}/checkpoints/4" in log
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in log   # set: no warning about torchrun's shared store
     assert step_losses(run_dir) == uninterrupted
 
 

@@ -1,7 +1,7 @@
 """Sweeps through `hydra/launcher=slurm` on a real SLURM cluster.
 
 The tests run when a cluster answers (`sinfo` lists a node idle, mixed or allocated) and are skipped,
-with the reason, otherwise: no test installs packages or starts or stops daemons. On a laptop (Debian or
+with the reason, otherwise (an error under CI=true): no test installs packages or starts or stops daemons. On a laptop (Debian or
 Ubuntu, as root): `bash scripts/local_slurm_start.sh`, then pytest, then `bash scripts/local_slurm_stop.sh`;
 `.ci/run` starts the cluster before the test command, so CI runs them. Every job is
 `+experiment=e2e_small`: the tests' FAST model, 2 tasks (one per rank), a handful of steps. References: the
@@ -9,10 +9,8 @@ same layouts trained locally in this process (tests/helpers.train). Same layout,
 losses agree to rounding noise: measured identical; the 1e-6 tolerance only allows for a BLAS kernel choice.
 """
 import csv
-import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,82 +20,18 @@ import numpy as np
 import pytest
 
 from tests.helpers import FAST, read_metrics, train, train_losses
+from tests.slurm_cluster import (ROOT, THIS_MACHINE, finish, require_cluster, sacct_states, slurm_job_ids,
+                                 start_sweep, task_pids, wait_until)
 from tests.test_sweep import E2E_STEPS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAME_LAYOUT_ATOL = 1e-6
-
-
-def cluster_state() -> str | None:
-    """None when a SLURM cluster answers with a node that can run jobs, else why the tests cannot run."""
-    if shutil.which("sinfo") is None:
-        return "no SLURM here (sinfo not found)"
-    try:
-        result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 30 s"
-    if result.returncode != 0:
-        return f"no SLURM controller answers ({(result.stderr.strip().splitlines() or ['sinfo failed'])[-1]})"
-    states = result.stdout.split()   # a suffix such as "idle*" (not responding) means the node cannot run jobs
-    if not any(s in ("idle", "mixed", "allocated") for s in states):
-        return f"no SLURM node is idle, mixed or allocated (states: {', '.join(states) or 'none'})"
-    return None
+CLUSTER = THIS_MACHINE
 
 
 @pytest.fixture(scope="module")
 def slurm():
-    """Skips the test unless a SLURM cluster answers; start one with scripts/local_slurm_start.sh."""
-    reason = cluster_state()
-    if reason is not None:
-        pytest.skip(f"{reason}: start one with `bash scripts/local_slurm_start.sh` (root, Debian/Ubuntu)")
-
-
-def start_sweep(sweep_dir, *overrides) -> subprocess.Popen:
-    command = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "+experiment=e2e_small", "hydra/launcher=slurm",
-               f"hydra.sweep.dir={sweep_dir}", *overrides]
-    return subprocess.Popen(command, cwd=os.path.dirname(sweep_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    try:
-        _, err = process.communicate(timeout=timeout)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    return process.returncode, err
-
-
-def slurm_job_ids(sweep_dir) -> dict[int, str]:
-    """Sweep job number -> SLURM job id: "<array>_<task>" for task n of a job array, or the plain id of a
-    one-job sweep (submitit submits no array then), from submitit's job folders."""
-    ids = {}
-    for pickle_path in glob.glob(os.path.join(sweep_dir, ".submitit", "*", "*_submitted.pkl")):
-        name = os.path.basename(os.path.dirname(pickle_path))
-        ids[int(name.split("_")[1]) if "_" in name else 0] = name
-    return ids
-
-
-def sacct_states(job_id: str, duplicates: bool = False) -> list[str]:
-    command = ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id] + (["-D"] if duplicates else [])
-    return [line.split()[0] for line in subprocess.run(command, capture_output=True, text=True).stdout.splitlines() if line]
-
-
-def task_pids(job_id: str) -> list[int]:
-    """PIDs of the processes of the job's first step (the srun tasks: our ranks)."""
-    raw_id = subprocess.run(["squeue", "-h", "-o", "%A", "-j", job_id], capture_output=True, text=True).stdout.strip()
-    listing = subprocess.run(["scontrol", "listpids", raw_id], capture_output=True, text=True, check=True).stdout
-    rows = [line.split() for line in listing.splitlines()[1:]]
-    pids = [int(row[0]) for row in rows if len(row) >= 3 and row[2] == "0"]
-    assert pids, listing
-    return pids
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.5)
+    """Skips the test unless a SLURM cluster answers (an error under CI=true); see tests/slurm_cluster.py."""
+    require_cluster(CLUSTER)
 
 
 def local_losses(tmp_path, layout: str, *overrides) -> list[float]:
@@ -106,14 +40,14 @@ def local_losses(tmp_path, layout: str, *overrides) -> list[float]:
 
 def test_sweep_of_two_layouts_completes_with_the_local_losses(slurm, tmp_path):
     sweep = tmp_path / "sweep"
-    process = start_sweep(sweep)   # parallelism=dp2tp1pp1,dp1tp2pp1: both 2 tasks, one job array
+    process = start_sweep(CLUSTER, sweep)   # parallelism=dp2tp1pp1,dp1tp2pp1: both 2 tasks, one job array
     expected = {layout: local_losses(tmp_path, layout) for layout in ("dp2tp1pp1", "dp1tp2pp1")}   # meanwhile
     code, err = finish(process, timeout=240)
     assert code == 0, err[-3000:]
     ids = slurm_job_ids(sweep)
     assert sorted(ids) == [0, 1] and len({i.split("_")[0] for i in ids.values()}) == 1   # one job array
     for job, layout in ((0, "dp2tp1pp1"), (1, "dp1tp2pp1")):
-        wait_until(lambda: sacct_states(ids[job]) == ["COMPLETED"], 60, f"sacct to show job {ids[job]} COMPLETED")
+        wait_until(lambda: sacct_states(CLUSTER, ids[job]) == ["COMPLETED"], 60, f"sacct to show job {ids[job]} COMPLETED")
         summary = json.loads((sweep / str(job) / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["layout"] == layout and summary["world_size"] == 2
         np.testing.assert_allclose(train_losses(read_metrics(sweep / str(job))), expected[layout],
@@ -126,10 +60,10 @@ def test_job_killed_from_outside_is_reported_failed(slurm, tmp_path):
     """Job 1 trains 'forever' and its ranks are SIGKILLed (as the OOM killer would): no result is written, yet
     the sweep ends soon after with an error, and the report lists job 1 as failed next to job 0."""
     sweep = tmp_path / "sweep"
-    process = start_sweep(sweep, "parallelism=dp2tp1pp1", "tokens.train_steps=6,100000")
+    process = start_sweep(CLUSTER, sweep, "parallelism=dp2tp1pp1", "tokens.train_steps=6,100000")
     wait_until(lambda: (sweep / "1" / "metrics.jsonl").exists(), 180, "job 1 to start training")
     job_id = slurm_job_ids(sweep)[1]
-    for pid in task_pids(job_id):
+    for pid in task_pids(CLUSTER, job_id):
         os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
     code, err = finish(process, timeout=120)
@@ -152,17 +86,17 @@ def test_signalled_job_checkpoints_is_requeued_and_ends_with_uninterrupted_losse
     # 0.3 s before each step: the signal, sent after step 2, lands well before step 40 on any machine
     # (a fast one trains all 40 steps in a few seconds, and the requeue then resumes a finished run).
     steps = ["parallelism=dp2tp1pp1", "tokens.train_steps=40", "fault_injection.slow_step_s=0.3"]
-    process = start_sweep(sweep, *steps)
+    process = start_sweep(CLUSTER, sweep, *steps)
     expected = local_losses(tmp_path, "dp2tp1pp1", "tokens.train_steps=40")
     wait_until(lambda: len(read_metrics(sweep / "0")) >= 2 if (sweep / "0" / "metrics.jsonl").exists() else False,
                180, "training to start")
     job_id = slurm_job_ids(sweep)[0]
-    subprocess.run(["scancel", f"--signal={signal.SIGUSR2.name[3:]}", job_id], check=True)
+    CLUSTER.run("scancel", f"--signal={signal.SIGUSR2.name[3:]}", job_id, check=True)
     code, err = finish(process, timeout=240)
     assert code == 0, err[-3000:]
 
-    wait_until(lambda: sacct_states(job_id) == ["COMPLETED"], 60, f"sacct to show job {job_id} COMPLETED")
-    assert "REQUEUED" in sacct_states(job_id, duplicates=True)
+    wait_until(lambda: sacct_states(CLUSTER, job_id) == ["COMPLETED"], 60, f"sacct to show job {job_id} COMPLETED")
+    assert "REQUEUED" in sacct_states(CLUSTER, job_id, duplicates=True)
     log = (sweep / "0" / "train.log").read_text()
     assert "stop signal received: checkpoint saved after step" in log and "resum" in log.lower()
     losses = {}

@@ -67,6 +67,13 @@ class Layout:
         dp_rank, rest = divmod(rest, self.cp * self.tp)
         return (pp_rank, dp_rank, *divmod(rest, self.tp))
 
+    def dims_crossing_nodes(self, ranks_per_node: int) -> list[str]:
+        """"tp" and/or "cp" when their groups span nodes of `ranks_per_node` consecutive ranks. A tp group is tp
+        consecutive ranks and a cp group lies within tp·cp consecutive ones: each stays inside a node when that
+        many divide the ranks per node. (dp and pp groups may cross: they talk once a step, or only to neighbours.)"""
+        spans = {"tp": self.tp, "cp": self.tp * self.cp}
+        return [dim for dim, span in spans.items() if getattr(self, dim) > 1 and ranks_per_node % span]
+
     @property
     def name(self) -> str:
         """dp2tp2pp2; cp is named only when it is used (dp1cp2tp2pp2), so 3D names never change."""
