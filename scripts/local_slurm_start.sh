@@ -121,10 +121,14 @@ if [ "$HOSTS" -gt 0 ]; then
   address() { getent hosts "$1" | awk '{print $1}'; }   # fake_hosts.sh's /etc/hosts lines
   head_node="${nodes[0]}($(address "${nodes[0]}"))"
   node_lines=$(for node in "${nodes[@]}"; do node_line "$node" "$(address "$node")"; done)
+  # The controller pings nodes every SlurmdTimeout/3: a host cut off for a moment (tests/test_multihost.py's
+  # partition) shows "idle*" until the next ping, 100 s by default, 20 s with this.
+  slurmd_timeout=60
 else
   nodes=("$(hostname -s)")
   head_node="${nodes[0]}(127.0.0.1)"
   node_lines=$(node_line "${nodes[0]}" 127.0.0.1)
+  slurmd_timeout=300   # Slurm's default
 fi
 changed=0
 install_config "$SLURM_CONF" 0644 <<EOF && changed=1
@@ -146,6 +150,7 @@ EnforcePartLimits=ALL
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=5
+SlurmdTimeout=$slurmd_timeout
 MailProg=/bin/true
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n

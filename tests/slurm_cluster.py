@@ -60,10 +60,13 @@ def cluster_state(cluster: Cluster, nodes: int = 1) -> str | None:
     return None
 
 
-def require_cluster(cluster: Cluster, nodes: int = 1) -> None:
-    """Skips the test, with the reason, unless the cluster answers; under CI=true (where .ci/run starts both
-    clusters) a missing cluster is an error, so the SLURM tests are never skipped silently there."""
-    reason = cluster_state(cluster, nodes)
+def require_cluster(cluster: Cluster, nodes: int = 1, wait_s: float = 0) -> None:
+    """Skips the test, with the reason, unless the cluster answers, waiting up to `wait_s` for its nodes to respond;
+    under CI=true (where .ci/run starts both clusters) a missing cluster is an error, so the SLURM tests are never
+    skipped silently there."""
+    deadline = time.time() + wait_s
+    while (reason := cluster_state(cluster, nodes)) is not None and time.time() < deadline:
+        time.sleep(1)
     if reason is None:
         return
     message = f"{reason}: start one with `{cluster.start}` (root, Debian/Ubuntu)"

@@ -141,7 +141,7 @@ def test_a_partition_ends_cleanly_and_a_resume_after_it_finishes_the_run(uninter
         outputs = finish(agents[:1], timeout=60)
         # Host 1's workers have timed out too, but its agent waits on the rendezvous store across the cut: stop it.
         agents[1].terminate()
-        outputs += finish(agents[1:], timeout=30)
+        outputs += finish(agents[1:], timeout=10)
     finally:
         subprocess.run(["ip", "-n", f"{HOSTS[1]}", "link", "set", "eth0", "up"], check=True)
     assert ended < 15 + 10, ended

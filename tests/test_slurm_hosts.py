@@ -22,7 +22,9 @@ TWO_NODES = ["hydra.launcher.nodes=2"]   # tasks per node: the world size (4) ov
 
 @pytest.fixture(scope="module")
 def two_node_slurm():
-    require_cluster(FAKE_HOSTS, nodes=2)
+    # After tests/test_multihost.py's partition, host 1 answers the controller's next ping (every 20 s, see
+    # local_slurm_start.sh's SlurmdTimeout); until then sinfo shows it "idle*".
+    require_cluster(FAKE_HOSTS, nodes=2, wait_s=60)
 
 
 def assert_ran_on_both_hosts(run_dir, job_id: str) -> None:
