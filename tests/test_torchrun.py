@@ -55,3 +55,16 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
     # Four ranks wrote their own logs into rank 0's folder; only rank 0 wrote the shared files.
     assert sorted(os.listdir(run_dir / "logs")) == [f"rank_{r}.log" for r in range(4)]
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / ".hydra").exists()
+
+
+def test_a_lost_peer_becomes_one_line_naming_its_host():
+    """gloo's two ways of losing a peer, as a rank sees them (texts from runs across the fake hosts): a closed
+    connection names the peer's address, a partition only times out. Other errors are not about a peer."""
+    from nanoexp.launch import lost_peer
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                          "by peer [127.0.0.1]:23721. This is typically caused by a remote worker crashing.")
+    assert lost_peer(closed, 15).startswith("lost contact with ") and "(127.0.0.1)" in lost_peer(closed, 15)
+    timed_out = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                             "15000ms for recv operation to complete")
+    assert "parallelism.collective_timeout_s=15 s" in lost_peer(timed_out, 15)
+    assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 15) is None
