@@ -27,17 +27,17 @@ def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Par
 
 
 def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
-    """torch AdamW (foreach or fused) over the model's parameters, or, with optimizer.zero_stage=1,
-    over this rank's shard of `grad_sync`'s buffers (ZeRO-1, zero.py)."""
+    """torch AdamW (foreach or fused) over the model's parameters, or, with optimizer.zero_stage >= 1,
+    over this rank's shard of `grad_sync`'s buffers (ZeRO, zero.py)."""
     o = cfg.optimizer
     f = o.optimizer_factory
     fused = bool(f.torch_adam_is_fused)
     adamw = dict(lr=o.learning_rate_scheduler.learning_rate, betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
                  fused=fused or None, foreach=None if fused else True)
     groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
-    if o.zero_stage == 1:
+    if o.zero_stage >= 1:
         if grad_sync is None:
-            raise ValueError("optimizer.zero_stage=1 shards the buffers of a GradientSync: pass one")
+            raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
         return ZeroAdamW(grad_sync, groups, **adamw)
     return torch.optim.AdamW(groups, **adamw)
 

@@ -95,8 +95,9 @@ class Trainer:
         self.params = list(self.model.parameters())
         self.trace = PipelineTrace.for_run(self.run_dir, ctx) if cfg.logging.pipeline_trace else NO_TRACE
         bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
-        self.grad_sync = GradientSync(self.model.parameters_by_chunk(), ctx, shard=cfg.optimizer.zero_stage == 1,
-                                      bucket_cap_mb=bucket_mb, trace=self.trace)
+        o = cfg.optimizer
+        self.grad_sync = GradientSync(self.model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
+                                      o.zero3_reshard_after_forward, self.trace)
         self.optimizer = build_optimizer(cfg, self.model, self.grad_sync)
         self.checkpoints.restore(self.model, self.optimizer)
         self.engine = PipelineEngine(ctx, ctx.layout.engine, ctx.layout.virtual_stages, self.trace)
@@ -165,7 +166,7 @@ class Trainer:
         micro_batches = [self.context_part(mb) for mb in micro_batches]
         self.loss_denominator = self.replica_target_tokens(micro_batches)
         losses = self.engine.run(self.training_forward, micro_batches, self.activation_shape, torch.float32,
-                                 on_last_backward=self.grad_sync.start)
+                                 grad_sync=self.grad_sync)
         self.grad_sync.finish()
         self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
         return self.step_loss(losses)

@@ -44,6 +44,8 @@ CASES = {
     "dp1cp2tp1pp1": ["parallelism=dp1cp2tp1pp1"],
     "dp2cp2tp1pp1-all_gather": ["parallelism=dp2cp2tp1pp1", "parallelism.cp_mode=all_gather"],
     "dp1cp2tp2pp2-reduce_scatter": ["parallelism=dp1cp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
+    # ZeRO-3: float32 master weights sharded, each layer gathered in float32 and cast by autocast as it runs
+    "dp2tp1pp2-zero3": ["parallelism=dp2tp1pp2", "optimizer.zero_stage=3"],
 }
 
 

@@ -93,7 +93,7 @@ def _buckets_worker(rank, world, shard=False):
     reference = copy.deepcopy(model)
     # ~0.004 MB: about one 32x32 weight per bucket, so several buckets.
     recorder = LaunchRecorder()
-    sync = GradientSync([list(model.parameters())], ctx, shard=shard, bucket_cap_mb=0.0042, trace=recorder)
+    sync = GradientSync([list(model.parameters())], ctx, stage=int(shard), bucket_cap_mb=0.0042, trace=recorder)
     x, y = make_batch()
     per_rank = BATCH // world
     xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -103,7 +103,7 @@ def _buckets_worker(rank, world, shard=False):
         for mb, (xm, ym) in enumerate(zip(xs.chunk(MICRO), ys.chunk(MICRO))):
             if mb == MICRO - 1:
                 calls_before_last = len(calls)
-                sync.start(0)
+                sync.before_backward(0, last=True)
             (forward_loss(model, xm, ym) / MICRO).backward()
         calls_after_backward = len(calls)
         sync.finish()
@@ -139,7 +139,7 @@ def _unused_worker(rank, world):
     model = make_mlp(unused=True)
     sync = GradientSync([list(model.parameters())], ctx, bucket_cap_mb=0.001)
     x, y = make_batch()
-    sync.start(0)
+    sync.before_backward(0, last=True)
     out = model[:7](x[rank::world])
     if rank == 0:  # data-dependent use: only rank 0's backward fires these hooks
         out = model.rank0_only(out)
@@ -168,7 +168,7 @@ def test_single_process_is_free_and_grads_are_buffer_views():
     sync = GradientSync([list(model.parameters())], ParallelContext())
     buckets = sync.chunks[0]
     assert not buckets.enabled
-    sync.start(0)
+    sync.before_backward(0, last=True)
     forward_loss(model, *make_batch()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     sync.finish()
@@ -235,7 +235,7 @@ def run_zero_vs_torch(ctx, steps=5):
     """Every rank sets the same gradients, so the shard's 'average' is that gradient; the update of
     the shard pieces followed by the all-gather must equal torch's AdamW on the whole parameters."""
     ours, ref = make_params(), make_params()
-    sync = GradientSync([ours], ctx, shard=True, bucket_cap_mb=0.0001)   # several buckets
+    sync = GradientSync([ours], ctx, stage=1, bucket_cap_mb=0.0001)   # several buckets
     opt = ZeroAdamW(sync, groups_of(ours), **ADAM)
     torch_opt = torch.optim.AdamW(groups_of(ref), foreach=False, **ADAM)
     for step in range(steps):

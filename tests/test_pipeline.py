@@ -68,7 +68,8 @@ def make_forward_step(ctx, chunks, num_micro):
 
 def run_engine(ctx, name, num_micro, num_chunks=1):
     """Run one engine on this rank's chunks; returns grads, losses, max_in_flight and the
-    order of events: ("grad", c) per backward through chunk c, ("hook", c) for on_last_backward."""
+    order of events: ("grad", c) per backward through chunk c, ("before", c) / ("last", c) / ("after", c)
+    for the gradient sync's calls before a backward through chunk c (its last) and after it."""
     layers = chunk_layers(ctx, num_chunks)
     blocks = make_blocks()
     chunks = [nn.Sequential(*[blocks[i] for i in ids]) for ids in layers]
@@ -77,17 +78,32 @@ def run_engine(ctx, name, num_micro, num_chunks=1):
         chunk[0][0].weight.register_hook(lambda g, c=c: events.append(("grad", c)))
     engine = PipelineEngine(ctx, name, num_chunks)
     losses = engine.run(make_forward_step(ctx, chunks, num_micro), make_micro_batches(num_micro),
-                        (MB_SIZE, HIDDEN), torch.float32, on_last_backward=lambda c: events.append(("hook", c)))
+                        (MB_SIZE, HIDDEN), torch.float32, grad_sync=SyncRecorder(events))
     mine = [i for ids in layers for i in ids]
     return dict(grads=grads_by_layer([blocks[i] for i in mine], mine), losses=losses,
                 max_in_flight=engine.max_in_flight, events=events)
 
 
+class SyncRecorder:
+    """Stands in for GradientSync: records the engine's calls around each backward."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def before_backward(self, chunk, last):
+        self.events.append(("last" if last else "before", chunk))
+
+    def after_backward(self, chunk, last):
+        self.events.append(("after", chunk))
+
+
 def assert_hook_before_last_backward(events, num_chunks, num_micro):
-    """on_last_backward(c) fires once per chunk, right before chunk c's last backward."""
+    """Every backward through chunk c sits between before_backward(c) and after_backward(c); the last of
+    the step is flagged."""
     for c in range(num_chunks):
         mine = [e for e in events if e[1] == c]
-        assert mine == [("grad", c)] * (num_micro - 1) + [("hook", c), ("grad", c)], (c, events)
+        each = [("before", c), ("grad", c), ("after", c)]
+        assert mine == each * (num_micro - 1) + [("last", c), ("grad", c), ("after", c)], (c, events)
 
 
 def run_torch_reference(ctx, num_micro, num_chunks=1):
@@ -168,7 +184,7 @@ def test_engines_match_single_process_and_torch(pp, dp, num_micro):
         assert 1 <= ofob["max_in_flight"] <= pp - r
         # 3. torch.distributed.pipelining's Schedule1F1B agrees
         assert_grads_close(torch_ref["grads"], ofob["grads"], **TOL)
-        # 4. on_last_backward fires once, right before the last backward through the stage
+        # 4. the gradient sync hears of every backward through the stage, the last one flagged
         for engine in (afab, ofob):
             assert_hook_before_last_backward(engine["events"], 1, num_micro)
         # losses: per micro-batch, only on the last stage
@@ -209,7 +225,7 @@ def test_pp1_is_plain_gradient_accumulation(name):
     assert_grads_close(res["grads"], ref_grads, atol=0, rtol=0)  # identical ops and order
     torch.testing.assert_close(torch.stack(res["losses"]), torch.stack(ref_losses), atol=0, rtol=0)
     assert res["max_in_flight"] == 1
-    assert res["events"] == [("grad", 0), ("grad", 0), ("hook", 0), ("grad", 0)]
+    assert_hook_before_last_backward(res["events"], 1, 3)
 
 
 def test_engine_refuses_a_schedule_it_cannot_run():

@@ -143,10 +143,19 @@ def check_compatible(reader: CheckpointReader, shape) -> None:
 
 
 @torch.no_grad()
-def load_model(reader: CheckpointReader, model, ctx) -> None:
+def load_model(reader: CheckpointReader, model, ctx, optimizer=None) -> None:
+    """This rank's slice of every parameter; under ZeRO-3 (`optimizer` holds shards) into its pieces."""
+    zero = isinstance(optimizer, ZeroAdamW)
+    held_as_shards = optimizer.grad_sync.held_as_shards() if zero else set()
+    pieces = defaultdict(list)
+    for piece in optimizer.pieces if held_as_shards else []:
+        pieces[id(piece.param)].append(piece)
     for name, param in model.named_parameters():
-        full = reader.full_tensor(value_name(name, param))
-        param.copy_(shard_tensor(full, param, ctx))
+        local = shard_tensor(reader.full_tensor(value_name(name, param)), param, ctx)
+        if id(param) not in held_as_shards:
+            param.copy_(local)
+        for piece in pieces[id(param)] if id(param) in held_as_shards else []:
+            piece.value.copy_(local.reshape(-1)[piece.start:piece.end])
 
 
 @torch.no_grad()
@@ -165,7 +174,7 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
     def adam_state(moments: dict, device) -> dict:
         return {**moments, "step": torch.tensor(float(steps), dtype=torch.float32, device=step_device or device)}
 
-    if isinstance(optimizer, ZeroAdamW):   # this dp rank's part of each parameter
+    if isinstance(optimizer, ZeroAdamW):   # this dp x cp rank's part of each parameter
         for piece in optimizer.pieces:
             moments = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone()
                        for kind in STATE_KINDS}

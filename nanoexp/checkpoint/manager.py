@@ -123,7 +123,7 @@ class CheckpointManager:
         c, ctx = self.cfg.checkpoint, self.ctx
         reader = CheckpointReader(folder)
         check_compatible(reader, model.shape)
-        load_model(reader, model, ctx)
+        load_model(reader, model, ctx, optimizer)
         meta = reader.meta
         loaded_optimizer = c.load_optimizer and load_optimizer(reader, model, optimizer, ctx)
         same_layout = {"cp": 1, **meta["layout"]} == self.layout()   # checkpoints before cp have no "cp"

@@ -255,19 +255,19 @@ class LlamaForCausalLM(nn.Module):
     def has_head(self, chunk: int = 0) -> bool:
         return self.ctx.is_last_stage and chunk == len(self.chunks) - 1
 
-    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
-        """The parameters that forward(chunk=chunk) uses, each tensor once (a head tied on one stage is the
-        embedding)."""
+    def chunk_units(self, chunk: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        """The modules forward(chunk=chunk) runs, in order, each with its parameters: the embedding, the
+        layers, the final norm, the LM head (whose weight is the embedding's when tied on one stage)."""
         modules = [self.model.layers[str(i)] for i in self.chunks[chunk]]
         if self.has_embedding(chunk):
             modules.insert(0, self.model.embed_tokens)
         if self.has_head(chunk):
             modules += [self.model.norm, self.lm_head]
-        return list({id(p): p for module in modules for p in module.parameters()}.values())
+        return [(module, list(module.parameters())) for module in modules]
 
-    def parameters_by_chunk(self) -> list[list[nn.Parameter]]:
-        """`chunk_parameters` of every chunk, in chunk order."""
-        return [self.chunk_parameters(c) for c in range(len(self.chunks))]
+    def units_by_chunk(self) -> list[list[tuple[nn.Module, list[nn.Parameter]]]]:
+        """`chunk_units` of every chunk, in chunk order (what GradientSync takes)."""
+        return [self.chunk_units(c) for c in range(len(self.chunks))]
 
     def forward(self, input_ids=None, hidden_states=None, labels=None, chunk: int = 0, position_ids=None,
                 document_ids=None):

@@ -26,7 +26,8 @@ Parameters held twice in a replica need a second sum:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -34,18 +35,21 @@ from torch import nn
 
 from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
 from nanoexp.parallel.placement import counted_here, placement
+from nanoexp.parallel.sharded_buffers import ShardedBuffers
 from nanoexp.parallel.trace import NO_TRACE
 
 
 @dataclass
 class ShardPiece:
     """The part [start, end) of a parameter's flattened elements that lies in this rank's shard,
-    with the views of the flat buffers holding its values and its averaged gradient."""
+    with the views of the flat buffers holding its values and its averaged gradient. `replicated`: every
+    rank of dp x cp holds and updates the same piece (a parameter kept whole under ZeRO-2/3)."""
     param: nn.Parameter
     start: int
     end: int
     value: torch.Tensor
     grad: torch.Tensor
+    replicated: bool = False
 
 
 class _Bucket:
@@ -236,27 +240,53 @@ class ChunkBuffers:
 class GradientSync:
     """The gradients of this rank's model shard, from the pipeline's backward to the update.
 
-        sync = GradientSync(model.chunk_parameters(), ctx, shard=zero_stage == 1)
-        engine.run(..., on_last_backward=sync.start)   # buckets overlap with each chunk's last backward
-        sync.finish()                                   # SP and tied sums, every bucket averaged over dp x cp
+        sync = GradientSync(model.chunk_units(), ctx, stage=cfg.optimizer.zero_stage)
+        engine.run(..., grad_sync=sync)   # before_backward / after_backward around each chunk's backward
+        sync.finish()                     # SP and tied sums, every gradient averaged over dp x cp
         clip by sync.norm_inputs(); optimizer.step(); sync.zero_grad()
 
-    `chunks[c]` are the parameters chunk c of the model uses (each tensor once).
+    `chunks[c]` are the units of chunk c of the model, (module, its parameters) in forward order (a plain list
+    of parameters is one unit without a module: enough below stage 3). Stages 0 and 1 bucket each chunk's parameters (ChunkBuffers); stages 2 and 3
+    shard them unit by unit (sharded_buffers.py), except the parameters held twice in a replica (sequence-
+    parallel norms, tied embeddings), which stay whole and are averaged as at stage 0. With dp x cp = 1
+    there is nothing to shard: stages 2 and 3 run as stage 1.
     """
 
-    def __init__(self, chunks: list[list[nn.Parameter]], ctx, shard: bool = False, bucket_cap_mb: float = 25.0,
-                 trace=NO_TRACE):
-        self.ctx, self.shard = ctx, shard
-        params = [p for chunk in chunks for p in chunk]
+    def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], ctx, stage: int = 0,
+                 bucket_cap_mb: float = 25.0, prefetch: int = 1, reshard_after_forward: bool = True, trace=NO_TRACE):
+        self.ctx, self.stage = ctx, stage if ctx.dp_cp > 1 else min(stage, 1)
+        self.shard = self.stage >= 1
+        chunks = [chunk if chunk and isinstance(chunk[0], tuple) else [(None, list(chunk))] for chunk in chunks]
+        uses = [p for chunk in chunks for _module, unit in chunk for p in unit]   # a tied head twice
+        params = list({id(p): p for p in uses}.values())
         self.sequence_parallel = [p for p in params if placement(p).sequence_parallel]
         self.tied = [p for p in params if placement(p).tied_across_stages]
-        self.chunks = [ChunkBuffers(chunk, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank, shard,
-                                    deferred=self.sequence_parallel, whole=self.tied, bucket_cap_mb=bucket_cap_mb,
-                                    trace=trace.bind(chunk=c)) for c, chunk in enumerate(chunks)]
+        twice = {key for key, count in Counter(map(id, uses)).items() if count > 1}   # tied on one stage
+        whole = {id(p) for p in self.sequence_parallel + self.tied} | twice
+        self.chunks, self.sharded = [], []
+        for c, chunk in enumerate(chunks):
+            chunk_params = list({id(p): p for _module, unit in chunk for p in unit}.values())
+            if self.stage >= 2:
+                units = [(module, [p for p in unit if id(p) not in whole]) for module, unit in chunk]
+                self.sharded.append(ShardedBuffers(units, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank, self.stage,
+                                                   prefetch, reshard_after_forward, trace.bind(chunk=c)))
+                chunk_params = [p for p in chunk_params if id(p) in whole]
+            self.chunks.append(ChunkBuffers(chunk_params, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank,
+                                            self.stage == 1, deferred=self.sequence_parallel, whole=self.tied,
+                                            bucket_cap_mb=bucket_cap_mb, trace=trace.bind(chunk=c)))
 
-    def start(self, chunk: int) -> None:
-        """Call right before chunk `chunk`'s last backward of the step: its buckets start as they fill."""
-        self.chunks[chunk].arm()
+    def before_backward(self, chunk: int, last: bool) -> None:
+        """Call right before each backward through chunk `chunk`; `last`: its last of the step (whole buckets
+        start as they fill during it; sharded units are reduced during every one)."""
+        if self.sharded:
+            self.sharded[chunk].before_backward()
+        if last:
+            self.chunks[chunk].arm()
+
+    def after_backward(self, chunk: int, last: bool) -> None:
+        """Call right after each backward through chunk `chunk`."""
+        if self.sharded:
+            self.sharded[chunk].after_backward()
 
     def finish(self) -> None:
         """Every gradient final: sequence-parallel sums over tp, every chunk's dp x cp average, then the tied
@@ -264,43 +294,58 @@ class GradientSync:
         ctx = self.ctx
         if ctx.tp > 1:
             all_reduce_grads(self.sequence_parallel, ctx.tp_group)
-        for chunk in self.chunks:
+        for chunk in self.chunks + self.sharded:
             chunk.finish()
         all_reduce_grads(self.tied, ctx.embedding_group)
 
     def zero_grad(self) -> None:
-        for chunk in self.chunks:
+        for chunk in self.chunks + self.sharded:
             chunk.zero_grad()
 
     # -- what the optimizer reads ------------------------------------------------------------
+    def held_as_shards(self) -> set[int]:
+        """ZeRO-3: the ids of the parameters held only as `shard_pieces()` (over the ranks; a rank may hold
+        no piece of one); their whole values are gathered for their module's forward and backward, then freed."""
+        return {id(p) for chunk in self.sharded for p in chunk.params} if self.stage == 3 else set()
+
     def shard_pieces(self) -> list[ShardPiece]:
-        """ZeRO-1: the parts of parameters this rank updates, with their averaged gradients."""
-        return [piece for chunk in self.chunks for piece in chunk.shard_pieces()]
+        """ZeRO: the parts of parameters this rank updates, with their averaged gradients."""
+        whole = [piece for chunk in self.chunks for piece in chunk.shard_pieces()]
+        if self.stage >= 2:
+            whole = [replace(piece, replicated=True) for piece in whole]
+        return whole + [piece for chunk in self.sharded for piece in chunk.shard_pieces(ShardPiece)]
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """ZeRO-1, after the update of the shard pieces: every rank gets every updated parameter."""
-        for work in [work for chunk in self.chunks for work in chunk.gather_parameters()]:
+        """ZeRO-1 and 2, after the update of the shard pieces: every rank gets every updated parameter."""
+        works = [work for chunk in self.chunks + self.sharded for work in chunk.gather_parameters()]
+        for work in works:
             work.wait()
 
     def norm_inputs(self, params: list[nn.Parameter]) -> tuple[list, list, object]:
         """What clipping reads: the gradients the update uses, those of them that count in the global norm
-        (each element of the model once), and the group their squares are summed over. ZeRO-1: this rank's
-        shard pieces, summed over every rank; else every parameter's gradient (already identical across
-        dp x cp), summed over the replica's model-parallel group."""
+        (each element of the model once), and the group their squares are summed over. ZeRO: this rank's
+        shard pieces, summed over every rank (a piece every dp x cp rank holds counts on the first); else
+        every parameter's gradient (already identical across dp x cp), summed over the replica's
+        model-parallel group."""
         ctx = self.ctx
         if self.shard:
-            used = [(piece.grad, piece.param) for piece in self.shard_pieces()]
-            group = dist.group.WORLD if ctx.world_size > 1 else None
-        else:
-            used = [(p.grad, p) for p in params if p.grad is not None]
-            group = ctx.model_parallel_group if ctx.tp * ctx.pp > 1 else None
+            pieces = self.shard_pieces()
+            grads = [piece.grad for piece in pieces]
+            counted = [piece.grad for piece in pieces if counted_here(piece.param, ctx.tp_rank)
+                       and (ctx.dp_cp_rank == 0 or not piece.replicated)]
+            return grads, counted, dist.group.WORLD if ctx.world_size > 1 else None
+        used = [(p.grad, p) for p in params if p.grad is not None]
+        group = ctx.model_parallel_group if ctx.tp * ctx.pp > 1 else None
         return [g for g, _ in used], [g for g, p in used if counted_here(p, ctx.tp_rank)], group
 
     def buffer_bytes(self) -> tuple[int, int]:
-        """(parameter, gradient) bytes of the flat buffers."""
+        """(parameter, gradient) bytes held between steps."""
         values = sum(c.values.numel() * c.values.element_size() for c in self.chunks)
         grads = sum(c.grads.numel() * c.grads.element_size() for c in self.chunks)
+        for chunk in self.sharded:
+            sharded_values, sharded_grads = chunk.persistent_bytes()
+            values, grads = values + sharded_values, grads + sharded_grads
         return values, grads
 
 

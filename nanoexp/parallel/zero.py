@@ -1,11 +1,12 @@
-"""ZeRO-1: AdamW whose optimizer state is sharded across the ranks that hold the same weights (dp x cp).
+"""ZeRO: AdamW whose optimizer state is sharded across the ranks that hold the same weights (dp x cp).
 
-The parameters and gradients live in the flat, bucketed buffers of GradientSync (gradient_sync.py,
-`shard=True`): after backward a reduce-scatter leaves on each rank the averaged gradient of its 1/(dp·cp) of
-every bucket. This optimizer is torch's AdamW over those shard pieces (views of the buffers, so Adam's
-elementwise math is exactly AdamW's on the whole model), keeping exp_avg / exp_avg_sq for 1/(dp·cp) of the
-parameters: 8N/(dp·cp) bytes instead of 8N. After the update GradientSync all-gathers the parameters. Per step:
-one reduce-scatter and one all-gather, the bytes of one all-reduce.
+The parameters and gradients live in the flat buffers of GradientSync (gradient_sync.py): after backward a
+reduce-scatter has left on each rank the averaged gradient of its 1/(dp·cp) of every bucket (ZeRO-1) or unit
+(ZeRO-2/3, sharded_buffers.py). This optimizer is torch's AdamW over those shard pieces (views of the buffers,
+so Adam's elementwise math is exactly AdamW's on the whole model), keeping exp_avg / exp_avg_sq for 1/(dp·cp)
+of the parameters: 8N/(dp·cp) bytes instead of 8N. After the update GradientSync all-gathers the parameters
+(ZeRO-1/2; ZeRO-3 gathers each layer when it next runs). Per step at stage 1 and 2: one reduce-scatter and one
+all-gather, the bytes of one all-reduce.
 """
 from __future__ import annotations
 

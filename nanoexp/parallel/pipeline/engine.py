@@ -21,7 +21,7 @@ class PipelineEngine:
     `engine` (afab, 1f1b, interleaved_1f1b: the trainer passes Layout.engine) with `num_chunks` chunks of
     layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b); chunk `num_chunks - 1` of the
     last stage computes the loss. It keeps the per-micro-batch forward and backward steps and their
-    bookkeeping: losses, the last-backward hook, `max_in_flight` (most micro-batch chunks whose
+    bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch chunks whose
     activations were held at once), the trace."""
 
     def __init__(self, ctx, engine: str, num_chunks: int = 1, trace=NO_TRACE):
@@ -30,20 +30,21 @@ class PipelineEngine:
         self.max_in_flight = 0
 
     def run(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype,
-            on_last_backward=None) -> list[torch.Tensor]:
+            grad_sync=None) -> list[torch.Tensor]:
         """Forward and backward every micro-batch; gradients accumulate in the parameters.
 
         ``forward_step(micro_batch, input_tensor, chunk)`` runs chunk ``chunk`` and returns, for the loss
         chunk of the last stage, the scalar loss of that micro-batch (already scaled so that the sum over
         micro-batches is the step loss); elsewhere the activation to send on, which must have exactly
         ``tensor_shape`` and ``dtype`` (both also size the receive buffers, so every stage must pass the
-        same values). ``input_tensor`` is None for chunk 0 of the first stage. ``on_last_backward(chunk)``
-        is called once per chunk, right before that chunk's last backward (its gradients are final after
-        it). Returns the detached per-micro-batch losses on the last stage, [] elsewhere.
+        same values). ``input_tensor`` is None for chunk 0 of the first stage. ``grad_sync`` (GradientSync)
+        hears of each backward through chunk c: ``before_backward(c, last)`` and ``after_backward(c, last)``,
+        ``last`` for the chunk's last of the step (its gradients are final after it). Returns the detached
+        per-micro-batch losses on the last stage, [] elsewhere.
         """
         if not micro_batches:
             raise ValueError("PipelineEngine.run needs at least one micro-batch")
-        self._hook, self._backwards_done, self.max_in_flight = on_last_backward, [0] * self.num_chunks, 0
+        self._sync, self._backwards_done, self.max_in_flight = grad_sync, [0] * self.num_chunks, 0
         losses = self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=False)
         assert self._backwards_done == [len(micro_batches)] * self.num_chunks
         return losses
@@ -144,13 +145,16 @@ class PipelineEngine:
         """Backpropagate micro-batch i through a chunk; returns the gradient of its input
         (None for chunk 0 of the first stage)."""
         self._backwards_done[chunk] += 1
-        if self._backwards_done[chunk] == self._num_micro and self._hook is not None:
-            self._hook(chunk)  # e.g. let the data-parallel gradient hooks fire during this backward
+        last = self._backwards_done[chunk] == self._num_micro
+        if self._sync is not None:
+            self._sync.before_backward(chunk, last)   # e.g. let the gradient hooks start reductions
         with self.trace.span("backward", mb=i, chunk=chunk):
             if output_grad is None:  # the loss chunk: output is the loss
                 output.backward()
             else:
                 torch.autograd.backward(output, output_grad)
+        if self._sync is not None:
+            self._sync.after_backward(chunk, last)
         if input_tensor is None:
             return None
         # A stage that ignores its input still owes the previous stage a gradient.

@@ -1,0 +1,173 @@
+"""ZeRO-2 and ZeRO-3: every stage trains the one-process model, a rank holds only what its stage promises,
+communication is what the analytic count says, and checkpoints move between stages and layouts.
+
+Tolerances are those of tests/test_parallel.py (float32 reductions in another order): each stage reduces
+every micro-batch's gradients separately and sums the shards, one process sums the micro-batches first.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from nanoexp.checkpoint.load import load_single_process
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
+from nanoexp.run import check_config
+from nanoexp.trainer import Trainer
+from nanoexp.verify.comm_counter import CommCounter
+from tests.distributed import run_distributed
+from tests.helpers import FAST, compose_config, train, train_losses
+from tests.test_parallel import FIRST_STEP_ATOL, INTERLEAVED, LATER_STEP_ATOL, MUP, TIED
+
+STEPS = ["tokens.train_steps=8", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
+         "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
+# The layouts the issue names, each under stages 2 and 3.
+LAYOUTS = {
+    "dp2": ["parallelism=dp2tp1pp1"],
+    "dp4": ["parallelism=dp4tp1pp1"],
+    "dp2tp2": ["parallelism=dp2tp2pp1"],
+    "dp2pp2-1f1b": ["parallelism=dp2tp1pp2"],
+    "dp2cp2": ["parallelism=dp2cp2tp1pp1"],
+}
+# ZeRO-3 with the rest: parameters kept whole (sequence-parallel norms, embeddings tied across stages or on one
+# stage), recomputation (a layer's forward re-run inside its backward), the schedules, the prefetch depth,
+# layers kept gathered from forward to backward, µP.
+COMPOSED = {
+    "dp2tp2pp2-reduce_scatter-tied": (TIED, ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"]),
+    "dp2-tied-one-stage": (TIED, ["parallelism=dp2tp1pp1"]),
+    "dp2cp2-recompute-prefetch2": ([], ["parallelism=dp2cp2tp1pp1", "parallelism.recompute_layer=true",
+                                        "optimizer.zero3_prefetch=2"]),
+    "dp2pp2-interleaved-keep-gathered": ([], ["parallelism=dp2tp1pp2", "optimizer.zero3_reshard_after_forward=false"]
+                                         + INTERLEAVED),
+    "dp2pp2-afab-no-prefetch": ([], ["parallelism=dp2tp1pp2", "parallelism.pp_engine=afab",
+                                     "optimizer.zero3_prefetch=0"]),
+    "mup-dp2tp2": (MUP, ["parallelism=dp2tp2pp1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process: the curves every stage and layout must reproduce."""
+    root = tmp_path_factory.mktemp("zero_reference")
+    return {tuple(extra): train(root / str(i), FAST + STEPS + extra) for i, extra in enumerate([[], TIED, MUP])}
+
+
+def assert_same_curve(records, expected_records):
+    losses, expected = train_losses(records), train_losses(expected_records)
+    assert len(losses) == len(expected) == 8
+    assert abs(losses[0] - expected[0]) < FIRST_STEP_ATOL, (losses[0], expected[0])
+    np.testing.assert_allclose(losses, expected, atol=LATER_STEP_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero_stage_reproduces_single_process_losses(layout, stage, reference, tmp_path):
+    records = train(tmp_path, FAST + STEPS + LAYOUTS[layout] + [f"optimizer.zero_stage={stage}"])
+    assert_same_curve(records, reference[()])
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_zero3_composes(name, reference, tmp_path):
+    model, layout = COMPOSED[name]
+    records = train(tmp_path, FAST + STEPS + model + layout + ["optimizer.zero_stage=3"])
+    assert_same_curve(records, reference[tuple(model)])
+
+
+# -- what a rank holds, and what it sends --------------------------------------------------------
+def calls_by_kind(records, group: str) -> dict[str, tuple[int, int]]:
+    """{all_gather | reduce_scatter | ...: (calls, this rank's payload bytes)} on `group`, whatever this torch
+    names the calls."""
+    calls = {}
+    for where, name, payload, _sent in records:
+        if where == group:
+            kind = next((k for k in ("all_gather", "reduce_scatter") if name.startswith(k)), name)
+            count, total = calls.get(kind, (0, 0))
+            calls[kind] = (count + 1, total + payload)
+    return calls
+
+
+def _one_step(rank, world_size, overrides):
+    """Two optimizer steps of dp2 (2 micro-batches each); what is held between and during them, and the bytes of
+    the second step's collectives on the dp x cp group."""
+    cfg = compose_config(FAST + overrides)
+    check_config(cfg, world_size)
+    ctx = ParallelContext(Layout.from_config(cfg))
+    trainer = Trainer(cfg, ctx, run_dir=os.devnull)
+    sharded = trainer.grad_sync.sharded[0]
+    most_gathered = []   # units whole at once, seen as each module starts
+    for unit in sharded.units:
+        unit.module.register_forward_pre_hook(
+            lambda *_: most_gathered.append(sum(u.gathered or u.gather_work is not None for u in sharded.units)))
+    trainer.train_step(trainer.batches.next_step(), 1e-3)
+    with CommCounter({"dp_cp": ctx.dp_cp_group}) as comm:
+        trainer.train_step(trainer.batches.next_step(), 1e-3)
+    trainer.batches.close()
+    return dict(
+        grads_held=sum(p.grad is not None for p in trainer.model.parameters()),
+        whole_bytes=sum(p.untyped_storage().nbytes() for p in sharded.params),
+        shard_numel=sharded.shard_grads.numel(), padded_numel=sum(u.padded for u in sharded.units),
+        most_gathered=max(most_gathered), num_units=len(sharded.units),
+        calls=calls_by_kind(comm.records, "dp_cp"),
+        micro_batches=trainer.accumulation)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_holds_its_shard_and_moves_the_analytic_bytes(stage):
+    overrides = ["parallelism=dp2tp1pp1", f"optimizer.zero_stage={stage}", "optimizer.zero3_prefetch=1"]
+    for r in run_distributed(_one_step, 2, overrides):
+        shard_bytes, m = 4 * r["shard_numel"], r["micro_batches"]
+        assert r["grads_held"] == 0   # between steps a rank holds only its gradient shard
+        assert r["shard_numel"] * 2 == r["padded_numel"]
+        # reduce-scatter: every unit once per micro-batch, this rank's output the shard
+        assert r["calls"]["reduce_scatter"] == (m * r["num_units"], m * shard_bytes)
+        if stage == 2:
+            assert r["whole_bytes"] > 0   # whole parameters between steps; their update is all-gathered once
+            assert r["calls"]["all_gather"] == (r["num_units"], shard_bytes)
+        else:
+            assert r["whole_bytes"] == 0   # no parameter held whole between steps
+            assert r["most_gathered"] <= 2   # the unit computing and the one prefetched
+            # gathered before each forward and again before each backward, every micro-batch
+            assert r["calls"]["all_gather"] == (2 * m * r["num_units"], 2 * m * shard_bytes)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+CONSTANT_LR = FAST + ["tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
+                      "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
+                      "optimizer.learning_rate_scheduler.lr_decay_style=constant"]
+
+
+def test_zero3_resumes_bit_for_bit_on_its_layout(tmp_path):
+    run = CONSTANT_LR + ["parallelism=dp2tp1pp2", "optimizer.zero_stage=3", "tokens.train_steps=4",
+                         "checkpoint.checkpoint_interval=2"]
+    full = train_losses(train(tmp_path / "full", run))
+    ckpt = tmp_path / "full" / "checkpoints" / "2"
+    resumed = train_losses(train(tmp_path / "resumed", run + [f"checkpoint.resume_checkpoint_path={ckpt}"]))
+    assert resumed == full[2:]
+
+
+def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path):
+    """Saved by ZeRO-3 (dp2 tp2), resumed on one process, saved, resumed by ZeRO-2 (dp2 pp2), saved, resumed
+    by ZeRO-3 (dp4): the curve stays the one-process run's. The ZeRO-3 checkpoint exports the same model as
+    a ZeRO-1 run of the same steps."""
+    tied = CONSTANT_LR + TIED
+    reference = train_losses(train(tmp_path / "ref", tied + ["tokens.train_steps=8"]))
+    a = train_losses(train(tmp_path / "a", tied + ["parallelism=dp2tp2pp1", "optimizer.zero_stage=3",
+                                                   "parallelism.tp_mode=reduce_scatter", "tokens.train_steps=2"]))
+    b = train_losses(train(tmp_path / "b", tied + ["tokens.train_steps=4",
+                                                   f"checkpoint.resume_checkpoint_path={tmp_path}/a/checkpoints/2"]))
+    c = train_losses(train(tmp_path / "c", tied + ["parallelism=dp2tp1pp2", "optimizer.zero_stage=2",
+                                                   "tokens.train_steps=6",
+                                                   f"checkpoint.resume_checkpoint_path={tmp_path}/b/checkpoints/4"]))
+    d = train_losses(train(tmp_path / "d", tied + ["parallelism=dp4tp1pp1", "optimizer.zero_stage=3",
+                                                   "tokens.train_steps=8",
+                                                   f"checkpoint.resume_checkpoint_path={tmp_path}/c/checkpoints/6"]))
+    np.testing.assert_allclose(a + b + c + d, reference, atol=LATER_STEP_ATOL, rtol=0)
+
+    zero1 = train(tmp_path / "zero1", tied + ["parallelism=dp2tp2pp1", "optimizer.zero_stage=1",
+                                              "parallelism.tp_mode=reduce_scatter", "tokens.train_steps=2"])
+    assert train_losses(zero1) == a
+    ours, _ = load_single_process(str(tmp_path / "a" / "checkpoints" / "2"))
+    theirs, _ = load_single_process(str(tmp_path / "zero1" / "checkpoints" / "2"))
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)   # reduction order only
