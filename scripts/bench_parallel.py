@@ -17,7 +17,9 @@ averaged the same way (m micro-batches per step, s' = seq / cp the tokens of a s
 A = micro_batch x s' x hidden activation bytes, N = the parameters this rank holds):
   dp  averaging this rank's float32 gradients: 2(dp-1)/dp x 4N, whether as one all-reduce
       (zero_stage 0) or as a reduce-scatter of the gradients plus an all-gather of the updated
-      parameters (ZeRO-1: (dp-1)/dp x 4N each); plus the step loss, and on the loss stage the
+      parameters (ZeRO-1: (dp-1)/dp x 4N each); ZeRO-2 reduce-scatters every micro-batch (m + 1 passes
+      of (dp-1)/dp x 4N), ZeRO-3 also all-gathers each layer before its forward and its backward (3m
+      passes; 2m with zero3_reshard_after_forward=false) (`zero_passes`); plus the step loss, and on the loss stage the
       count of target tokens (4 bytes each, all-reduced); with cp > 1 all of this runs over the
       dp x cp group instead ("dp_cp", n = dp·cp: every cp rank holds full weights);
   cp  ring attention (nanoexp/parallel/ring_attention.py, its plan nanoexp.verify.context_parallel.ring_plan), per attention layer the rank
@@ -86,9 +88,9 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
     out = {name: 0.0 for name in GROUPS}
     held, chunks = held_parameters(trainer.shape, ctx.layout, ctx.pp_rank)
-    if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO-1) over dp x cp: every cp rank holds the full weights
+    if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
-        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * (held + scalars)
+        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * (held * zero_passes(cfg, m) / 2 + scalars)
     if ctx.cp > 1:
         kv_heads = trainer.shape.num_key_value_heads // ctx.tp
         kv = 2 * mb * kv_heads * s * trainer.shape.head_dim   # floats of one K/V message
@@ -113,6 +115,19 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     if ctx.tp * ctx.pp > 1:
         out["model_parallel"] = ring(ctx.tp * ctx.pp) * 4
     return out
+
+
+def zero_passes(cfg, m: int) -> int:
+    """Passes of the parameters' bytes over dp x cp per step, each a reduce-scatter or an all-gather ((n-1)/n of
+    them sent): stages 0 and 1 two (an all-reduce, or its two halves); stage 2 a reduce-scatter per micro-batch
+    and one all-gather; stage 3 per micro-batch a reduce-scatter and an all-gather before backward, and one
+    before each forward unless layers stay gathered (zero3_reshard_after_forward=false)."""
+    o = cfg.optimizer
+    if o.zero_stage <= 1:
+        return 2
+    if o.zero_stage == 2:
+        return m + 1
+    return m * (2 + o.zero3_reshard_after_forward)
 
 
 def worker(rank, world_size, port, cfg, args, queue):

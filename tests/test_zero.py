@@ -12,6 +12,7 @@ import torch
 
 from nanoexp.checkpoint.load import load_single_process
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
@@ -171,3 +172,53 @@ def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path):
     theirs, _ = load_single_process(str(tmp_path / "zero1" / "checkpoints" / "2"))
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)   # reduction order only
+
+
+# -- a gradient that never comes --------------------------------------------------------------------
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+        self.b.unused = torch.nn.Parameter(torch.ones(5))   # in b's unit, never in its forward
+
+    def forward(self, x, use_b: bool):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def _missing_gradients(rank, world_size, stage, skip_b_on_rank1):
+    """Each rank's averaged gradient shard, and the average of the ranks' plain autograd gradients."""
+    ctx = ParallelContext(Layout(dp=world_size))
+    model, reference = TwoLayers(), TwoLayers()
+    sync = GradientSync([[(model.a, list(model.a.parameters())), (model.b, list(model.b.parameters()))]], ctx,
+                        stage=stage)
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = {}
+    for r in range(world_size):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+        use_b = not (skip_b_on_rank1 and r == 1)
+        if r == rank:
+            sync.before_backward(0, last=True)
+            model(x, use_b).sum().backward()
+            sync.after_backward(0, last=True)
+        reference.zero_grad()
+        reference(x, use_b).sum().backward()
+        for n, p in reference.named_parameters():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            expected[n] = expected.get(n, 0) + grad.reshape(-1) / world_size
+    sync.finish()
+    return [(names[id(piece.param)], piece.start, piece.end, piece.grad.clone(), expected[names[id(piece.param)]])
+            for piece in sync.shard_pieces()]
+
+
+@pytest.mark.parametrize("stage, skip_b_on_rank1", [(2, False), (2, True), (3, False)])
+def test_a_gradient_that_never_comes_counts_as_zeros(stage, skip_b_on_rank1):
+    """A parameter its module never uses, and (stage 2) a module one rank skips: no rank waits for the missing
+    gradients, every rank issues the same collectives, and the average counts them as zeros. (Stage 3 needs
+    every rank to run the same modules: a gather is a collective.)"""
+    covered = {}
+    for pieces in run_distributed(_missing_gradients, 2, stage, skip_b_on_rank1):
+        for name, start, end, grad, expected in pieces:
+            torch.testing.assert_close(torch.as_tensor(grad), torch.as_tensor(expected)[start:end], atol=1e-6, rtol=0)
+            covered[name] = covered.get(name, 0) + end - start
+    assert covered == {n: p.numel() for n, p in TwoLayers().named_parameters()}
