@@ -11,23 +11,36 @@ in its heap for reuse (no page faults, much faster) and the peak RSS reads 30-50
 `saved_activation_bytes` measures what autograd keeps for backward while a forward runs (what
 activation recomputation saves), with saved_tensors_hooks.
 
-Estimated, for one rank (bytes, float32 master weights and gradients):
-  parameters   4 B x the parameters the rank holds (its layers, tp slices, embedding / head)
-  gradients    4 B x the same (flat buffers, one per chunk)
-  optimizer    8 B x the same (AdamW's two moments), / dp with ZeRO-1; at the update, 4 B more
+Estimated, for one rank (bytes, float32 master weights and gradients; N the parameters it holds, its tp slices of
+its pp stage's modules; d = dp x cp, the ranks ZeRO shards over; `units` lists the modules):
+  parameters   4N; ZeRO-3 4N/d (its shard of every unit)
+  gradients    4N (flat buffers, one per chunk); ZeRO-2/3 4N/d (the summed shard; no full gradient buffer exists)
+  optimizer    8N (AdamW's two moments), 8N/d with ZeRO >= 1; at the update 4 B more per parameter updated
                (torch's AdamW takes the square root of the second moment into a new tensor)
   activations  what autograd saves per token and layer x the layers of the micro-batches in flight
                at once (from the engine's own schedule: AFAB all of them, 1F1B at most pp - stage,
                interleaved its own count), plus one layer recomputed during backward with
                recomputation, plus the head's logits on the last stage, plus under cp one ring-attention
                tile's scores (`ring_workspace`).
-  communication  on CPU (gloo) with ZeRO-1, 4 B x the parameters: gloo's reduce-scatter reduces each gradient
+  in flight    ZeRO-2/3 only, held beside the activations during forward and backward: the whole gradients of
+               two units (the one whose backward is producing them, and the flat copy of the one before being
+               reduce-scattered; at ZeRO-2 a unit is a bucket of model.ddp_bucket_cap_mb); ZeRO-3 also the whole parameters of the unit computing and the
+               `zero3_prefetch` units gathered ahead (with zero3_reshard_after_forward=false every unit of the
+               stage: each stays whole from its forward to its backward, and under pp, with micro-batches in
+               flight, through the whole step); on CPU (gloo) a copy of one unit's gradients
+               (gloo's reduce-scatter reduces in a copy of its input) and, ZeRO-3, of one gathered unit (its
+               all-gather fills a copy of its output).
+  communication  on CPU (gloo) with ZeRO-1, 4N: gloo's reduce-scatter reduces each gradient
                bucket in a copy, and the last backward's buckets are in flight together as it ends (measured
-               2026-12-01: 80 MB for 76 MB of gradients at dp 2 and 4); NCCL reduces in place.
-The peak is the model state plus the largest of the activations, the update's temporaries and the
-communication's: they are held at different moments of a step. What the compute runtime keeps once it has
-run (kernels' code pages, thread pools: ~26 MB a CPU rank) is in the baseline, which is measured after a
-warm-up step (`warm_up_runtime`).
+               2026-12-01: 80 MB for 76 MB of gradients at dp 2 and 4); with ZeRO-2 one unit, the all-gather of
+               the updated parameters after the step; NCCL reduces in place.
+Parameters ZeRO-2/3 keep whole on every rank (full values, gradients and AdamW state): the norms' weights under
+sequence parallelism (their gradients are summed over tp first) and a tied embedding, also its copy on the last
+stage. Analytic model state per rank (bench_memory.py): 16N, 8N + 8N/d, 4N + 12N/d, 16N/d for stages 0-3.
+The peak is the model state plus the largest of the activations with what is in flight, the update's
+temporaries and the communication's: they are held at different moments of a step. What the compute runtime
+keeps once it has run (kernels' code pages, thread pools: ~26 MB a CPU rank) is in the baseline, which is
+measured after a warm-up step (`warm_up_runtime`).
 The saved floats per token of one decoder layer were counted from the tensors autograd keeps
 (saved_tensors_hooks, tests/test_memory.py checks the formula against them): 8h + 2kv + 4i + heads
 + 2 with tp = 1 (h hidden, kv the key/value width, i the MLP width); with tp the heads and the MLP
@@ -49,6 +62,7 @@ import ctypes
 import math
 import os
 import re
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -151,13 +165,15 @@ def saved_activation_bytes(params):
     Under activation recomputation (torch.utils.checkpoint, non-reentrant) only what the
     checkpoints keep is seen: the inner recomputed tensors are saved by checkpoint's own hooks.
     """
-    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    params = list(params)
     seen: set[int] = set()
     counter = _ByteCounter()
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
+        # Asked at each save: ZeRO-3 gathers a layer's weights into fresh storage just before it runs.
+        param_storages = {p.untyped_storage().data_ptr() for p in params}
         if ptr not in param_storages and ptr not in seen and storage.nbytes() > 0:
             seen.add(ptr)
             counter.bytes += storage.nbytes()
@@ -187,19 +203,34 @@ def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence
             + ring + gathered)
 
 
+class Unit(NamedTuple):
+    """One module's parameters on a rank (its tp slices): those ZeRO-2/3 shard over dp x cp, and those every
+    rank keeps whole (sequence-parallel norms, a tied embedding or its copy)."""
+    sharded: int
+    whole: int
+
+
+def units(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[Unit]:
+    """The modules pp rank `pp_rank` holds, in forward order: the embedding (first stage), each decoder layer of
+    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage)."""
+    h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
+    tied, sp = shape.tie_word_embeddings, layout.sequence_parallel
+    embedding = shape.vocab_size * h // layout.tp
+    matrices, norms = (2 * h * h + 2 * h * kv + 3 * h * i) // layout.tp, 2 * h
+    layers = sum(len(chunk) for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank))
+    held = [Unit(0, embedding) if tied else Unit(embedding, 0)] if pp_rank == 0 else []
+    held += [Unit(matrices, norms) if sp else Unit(matrices + norms, 0)] * layers
+    head = layout.lm_head_weight(pp_rank, tied)
+    if head is not None:
+        held.append(Unit(0, h) if sp else Unit(h, 0))   # the final norm
+        held += {"own": [Unit(embedding, 0)], "copy": [Unit(0, embedding)], "embedding": []}[head]
+    return held
+
+
 def held_parameters(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[int, list[int]]:
     """(parameters this pp rank holds per tp rank, layers of each of its chunks)."""
     chunks = [len(layers) for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank)]
-    h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
-    per_layer = (2 * h * h + 2 * h * kv + 3 * h * i) // layout.tp + 2 * h
-    embedding = shape.vocab_size * h // layout.tp
-    count = sum(chunks) * per_layer
-    if pp_rank == 0:
-        count += embedding
-    head = layout.lm_head_weight(pp_rank, shape.tie_word_embeddings)
-    if head is not None:   # the final norm, and the LM head unless it is the embedding itself
-        count += h + (0 if head == "embedding" else embedding)
-    return count, chunks
+    return sum(u.sharded + u.whole for u in units(shape, layout, pp_rank)), chunks
 
 
 def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
@@ -237,11 +268,9 @@ def ring_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
     return scores + 4 * kv * t.sequence_length * (1 + 1 / cp)
 
 
-def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> dict[str, float]:
-    """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline, on a CPU
-    (gloo) or CUDA (NCCL) device."""
-    layout, recompute = Layout.from_config(cfg), cfg.parallelism.recompute_layer
-    params, chunks = held_parameters(shape, layout, pp_rank)
+def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
+    """What autograd holds for backward at most, on this pp rank (module docstring)."""
+    recompute = cfg.parallelism.recompute_layer
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     tokens = cfg.tokens.micro_batch_size * layout.local_tokens(cfg.tokens.sequence_length)
@@ -250,21 +279,86 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     # Recomputation re-materialises one full layer at a time during backward.
     transient = layer_floats_per_token(shape, recompute=False, **floats) if recompute else 0
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
-    activations = (act_bytes * tokens * (layers * per_layer + transient + heads * head)
-                   + ring_workspace(cfg, layout, shape))
-    sharded = cfg.optimizer.zero_stage == 1 and layout.dp_cp > 1   # ZeRO-1 shards over dp x cp
-    shards = layout.dp_cp if sharded else 1
-    return {"parameters": 4 * params, "gradients": 4 * params, "optimizer": 8 * params / shards,
-            "activations": activations, "update_workspace": 4 * params / shards,
-            "communication": 4 * params if sharded and device_type == "cpu" else 0}
+    return act_bytes * tokens * (layers * per_layer + transient + heads * head) + ring_workspace(cfg, layout, shape)
+
+
+def zero_stage(cfg, layout: Layout) -> int:
+    """The ZeRO stage that shapes this rank's memory: 0 when there is a single dp x cp rank to shard over."""
+    return int(cfg.optimizer.zero_stage) if layout.dp_cp > 1 else 0
+
+
+def model_state(stage: int, held: list[Unit], d: int) -> dict[str, float]:
+    """Persistent bytes (parameters, gradients, AdamW moments) and the update's temporaries, for ZeRO `stage`
+    over d ranks. Each unit's flat buffer is padded to a multiple of d: a rank's shard is ceil(sharded / d)."""
+    full = sum(u.sharded + u.whole for u in held)
+    shard = sum(-(-u.sharded // d) + u.whole for u in held)   # what ZeRO-2/3 keep per rank
+    updated = {0: full, 1: full / d}.get(stage, shard)          # the parameters this rank's AdamW steps
+    return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
+            "optimizer": 8 * updated, "update_workspace": 4 * updated}
+
+
+def most_consecutive(sizes: list[int], count: int) -> int:
+    """The largest sum of `count` consecutive sizes (units run in order, forward and backward)."""
+    count = max(1, min(count, len(sizes)))
+    return max((sum(sizes[k:k + count]) for k in range(len(sizes) - count + 1)), default=0)
+
+
+def bucket_floats(cfg, shape: LlamaShape, layout: Layout, device_type: str) -> float:
+    """The most floats in one ZeRO-2 reduce-scatter: a bucket of model.ddp_bucket_cap_mb (4 MB on gloo, 25 on
+    NCCL), or a single larger parameter (an MLP matrix; the embedding or head on the first and last stages)."""
+    cap_mb = cfg.model.ddp_bucket_cap_mb or (4 if device_type == "cpu" else 25)
+    largest = max(shape.intermediate_size, shape.vocab_size) * shape.hidden_size // layout.tp
+    return max(cap_mb * 2**20 / 4, largest)
+
+
+def units_in_flight(cfg, stage: int, held: list[Unit], device_type: str, bucket: float = math.inf) -> float:
+    """Bytes ZeRO-2/3 hold only while units compute, beside the activations (module docstring), and on gloo its
+    copy of one unit's gradients in the reduce-scatter:
+    * ZeRO-2: two buckets' gradients (of at most `bucket` floats each), the one filling and the one reduced;
+    * ZeRO-3: the gathered units and one unit's gradients. Its backward's peak is at its first unit, where all
+      the activations are held and no reduce-scatter has started; a later unit holds two units' gradients (and
+      gloo's copy) beside the activations of the layers before it only (measured in docs/zero.md)."""
+    if stage < 2:
+        return 0
+    sizes = [u.sharded for u in held]   # whole parameters are neither gathered nor reduce-scattered by unit
+    gloo = max(sizes, default=0) if device_type == "cpu" else 0
+    if stage == 2:   # reduced in buckets, not layers (GradientSync)
+        sizes = [min(size, bucket) for size in sizes]
+        return 4 * (most_consecutive(sizes, 2) + min(gloo, bucket))
+    keep_all = not cfg.optimizer.zero3_reshard_after_forward   # every unit waits, whole, for its backward
+    gathered = sum(sizes) if keep_all else most_consecutive(sizes, 1 + cfg.optimizer.zero3_prefetch)
+    return 4 * (max(sizes, default=0) + gathered + gloo)
+
+
+def communication_bytes(stage: int, held: list[Unit], device_type: str) -> float:
+    """gloo's copies held outside forward and backward: ZeRO-1's buckets as the last backward ends (all of the
+    gradients), ZeRO-2's all-gather of one updated unit after the step. NCCL works in place: none."""
+    if device_type != "cpu":
+        return 0
+    if stage == 1:
+        return 4 * sum(u.sharded + u.whole for u in held)
+    return 4 * max((u.sharded for u in held), default=0) if stage == 2 else 0   # at most: buckets are smaller
+
+
+def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> dict[str, float]:
+    """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline, on a CPU
+    (gloo) or CUDA (NCCL) device, by kind (see `total` for what coexists)."""
+    layout = Layout.from_config(cfg)
+    stage, held = zero_stage(cfg, layout), units(shape, layout, pp_rank)
+    _, chunks = held_parameters(shape, layout, pp_rank)
+    return {**model_state(stage, held, layout.dp_cp),
+            "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
+            "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
+            "communication": communication_bytes(stage, held, device_type)}
 
 
 def total(parts: dict[str, float]) -> float:
-    """The peak: model state plus the largest of the activations (held during backward), the update's
-    temporaries (AdamW's sqrt of the second moment, at the optimizer step) and the communication's (gloo's
-    copies of the gradient buckets in flight, as backward ends); they never coexist."""
+    """The peak: the model state plus the largest of what three moments of a step add: forward and backward
+    (the activations, and ZeRO-2/3's units in flight beside them), the update (AdamW's sqrt of the second
+    moment) and gloo's copies outside backward (ZeRO-1's buckets as it ends, ZeRO-2's gathers after the step)."""
     return (parts["parameters"] + parts["gradients"] + parts["optimizer"]
-            + max(parts["activations"], parts["update_workspace"], parts.get("communication", 0)))
+            + max(parts["activations"] + parts.get("in_flight", 0), parts["update_workspace"],
+                  parts.get("communication", 0)))
 
 
 def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> tuple[int, dict[str, float]]:

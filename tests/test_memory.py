@@ -1,12 +1,13 @@
 """Per-rank memory: the activation formula against what autograd saves, the estimate against the
 measured peak, and ZeRO-1's saving in the measured peak (model=small, 2 steps: the peak comes
-from step 2, when AdamW's moments exist)."""
+from step 2, when AdamW's moments exist); ZeRO-2/3 in the estimate and make_config's choice of stage,
+counted without a run."""
 import json
 
 import pytest
 import torch
 
-from nanoexp.memory import MB, estimate, layer_floats_per_token, total
+from nanoexp.memory import MB, estimate, held_parameters, layer_floats_per_token, total
 from nanoexp.model.build import build_model, model_shape
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
@@ -113,3 +114,168 @@ def test_zero1_saves_the_sharded_adam_state_in_the_measured_peak(tmp_path):
     analytic = 8 * params * (1 - 1 / 2) / MB
     for (peak0, _), (peak1, _) in zip(zero0, zero1):
         assert peak0 - peak1 >= 0.8 * analytic, (peak0, peak1, analytic)
+
+
+# -- ZeRO-2/3 in the estimate, and make_config's choice of stage (counted, nothing runs) -----------------------
+
+def zero_estimate(stage: int, overrides=(), pp_rank: int = 0, device: str = "cuda", **zero3) -> dict[str, float]:
+    """The estimate of `model=small` (untied; every unit divides by 2 and 4) under ZeRO `stage`."""
+    cfg = compose_config(["model=small", f"optimizer.zero_stage={stage}", *overrides])
+    for key, value in zero3.items():
+        cfg.optimizer[key] = value
+    return estimate(cfg, model_shape(cfg), pp_rank, device)
+
+
+def small_units() -> tuple[int, int, int]:
+    """(a decoder layer's, the embedding's and all) parameters of model=small in one process, by hand."""
+    h, kv, i, vocab, layers = 512, 4 * 64, 1536, 320, 6
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return layer, vocab * h, layers * layer + 2 * vocab * h + h
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_zero2_shards_the_gradients_and_zero3_the_parameters_too(d):
+    _, _, n = small_units()
+    zero2, zero3 = (zero_estimate(stage, [f"parallelism=dp{d}tp1pp1"]) for stage in (2, 3))
+    assert zero2["parameters"] == 4 * n and zero3["parameters"] == 4 * n / d
+    for parts in (zero2, zero3):
+        assert parts["gradients"] == 4 * n / d and parts["optimizer"] == 8 * n / d
+        assert parts["update_workspace"] == 4 * n / d   # AdamW steps only this rank's shard
+
+
+def test_units_in_flight_are_two_units_gradients_and_zero3_gathers_the_prefetched_ones():
+    """The two largest consecutive units of model=small are two decoder layers; on gloo the reduce-scatter's
+    copy of one comes on top."""
+    layer, _, n = small_units()
+    dp2 = ["parallelism=dp2tp1pp1"]
+    assert zero_estimate(2, dp2)["in_flight"] == 4 * 2 * layer   # NCCL's 25 MB buckets hold a whole layer
+    bucket = 4 * 2**20 / 4   # gloo's 4 MB buckets: a third of a layer
+    assert zero_estimate(2, dp2, device="cpu")["in_flight"] == 4 * 3 * bucket
+    # ZeRO-3: one unit's gradients, the unit computing and 1 ahead (and on gloo its copy of one unit)
+    assert zero_estimate(3, dp2)["in_flight"] == 4 * (layer + 2 * layer)
+    assert zero_estimate(3, dp2, device="cpu")["in_flight"] == 4 * (2 * layer + 2 * layer)
+    assert zero_estimate(3, dp2, zero3_prefetch=3)["in_flight"] == 4 * (layer + 4 * layer)
+    # Kept from forward to backward, every unit is whole at once as the backward starts: the stage's parameters.
+    assert zero_estimate(3, dp2, zero3_reshard_after_forward=False)["in_flight"] == 4 * (layer + n)
+    for stage in (0, 1):
+        assert zero_estimate(stage, dp2)["in_flight"] == 0
+
+
+def test_in_flight_units_coexist_with_the_activations():
+    parts = zero_estimate(3, ["parallelism=dp2tp1pp1"])
+    state = parts["parameters"] + parts["gradients"] + parts["optimizer"]
+    assert total(parts) == state + max(parts["activations"] + parts["in_flight"], parts["update_workspace"])
+
+
+def test_each_unit_is_padded_to_a_multiple_of_the_group():
+    layer, embedding, n = small_units()
+    parts = zero_estimate(3, ["parallelism.dp=3", "tokens.global_batch_size=24"])
+    shard = 6 * -(-layer // 3) + 2 * -(-embedding // 3) + -(-512 // 3)
+    assert shard > n / 3 and parts["parameters"] == 4 * shard and parts["optimizer"] == 8 * shard
+
+
+def test_sequence_parallel_norms_stay_whole():
+    """tp2 with sequence parallelism: every layer's two norms and the final norm (summed over tp before dp)
+    keep whole values, gradients and AdamW state on every dp rank."""
+    h, kv, i, vocab, layers = 512, 4 * 64, 1536, 320, 6
+    matrices, whole = (2 * h * h + 2 * h * kv + 3 * h * i) // 2, layers * 2 * h + h
+    sharded = layers * matrices + 2 * vocab * h // 2
+    parts = zero_estimate(3, ["parallelism=dp2tp2pp1", "parallelism.tp_mode=reduce_scatter"])
+    assert parts["parameters"] == 4 * (sharded / 2 + whole) and parts["optimizer"] == 8 * (sharded / 2 + whole)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_tied_embedding_stays_whole(pp):
+    """Tied on one stage the embedding is the head; across stages the last holds a copy: whole either way."""
+    layer, embedding, _ = small_units()
+    tied = ["parallelism.dp=2", f"parallelism.pp={pp}", "model.model_config.tie_word_embeddings=true"]
+    first = zero_estimate(2, tied)
+    first_layers = 6 // pp
+    assert first["gradients"] == 4 * (embedding + first_layers * layer / 2 + (512 / 2 if pp == 1 else 0))
+    assert first["optimizer"] == 2 * first["gradients"]
+    if pp == 2:
+        last = zero_estimate(2, tied, pp_rank=1)
+        assert last["gradients"] == 4 * (embedding + 3 * layer / 2 + 512 / 2)   # the copy whole, the final norm not
+
+
+@pytest.mark.parametrize("overrides", [["parallelism=dp2tp1pp1"], ["parallelism=dp4tp1pp1"], ["parallelism=dp2tp2pp1"],
+                                       ["parallelism=dp4tp1pp2", "model.model_config.num_hidden_layers=12"]],
+                         ids=["dp2", "dp4", "dp2tp2", "dp4pp2-12-layers"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_zero_stage_holds_no_more_than_the_one_below(overrides, device):
+    """Not a law: units in flight cost whole units, so a stage needs enough of them (the test below)."""
+    cfg = compose_config(["model=small", *overrides])
+    totals = []
+    for stage in range(4):
+        cfg.optimizer.zero_stage = stage
+        totals.append(max(total(estimate(cfg, model_shape(cfg), r, device)) for r in range(cfg.parallelism.pp)))
+    assert totals == sorted(totals, reverse=True), totals
+
+
+def test_few_large_units_can_make_zero2_cost_more_than_zero1():
+    """dp2tp1pp2: a stage of 3 layers saves 1.5 layers' gradients with ZeRO-2 and holds 2 layers' in flight."""
+    layer, embedding, _ = small_units()
+    zero1, zero2 = (zero_estimate(stage, ["parallelism=dp2tp1pp2"]) for stage in (1, 2))
+    saved = zero1["gradients"] - zero2["gradients"]
+    assert saved == 4 * (3 * layer + embedding) / 2 < zero2["in_flight"] == 4 * 2 * layer
+    assert total(zero2) > total(zero1)
+
+
+def test_one_rank_has_nothing_to_shard():
+    assert zero_estimate(3) == zero_estimate(0)
+
+
+@pytest.fixture(scope="module")
+def llama3_8b():
+    """make_config's base config for llama3_8b, 2048-token sequences, 256 a step, micro-batch 1."""
+    from nanoexp.config import normalize
+    cfg = compose_config(["model=llama3_8b", "tokens.sequence_length=2048", "tokens.micro_batch_size=1",
+                          "tokens.global_batch_size=256"])
+    normalize(cfg)
+    return cfg
+
+
+def stage_totals_gib(base, gpus: int) -> dict[int, float]:
+    """make_config's total per ZeRO stage of the data-parallel-only layout of `gpus` GPUs, GiB."""
+    from scripts import make_config
+    cfg = make_config.with_stage(base, 0)
+    cfg.parallelism.dp = gpus
+    option = make_config.stages_of(cfg, gpus, float("inf"))
+    return {stage: option.total(stage) / make_config.GIB for stage in option.by_stage}
+
+
+@pytest.mark.parametrize("between,expected", [((1, 0), 1), ((3, 2), 3)], ids=["zero1_suffices", "only_zero3_fits"])
+def test_make_config_takes_the_lowest_zero_stage_that_fits(llama3_8b, between, expected, capsys):
+    """8 GPUs: whatever fits data-parallel only is chosen (no model parallelism), at the lowest stage that
+    fits; the GPU's memory is put between two stages' totals."""
+    from scripts import make_config
+    totals = stage_totals_gib(llama3_8b, 8)
+    assert totals[0] > totals[1] > totals[2] > totals[3]
+    fits, too_big = (totals[stage] for stage in between)
+    memory_gb = (fits + too_big) / 2 / make_config.HEADROOM
+    chosen = make_config.choose(llama3_8b, 8, 8, memory_gb)
+    assert (make_config.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", expected)
+    assert chosen.cfg.optimizer.zero_stage == expected
+    why = make_config.explain(chosen, memory_gb)
+    assert f"chosen: dp8tp1pp1 with ZeRO-{expected}" in why
+    assert all(f"ZeRO-{stage} {totals[stage]:.1f} GiB" in why for stage in range(expected))   # too big, each
+
+
+def test_make_config_takes_zero0_when_it_fits_or_nothing_can_be_sharded(llama3_8b, capsys):
+    from scripts import make_config
+    chosen = make_config.choose(llama3_8b, 8, 8, 1000)   # everything fits: dp8 with no sharding at all
+    assert (make_config.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", 0)
+    one = make_config.with_stage(llama3_8b, 3)
+    assert list(make_config.stages_of(one, 1, float("inf")).by_stage) == [0]   # dp x cp = 1: nothing to shard
+
+
+def test_dp_traffic_grows_with_the_zero_stage(llama3_8b):
+    """Per step: ZeRO-0 and 1 the bytes of one all-reduce, ZeRO-2 a reduce-scatter per micro-batch and one
+    all-gather, ZeRO-3 two all-gathers and a reduce-scatter per micro-batch."""
+    from scripts import make_config
+    cfg = make_config.with_stage(llama3_8b, 0)
+    cfg.parallelism.dp = 8
+    one = 4 * held_parameters(model_shape(cfg), Layout.from_config(cfg), 0)[0] * 7 / 8
+    m = 256 // 8
+    traffic = {stage: make_config.dp_traffic_bytes(make_config.with_stage(cfg, stage)) for stage in range(4)}
+    assert traffic == {0: 2 * one, 1: 2 * one, 2: (m + 1) * one, 3: 3 * m * one}

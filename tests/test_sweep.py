@@ -117,24 +117,26 @@ def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
 
 
 def test_make_config_picks_the_least_model_parallel_layout_that_fits(tmp_path):
-    """llama3_8b (8.0B parameters, 16 B each for weights, gradients and AdamW state = 120 GiB before
-    sharding, plus bf16 weight copies and the CUDA context) cannot run data-parallel only on 80 GB GPUs;
-    with 16 GPUs tp=2 halves it. The experiment it writes is coherent: a tokenizer of the model's
-    vocabulary (required), a schedule of the asked length."""
+    """llama3_8b (8.0B parameters) on 16 GPUs of 80 GB: data-parallel only, ZeRO-1 keeps 4 + 4 B a parameter
+    whole (60 GiB, plus bf16 weight copies and activations): too big; ZeRO-2 also shards the gradients and fits,
+    with no model parallelism. The experiment it writes is coherent: a tokenizer of the model's vocabulary
+    (required), a schedule of the asked length."""
     command = [os.path.join(ROOT, "scripts", "make_config.py"), "--model", "llama3_8b", "--gpus", "16",
                "--gpu-memory-gb", "80", "--out", str(tmp_path / "llama.yaml"), "--train-steps", "2000"]
     refused = run_script(command, cwd=tmp_path)
     assert refused.returncode == 2 and "--tokenizer is needed" in refused.stderr
     result = run_script(command + ["--tokenizer", "/data/llama3_tokenizer"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "dp16tp1pp1" in result.stdout and "too big" in result.stdout
-    assert "chosen: dp8tp2pp1 with ZeRO-1" in result.stdout
+    assert "dp8tp2pp1" in result.stdout   # every layout is listed
+    assert "chosen: dp16tp1pp1 with ZeRO-2" in result.stdout
+    why = result.stdout[result.stdout.index("chosen:"):]
+    assert "too big (ZeRO-0" in why and "ZeRO-1" in why and "reduce-scatters them every micro-batch" in why
     assert os.listdir(tmp_path) == ["llama.yaml"]   # nothing else written into the current folder
     text = (tmp_path / "llama.yaml").read_text()
     assert text.startswith("# @package _global_") and "  - override /model: llama3_8b" in text
     experiment = OmegaConf.load(tmp_path / "llama.yaml")
-    assert (experiment.parallelism.dp, experiment.parallelism.tp, experiment.parallelism.pp) == (8, 2, 1)
-    assert experiment.optimizer.zero_stage == 1 and experiment.tokens.train_steps == 2000
+    assert (experiment.parallelism.dp, experiment.parallelism.tp, experiment.parallelism.pp) == (16, 1, 1)
+    assert experiment.optimizer.zero_stage == 2 and experiment.tokens.train_steps == 2000
     assert experiment.tokenizer.tokenizer_name_or_path == "/data/llama3_tokenizer"
     # It composes with the defaults into a valid run of 16 processes (the tokenizer folder is not read here).
     conf = tmp_path / "conf"

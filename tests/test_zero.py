@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaForCausalLM as HFLlama
 
 from nanoexp.checkpoint.load import load_single_process
 from nanoexp.parallel.context import ParallelContext
@@ -17,8 +18,10 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
+from scripts.convert_to_hf import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train, train_losses
+from tests.test_hf_conversion import LOGITS_ATOL
 from tests.test_parallel import FIRST_STEP_ATOL, INTERLEAVED, LATER_STEP_ATOL, MUP, TIED
 
 STEPS = ["tokens.train_steps=8", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
@@ -97,7 +100,7 @@ def _one_step(rank, world_size, overrides):
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
     sharded = trainer.grad_sync.sharded[0]
     most_gathered = []   # units whole at once, seen as each module starts
-    for unit in sharded.units:
+    for unit in sharded.units if sharded.stage == 3 else []:
         unit.module.register_forward_pre_hook(
             lambda *_: most_gathered.append(sum(u.gathered or u.gather_work is not None for u in sharded.units)))
     trainer.train_step(trainer.batches.next_step(), 1e-3)
@@ -108,7 +111,7 @@ def _one_step(rank, world_size, overrides):
         grads_held=sum(p.grad is not None for p in trainer.model.parameters()),
         whole_bytes=sum(p.untyped_storage().nbytes() for p in sharded.params),
         shard_numel=sharded.shard_grads.numel(), padded_numel=sum(u.padded for u in sharded.units),
-        most_gathered=max(most_gathered), num_units=len(sharded.units),
+        most_gathered=max(most_gathered, default=0), num_units=len(sharded.units),
         calls=calls_by_kind(comm.records, "dp_cp"),
         micro_batches=trainer.accumulation)
 
@@ -149,8 +152,8 @@ def test_zero3_resumes_bit_for_bit_on_its_layout(tmp_path):
 
 def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path):
     """Saved by ZeRO-3 (dp2 tp2), resumed on one process, saved, resumed by ZeRO-2 (dp2 pp2), saved, resumed
-    by ZeRO-3 (dp4): the curve stays the one-process run's. The ZeRO-3 checkpoint exports the same model as
-    a ZeRO-1 run of the same steps."""
+    by ZeRO-3 (dp4): the curve stays the one-process run's. The ZeRO-3 checkpoint holds the same model as a
+    ZeRO-1 run of the same steps, and its Hugging Face export gives its logits."""
     tied = CONSTANT_LR + TIED
     reference = train_losses(train(tmp_path / "ref", tied + ["tokens.train_steps=8"]))
     a = train_losses(train(tmp_path / "a", tied + ["parallelism=dp2tp2pp1", "optimizer.zero_stage=3",
@@ -172,6 +175,11 @@ def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path):
     theirs, _ = load_single_process(str(tmp_path / "zero1" / "checkpoints" / "2"))
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)   # reduction order only
+    convert_to_hf(str(tmp_path / "a" / "checkpoints" / "2"), str(tmp_path / "hf"))   # Hugging Face export
+    hf = HFLlama.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
 
 
 # -- a gradient that never comes --------------------------------------------------------------------

@@ -268,6 +268,8 @@ class GradientSync:
             chunk_params = list({id(p): p for _module, unit in chunk for p in unit}.values())
             if self.stage >= 2:
                 units = [(module, [p for p in unit if id(p) not in whole]) for module, unit in chunk]
+                if self.stage == 2:   # nothing to gather: reduce in buckets, whose gradients in flight are smaller
+                    units = size_buckets([p for _module, unit in units for p in unit], bucket_cap_mb)
                 self.sharded.append(ShardedBuffers(units, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank, self.stage,
                                                    prefetch, reshard_after_forward, trace.bind(chunk=c)))
                 chunk_params = [p for p in chunk_params if id(p) in whole]
@@ -347,6 +349,17 @@ class GradientSync:
             sharded_values, sharded_grads = chunk.persistent_bytes()
             values, grads = values + sharded_values, grads + sharded_grads
         return values, grads
+
+
+def size_buckets(params: list[nn.Parameter], cap_mb: float) -> list[tuple[None, list[nn.Parameter]]]:
+    """Consecutive parameters in buckets of about `cap_mb` (a parameter larger than that alone), as units
+    without a module."""
+    cap, buckets = max(1, int(cap_mb * 2**20) // 4), [[]]
+    for p in params:
+        if buckets[-1] and sum(q.numel() for q in buckets[-1]) + p.numel() > cap:
+            buckets.append([])
+        buckets[-1].append(p)
+    return [(None, bucket) for bucket in buckets if bucket]
 
 
 @torch.no_grad()

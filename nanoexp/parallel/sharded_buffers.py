@@ -1,13 +1,17 @@
 """ZeRO-2 and ZeRO-3: one chunk's gradients (and, at stage 3, parameters) sharded over the dp x cp ranks.
 
-The unit of sharding is a module that runs as one block: the embedding, a decoder layer, the final norm, the LM
-head. Each unit's parameters sit in one flat float32 buffer padded to a multiple of the group size d; rank r
-owns the r-th 1/d of it, its *shard*, and updates only that (ZeroAdamW over `shard_pieces`).
+The unit of sharding is, at stage 3, a module that runs as one block: the embedding, a decoder layer, the final
+norm, the LM head; at stage 2, where nothing is gathered, a bucket of consecutive parameters of about
+`model.ddp_bucket_cap_mb` (GradientSync plans both). Each unit's parameters sit in one flat float32 buffer padded
+to a multiple of the group size d; rank r owns the r-th 1/d of it, its *shard*, and updates only that (ZeroAdamW
+over `shard_pieces`).
 
 Gradients (stages 2 and 3). Autograd puts a unit's gradients in fresh `.grad` tensors; once all of them are in
 (hooks count them, per micro-batch), they are copied into one flat tensor, reduce-scattered over the group and
 freed: the rank adds the sum of its shard into `shard_grads`, so no rank ever holds the whole model's gradients,
-during backward or between steps. With gradient accumulation this costs one reduce-scatter per micro-batch.
+during backward or between steps. One reduce-scatter is in flight at a time (the next unit's launch waits for
+it), so a rank holds at most two units' gradients. With gradient accumulation this costs one reduce-scatter per
+micro-batch.
 
 Parameters (stage 3). A unit's whole buffer is freed (its storage resized to 0; the parameters stay views of it)
 except while the unit is in use: a forward pre-hook all-gathers it from the shards, a hook on the unit's output
@@ -30,7 +34,7 @@ from nanoexp.parallel.trace import NO_TRACE
 
 
 class Unit:
-    """One module's sharded parameters. `full` is the padded flat buffer the parameters view; `shard` this
+    """One unit's sharded parameters. `full` is the padded flat buffer the parameters view; `shard` this
     rank's part of it (a view of `full` at stage 2, a tensor of its own at stage 3); `shard_grad` the summed
     gradient of the shard (a view of the chunk's `shard_grads`)."""
 
@@ -167,6 +171,9 @@ class ShardedBuffers:
             unit = self.units[self._next_launch]
             if not flush and unit.num_ready < len(unit.params):
                 return
+            self._after_backward_of(unit)   # its backward is done: its parameters can go before its gradients
+            while self.in_flight:   # one reduce-scatter in flight: its copies (gloo's too) live until it lands
+                self._land(*self.in_flight.pop())
             flat = torch.zeros(unit.padded, dtype=torch.float32, device=self.shard_grads.device)
             for p in unit.params:
                 if p.grad is not None:
@@ -176,8 +183,13 @@ class ShardedBuffers:
             work = reduce_scatter_into(summed, flat, self.group, async_op=True)
             self.trace.mark("reduce_scatter_launch", unit=unit.index)
             self.in_flight.append((unit, work, summed, flat))
-            self._after_backward_of(unit)
             self._next_launch -= 1
+
+    def _land(self, unit: Unit, work, summed: torch.Tensor, flat: torch.Tensor) -> None:
+        """Wait for a unit's reduce-scatter and add its sum into the unit's gradient shard."""
+        with self.trace.span("reduce_scatter_wait", unit=unit.index):
+            work.wait()
+        unit.shard_grad.add_(summed)
 
     def _after_backward_of(self, unit: Unit) -> None:
         if self.stage == 3:
@@ -190,11 +202,9 @@ class ShardedBuffers:
         """Call right after each backward through this chunk: the rest of the units go, and every
         reduce-scatter of the micro-batch is added into `shard_grads`."""
         self._launch_ready(flush=True)
-        for unit, work, summed, _flat in self.in_flight:
-            with self.trace.span("reduce_scatter_wait", unit=unit.index):
-                work.wait()
-            unit.shard_grad.add_(summed)
-        self.in_flight, self.armed, self.in_backward = [], False, False
+        while self.in_flight:
+            self._land(*self.in_flight.pop())
+        self.armed, self.in_backward = False, False
 
     @torch.no_grad()
     def finish(self) -> None:
