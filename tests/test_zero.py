@@ -231,3 +231,25 @@ def test_a_gradient_that_never_comes_counts_as_zeros(stage, skip_b_on_rank1):
             torch.testing.assert_close(torch.as_tensor(grad), torch.as_tensor(expected)[start:end], atol=1e-6, rtol=0)
             covered[name] = covered.get(name, 0) + end - start
     assert covered == {n: p.numel() for n, p in TwoLayers().named_parameters()}
+
+
+def _prefetched(rank, world_size):
+    """Stage 3 over three modules, the middle one with no parameter of its own: which units are whole or on
+    their way as each module starts."""
+    ctx = ParallelContext(Layout(dp=world_size))
+    torch.manual_seed(0)
+    a, middle, b = torch.nn.Linear(4, 4), torch.nn.Identity(), torch.nn.Linear(4, 4)
+    sync = GradientSync([[(a, list(a.parameters())), (middle, []), (b, list(b.parameters()))]], ctx, stage=3)
+    units, seen = sync.sharded[0].units, []
+    for module in (a, b):   # registered after the sync's own hooks, so they see what it posted
+        module.register_forward_pre_hook(
+            lambda *_: seen.append([u.gathered or u.gather_work is not None for u in units]))
+    with torch.no_grad():   # a forward is all it takes (as in evaluation)
+        b(middle(a(torch.randn(2, 4))))
+    return [u.index for u in units], seen
+
+
+def test_zero3_prefetches_the_next_unit_that_has_parameters():
+    for indices, seen in run_distributed(_prefetched, 2):
+        assert indices == [0, 1]
+        assert seen == [[True, True], [False, True]]   # a's forward posts b's gather; a is freed after it

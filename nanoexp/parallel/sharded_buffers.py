@@ -73,8 +73,9 @@ class ShardedBuffers:
         assert stage in (2, 3) and group_size > 1
         self.group, self.group_size, self.group_rank, self.stage = group, group_size, group_rank, stage
         self.prefetch, self.reshard_after_forward, self.trace = prefetch, reshard_after_forward, trace
-        self.units = [Unit(i, module, [p for p in params if p.requires_grad], group_size)
-                      for i, (module, params) in enumerate(units) if params]
+        units = [(module, [p for p in params if p.requires_grad]) for module, params in units]
+        self.units = [Unit(i, module, params, group_size) for i, (module, params) in enumerate(
+            (module, params) for module, params in units if params)]   # index: the position in self.units
         self.unit_of = {id(p): unit for unit in self.units for p in unit.params}
         self.params = [p for unit in self.units for p in unit.params]
         device = self.params[0].device if self.params else torch.device("cpu")
