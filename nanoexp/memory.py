@@ -22,14 +22,12 @@ its pp stage's modules; d = dp x cp, the ranks ZeRO shards over; `units` lists t
                interleaved its own count), plus one layer recomputed during backward with
                recomputation, plus the head's logits on the last stage, plus under cp one ring-attention
                tile's scores (`ring_workspace`).
-  in flight    ZeRO-2/3 only, held beside the activations during forward and backward: the whole gradients of
-               two units (the one whose backward is producing them, and the flat copy of the one before being
-               reduce-scattered; at ZeRO-2 a unit is a bucket of model.ddp_bucket_cap_mb); ZeRO-3 also the whole parameters of the unit computing and the
-               `zero3_prefetch` units gathered ahead (with zero3_reshard_after_forward=false every unit of the
-               stage: each stays whole from its forward to its backward, and under pp, with micro-batches in
-               flight, through the whole step); on CPU (gloo) a copy of one unit's gradients
-               (gloo's reduce-scatter reduces in a copy of its input) and, ZeRO-3, of one gathered unit (its
-               all-gather fills a copy of its output).
+  in flight    ZeRO-2/3 only, held beside the activations during forward and backward (units_in_flight):
+               ZeRO-2 the gradients of two buckets of model.ddp_bucket_cap_mb (the one filling, the one being
+               reduce-scattered); ZeRO-3 one unit's gradients and the whole parameters of the unit computing
+               and the `zero3_prefetch` units gathered ahead (with zero3_reshard_after_forward=false every unit
+               of the stage: each stays whole from its forward to its backward, and under pp, with micro-batches
+               in flight, through the whole step); on CPU (gloo) the reduce-scatter's copy of one unit.
   communication  on CPU (gloo) with ZeRO-1, 4N: gloo's reduce-scatter reduces each gradient
                bucket in a copy, and the last backward's buckets are in flight together as it ends (measured
                2026-12-01: 80 MB for 76 MB of gradients at dp 2 and 4); with ZeRO-2 one unit, the all-gather of

@@ -11,8 +11,8 @@ in a temporary directory); per rank it prints the measured peak above the rank's
 (nanoexp/memory.py, the same as scripts/estimate_memory.py), the model state the estimate counts
 (parameters + gradients + AdamW moments), the analytic model state of the ZeRO stage (N parameters held,
 d = dp x cp: 16N without ZeRO, 8N + 8N/d with ZeRO-1, 4N + 12N/d with ZeRO-2, 16N/d with ZeRO-3 plus its
-gathered units, the layer computing and zero3_prefetch layers ahead) and the estimated activations and ZeRO-2/3 units in flight. A case is
-`layout[:override,override...]`. Every case runs with `logging.exact_cpu_memory=true` (glibc returns
+gathered units, the layer computing and zero3_prefetch layers ahead) and the estimated activations and
+ZeRO-2/3 units in flight. A case is `layout[:override,override...]`. Every case runs with `logging.exact_cpu_memory=true` (glibc returns
 freed memory, so the peak tracks the live tensors, which is what the estimate counts); add
 `logging.exact_cpu_memory=false` to a case to see the default allocator's peak.
 

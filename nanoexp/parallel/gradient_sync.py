@@ -7,13 +7,15 @@ another (`ChunkBuffers`): `param.data` and `param.grad` are views of them, so no
 autograd accumulates micro-batches straight into the buffer. Why flat: gloo silently reduces the wrong
 elements of a non-contiguous view, and one collective per bucket is much cheaper than one per parameter.
 
-Overlap. The pipeline engine calls `start(chunk)` right before a chunk's last backward of the step; from then
-on each bucket (a contiguous range of the buffers) starts its dp x cp reduction once every gradient in it is
-final, so most of the communication hides behind the rest of backward:
+Overlap. The pipeline engine calls `before_backward(chunk, last=True)` right before a chunk's last backward of
+the step; from then on each bucket (a contiguous range of the buffers) starts its dp x cp reduction once every
+gradient in it is final, so most of the communication hides behind the rest of backward:
 * without ZeRO: an all-reduce; every rank ends with the whole averaged gradient;
 * ZeRO-1 (`shard=True`): a reduce-scatter; rank r ends with the averaged gradient of its 1/(dp·cp) of every
   bucket (`shard_pieces`), which is all it updates; after the update `gather_parameters` all-gathers the
   parameters. Buckets are padded to a multiple of dp·cp; the two move the bytes of one all-reduce.
+ZeRO-2 and 3 keep no gradient buffer: their parameters live in `ShardedBuffers` (sharded_buffers.py), reduced in
+every micro-batch's backward; only the parameters held twice (below) stay here, whole, as without ZeRO.
 
 Parameters held twice in a replica need a second sum:
 * sequence-parallel norm weights (each tp rank saw part of the sequence) are summed over tp first, then averaged
@@ -246,10 +248,11 @@ class GradientSync:
         clip by sync.norm_inputs(); optimizer.step(); sync.zero_grad()
 
     `chunks[c]` are the units of chunk c of the model, (module, its parameters) in forward order (a plain list
-    of parameters is one unit without a module: enough below stage 3). Stages 0 and 1 bucket each chunk's parameters (ChunkBuffers); stages 2 and 3
-    shard them unit by unit (sharded_buffers.py), except the parameters held twice in a replica (sequence-
-    parallel norms, tied embeddings), which stay whole and are averaged as at stage 0. With dp x cp = 1
-    there is nothing to shard: stages 2 and 3 run as stage 1.
+    of parameters is one unit without a module: enough below stage 3). Stages 0 and 1 bucket each chunk's
+    parameters (ChunkBuffers); stages 2 and 3 shard them (sharded_buffers.py: stage 3 by module, stage 2 in
+    buckets), except the parameters held twice in a replica (sequence-parallel norms, tied embeddings), which
+    stay whole and are averaged as at stage 0. With dp x cp = 1 there is nothing to shard: stages 2 and 3 run
+    as stage 1.
     """
 
     def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], ctx, stage: int = 0,
