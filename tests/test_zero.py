@@ -184,28 +184,44 @@ def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path):
 
 
 # -- a gradient that never comes --------------------------------------------------------------------
-class TwoLayers(torch.nn.Module):
+class Sometimes(torch.nn.Linear):
+    """A linear layer with a parameter it never uses and a scale it uses only when told to."""
+
+    def __init__(self):
+        super().__init__(4, 3)
+        self.unused, self.scale = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.full((3,), 2.0))
+        self.use_scale = True
+
+    def forward(self, x):
+        return super().forward(x) * (self.scale if self.use_scale else 1.0)
+
+
+class ThreeLayers(torch.nn.Module):
+    """Three units, the last with a parameter it never uses and one a rank's data may leave unused; with
+    prefetch 1 stage 3 gathers the earlier units while the later ones are reduced."""
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
-        self.b.unused = torch.nn.Parameter(torch.ones(5))   # in b's unit, never in its forward
+        self.z, self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), Sometimes()
 
     def forward(self, x, use_b: bool):
-        return self.b(self.a(x)) if use_b else self.a(x)
+        x = self.a(self.z(x))
+        return self.b(x) if use_b else x
 
 
-def _missing_gradients(rank, world_size, stage, skip_b_on_rank1):
+def _missing_gradients(rank, world_size, stage, skip_b_on_rank1, skip_scale_on_rank1):
     """Each rank's averaged gradient shard, and the average of the ranks' plain autograd gradients."""
     ctx = ParallelContext(Layout(dp=world_size))
-    model, reference = TwoLayers(), TwoLayers()
-    sync = GradientSync([[(model.a, list(model.a.parameters())), (model.b, list(model.b.parameters()))]], ctx,
+    model, reference = ThreeLayers(), ThreeLayers()
+    sync = GradientSync([[(module, list(module.parameters())) for module in (model.z, model.a, model.b)]], ctx,
                         stage=stage)
     names = {id(p): n for n, p in model.named_parameters()}
     expected = {}
     for r in range(world_size):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
         use_b = not (skip_b_on_rank1 and r == 1)
+        model.b.use_scale = reference.b.use_scale = not (skip_scale_on_rank1 and r == 1)
         if r == rank:
             sync.before_backward(0, last=True)
             model(x, use_b).sum().backward()
@@ -220,17 +236,19 @@ def _missing_gradients(rank, world_size, stage, skip_b_on_rank1):
             for piece in sync.shard_pieces()]
 
 
-@pytest.mark.parametrize("stage, skip_b_on_rank1", [(2, False), (2, True), (3, False)])
-def test_a_gradient_that_never_comes_counts_as_zeros(stage, skip_b_on_rank1):
-    """A parameter its module never uses, and (stage 2) a module one rank skips: no rank waits for the missing
-    gradients, every rank issues the same collectives, and the average counts them as zeros. (Stage 3 needs
-    every rank to run the same modules: a gather is a collective.)"""
+@pytest.mark.parametrize("stage, skip_b_on_rank1, skip_scale_on_rank1",
+                         [(2, False, False), (2, True, False), (2, False, True), (3, False, False), (3, False, True)])
+def test_a_gradient_that_never_comes_counts_as_zeros(stage, skip_b_on_rank1, skip_scale_on_rank1):
+    """A parameter its module never uses, one that a rank's data leave unused, and (stage 2) a module one rank
+    skips: no rank waits for the missing gradients, every rank issues the same collectives in the same order
+    (stage 3: its gathers too), and the average counts them as zeros. (Stage 3 needs every rank to run the same
+    modules: a gather is a collective.)"""
     covered = {}
-    for pieces in run_distributed(_missing_gradients, 2, stage, skip_b_on_rank1):
+    for pieces in run_distributed(_missing_gradients, 2, stage, skip_b_on_rank1, skip_scale_on_rank1):
         for name, start, end, grad, expected in pieces:
             torch.testing.assert_close(torch.as_tensor(grad), torch.as_tensor(expected)[start:end], atol=1e-6, rtol=0)
             covered[name] = covered.get(name, 0) + end - start
-    assert covered == {n: p.numel() for n, p in TwoLayers().named_parameters()}
+    assert covered == {n: p.numel() for n, p in ThreeLayers().named_parameters()}
 
 
 def _prefetched(rank, world_size):

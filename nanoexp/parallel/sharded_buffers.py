@@ -21,8 +21,10 @@ whole stage between a micro-batch's forward and backward). The `prefetch` units 
 are gathered asynchronously while it computes. Stage 2 keeps the whole buffer and all-gathers the updated shards
 after the step, as ZeRO-1 does.
 
-Every collective is posted in the same order on every rank of the group (units launch their reduce-scatters in
-backward order, gathers follow the modules' order), as NCCL requires.
+Every collective is posted in the same order on every rank of the group, as NCCL requires: stage 2 launches its
+reduce-scatters in backward order as their gradients complete (a unit waits for the ones before it); stage 3
+ties both its gathers and its reduce-scatters to the modules' order (a unit is reduced when the module before it
+begins its backward), never to when a gradient arrives, which may differ between ranks.
 """
 from __future__ import annotations
 
@@ -147,9 +149,17 @@ class ShardedBuffers:
             return
         if isinstance(out, torch.Tensor) and out.requires_grad:
             unit.pending_backwards += 1
-            out.register_hook(lambda grad, unit=unit: self._use(unit, -1))   # runs before the unit's backward
+            out.register_hook(lambda grad, unit=unit: self._before_backward_of(unit))
         if self.reshard_after_forward or unit.pending_backwards == 0:
             self._free(unit)
+
+    def _before_backward_of(self, unit: Unit) -> None:
+        """Stage 3, as `unit`'s backward starts (its output's gradient is complete, so the units after it are
+        done): reduce-scatter those, then make `unit` whole and prefetch. Tied to the modules' order, not to
+        when gradients arrive, so that the gathers and reduce-scatters are issued in the same order on every
+        rank even when a rank's gradients come in another order or not at all."""
+        self._launch_ready(flush=True, stop=unit.index + 1)
+        self._use(unit, -1)
 
     # -- gradients: reduce-scattered unit by unit, every micro-batch --------------------------------
     def before_backward(self) -> None:
@@ -159,16 +169,21 @@ class ShardedBuffers:
         self._next_launch, self.armed, self.in_backward = len(self.units) - 1, True, True
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[id(p)]
         if not self.armed:
             raise RuntimeError("a sharded parameter got a gradient outside the pipeline's backward")
-        self.unit_of[id(p)].num_ready += 1
-        self._launch_ready(flush=False)
+        if unit.index > self._next_launch:   # stage 3 reduced it when the module before it began its backward
+            raise RuntimeError(f"a gradient of unit {unit.index} came after its reduce-scatter: a parameter used "
+                               "outside its module cannot be sharded by ZeRO-3")
+        unit.num_ready += 1
+        if self.stage == 2:   # stage 3 launches by module order (_before_backward_of)
+            self._launch_ready(flush=False)
 
     @torch.no_grad()
-    def _launch_ready(self, flush: bool) -> None:
-        """Reduce-scatter complete units in backward order (all remaining ones with `flush`: a gradient that
-        never came counts as zeros)."""
-        while self._next_launch >= 0:
+    def _launch_ready(self, flush: bool, stop: int = 0) -> None:
+        """Reduce-scatter complete units in backward order, down to unit `stop` (all of them with `flush`: a
+        gradient that never came counts as zeros)."""
+        while self._next_launch >= stop:
             unit = self.units[self._next_launch]
             if not flush and unit.num_ready < len(unit.params):
                 return
