@@ -65,6 +65,18 @@ class MupConfig:
 
 
 @dataclass
+class MoeConfig:
+    num_experts: int = 0              # 0: every layer dense; > 0: mixture of experts (nanoexp/model/moe.py)
+    top_k: int = 2                    # routed experts per token
+    moe_intermediate_size: Optional[int] = None   # each expert's SwiGLU width (null: model_config.intermediate_size)
+    num_shared_experts: int = 0       # experts every token goes through (one MLP this many experts wide)
+    layer_frequency: int = 1          # every k-th layer is MoE (layers k-1, 2k-1, ...), the others dense
+    router: str = "softmax_topk"      # softmax_topk | softmax_topk_normalized (the top-k weights sum to 1)
+    aux_loss_coef: float = 0.01       # Switch/GShard load-balancing loss, per MoE layer
+    z_loss_coef: float = 0.0          # router z-loss (ST-MoE), per MoE layer
+
+
+@dataclass
 class ModelConfig:
     dtype: str = "float32"   # float32 | bfloat16 (bf16 autocast, float32 master weights and grads)
     init_method: InitMethod = field(default_factory=InitMethod)
@@ -75,6 +87,7 @@ class ModelConfig:
     ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)
     attention_mask: str = "causal"   # causal | document (packed documents attend within themselves, positions restart)
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
 
 @dataclass

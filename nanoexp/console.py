@@ -12,6 +12,7 @@ import sys
 import time
 from collections import deque
 
+from nanoexp.model.llama import count_active_parameters
 from nanoexp.model.mup import describe, parametrization_of
 
 
@@ -77,9 +78,15 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     (`data`: describe_data's words) and the peak MFU is measured against."""
     p, t = cfg.parallelism, cfg.tokens
     global_batch = layout.dp * t.micro_batch_size * accumulation
-    lines = [f"model: {num_parameters:,} parameters (hidden {shape.hidden_size}, {shape.num_hidden_layers} layers, "
-             f"{shape.num_attention_heads} heads / {shape.num_key_value_heads} KV heads, vocabulary "
-             f"{shape.vocab_size}), {cfg.model.dtype}"]
+    active = count_active_parameters(shape)
+    lines = [f"model: {num_parameters:,} parameters{f', {active:,} active per token' if shape.moe else ''} (hidden "
+             f"{shape.hidden_size}, {shape.num_hidden_layers} layers, {shape.num_attention_heads} heads / "
+             f"{shape.num_key_value_heads} KV heads, vocabulary {shape.vocab_size}), {cfg.model.dtype}"]
+    if shape.moe:
+        moe = shape.moe
+        lines.append(f"mixture of experts: 1 layer in {moe.layer_frequency}, {moe.num_experts} experts of width "
+                     f"{moe.intermediate_size}, top-{moe.top_k}{' normalized' if moe.normalize_top_k else ''}, "
+                     f"{moe.num_shared_experts} shared, losses aux x {moe.aux_loss_coef:g}, z x {moe.z_loss_coef:g}")
     if cfg.model.parametrization == "mup":
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
     if cfg.model.init_method.path:

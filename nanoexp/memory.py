@@ -67,6 +67,7 @@ import torch
 
 from nanoexp.config import batch_accumulation
 from nanoexp.model.llama import LlamaShape
+from nanoexp.model.moe import moe_layer_shapes
 from nanoexp.parallel import attention_blocks
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import schedule
@@ -214,10 +215,15 @@ def units(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[Unit]:
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
     tied, sp = shape.tie_word_embeddings, layout.sequence_parallel
     embedding = shape.vocab_size * h // layout.tp
-    matrices, norms = (2 * h * h + 2 * h * kv + 3 * h * i) // layout.tp, 2 * h
-    layers = sum(len(chunk) for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank))
+    attention, norms = (2 * h * h + 2 * h * kv) // layout.tp, 2 * h
     held = [Unit(0, embedding) if tied else Unit(embedding, 0)] if pp_rank == 0 else []
-    held += [Unit(matrices, norms) if sp else Unit(matrices + norms, 0)] * layers
+    for n in (n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk):
+        if shape.is_moe_layer(n):   # experts whole on every tp rank; under SP kept whole, as the norms (moe.py)
+            experts = sum(math.prod(s) for s in moe_layer_shapes(h, shape.moe, "").values())
+            held.append(Unit(attention, norms + experts) if sp else Unit(attention + experts + norms, 0))
+        else:
+            matrices = attention + 3 * h * i // layout.tp
+            held.append(Unit(matrices, norms) if sp else Unit(matrices + norms, 0))
     head = layout.lm_head_weight(pp_rank, tied)
     if head is not None:
         held.append(Unit(0, h) if sp else Unit(h, 0))   # the final norm

@@ -17,26 +17,41 @@ def flops_per_token(shape: LlamaShape, seq_len: int) -> float:
     et al. 2022, appendix B): 6 * (matmul parameters) + 12 * layers * hidden * seq for attention
     scores and values. The attention term counts the full s x s matrix (not the causal half),
     and the embedding lookup is not a matmul so its parameters are left out; the LM head is
-    counted. Recomputed work is not model work: `mfu` and `model_tflops_per_sec` use this."""
+    counted. Of a mixture of experts only what a token goes through counts (6 * N_active). Recomputed
+    work is not model work: `mfu` and `model_tflops_per_sec` use this."""
     h, L = shape.hidden_size, shape.num_hidden_layers
-    return 6.0 * (L * layer_matmul_params(shape) + shape.vocab_size * h) + 12.0 * L * h * seq_len
+    matmuls = sum(layer_matmul_params(shape, n) for n in range(L))
+    return 6.0 * (matmuls + shape.vocab_size * h) + 12.0 * L * h * seq_len
 
 
-def layer_matmul_params(shape: LlamaShape) -> int:
-    """Weights of one decoder block that enter matmuls: q, o, k, v, gate, up, down (not the norms)."""
-    return sum(math.prod(s) for s in layer_shapes(shape, 0).values() if len(s) == 2)
+def layer_matmul_params(shape: LlamaShape, n: int = 0) -> int:
+    """Weights of decoder block n that a token's matmuls go through: q, o, k, v, gate, up, down (not the norms);
+    in a MoE block the router, its top_k routed experts and the shared ones."""
+    total = sum(math.prod(s) for s in layer_shapes(shape, n).values() if len(s) == 2)
+    if shape.is_moe_layer(n):
+        total -= (shape.moe.num_experts - shape.moe.top_k) * 3 * shape.hidden_size * shape.moe.intermediate_size
+    return total
+
+
+def down_projection_params(shape: LlamaShape, n: int) -> int:
+    """The down projections a token goes through in block n (one, or top_k routed and the shared ones)."""
+    moe = shape.moe
+    if not shape.is_moe_layer(n):
+        return shape.hidden_size * shape.intermediate_size
+    return shape.hidden_size * moe.intermediate_size * (moe.top_k + moe.num_shared_experts)
 
 
 def hardware_flops_per_token(shape: LlamaShape, seq_len: int, recompute_layer: bool) -> float:
     """FLOPs the hardware executes per training token: the model FLOPs plus, with activation
     recomputation, the forward of every decoder block rerun during backward (per layer
-    2 * block matmul parameters + 4 * hidden * seq for attention) minus its down projection:
+    2 * block matmul parameters + 4 * hidden * seq for attention) minus its down projections:
     torch's non-reentrant checkpoint stops recomputing once every saved tensor is back, and
-    nothing saves down_proj's output. Behind `hardware_tflops_per_sec`."""
+    nothing saves a down projection's output. Behind `hardware_tflops_per_sec`."""
     extra = 0.0
     if recompute_layer:
-        rerun = layer_matmul_params(shape) - shape.hidden_size * shape.intermediate_size
-        extra = shape.num_hidden_layers * (2.0 * rerun + 4.0 * shape.hidden_size * seq_len)
+        for n in range(shape.num_hidden_layers):
+            rerun = layer_matmul_params(shape, n) - down_projection_params(shape, n)
+            extra += 2.0 * rerun + 4.0 * shape.hidden_size * seq_len
     return flops_per_token(shape, seq_len) + extra
 
 

@@ -101,6 +101,9 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model, self.grad_sync)
         self.checkpoints.restore(self.model, self.optimizer)
         self.engine = PipelineEngine(ctx, ctx.layout.engine, ctx.layout.virtual_stages, self.trace)
+        if self.model.moe_losses:   # its losses weigh 1/micro-batches, x cp against the dp x cp average (moe.py)
+            self.model.moe_losses.scale = ctx.cp / self.accumulation
+        self.moe_metrics = {}
 
     # -- one optimizer step -------------------------------------------------------------
     def forward_step(self, micro_batch, hidden_states, chunk=0, loss_denominator=None):
@@ -113,7 +116,8 @@ class Trainer:
                      if key in micro_batch}
         # The run's first forward also measures what autograd keeps of one micro-batch for backward.
         measure = saved_activation_bytes(self.params) if self.saved_bytes is None else contextlib.nullcontext()
-        with self.autocast, measure as saved:
+        moe = self.model.moe_losses.training_forward() if self.model.moe_losses else contextlib.nullcontext()
+        with self.autocast, measure as saved, moe:
             out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
                              hidden_states=hidden_states,
                              labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk, **documents)
@@ -174,6 +178,8 @@ class Trainer:
     def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
         set_lr(self.optimizer, lr)
         loss = self.compute_gradients(micro_batches)
+        if self.model.moe_losses:
+            self.moe_metrics = self.model.moe_losses.step_metrics(self.ctx.dp * self.accumulation)
         grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
                                    self.ctx.device)
         # Loss and norm are identical on every rank, so every rank takes the same branch.
@@ -252,7 +258,7 @@ class Trainer:
         self.step_times.append(step_time)
         self.last_record = self.step_record(step, loss, lr, grad_norm, step_time, self.batches.last_wait_sec)
         stage = {"stage": self.batches.stage.name} if self.batches.named else {}
-        self.last_record.update(stage)
+        self.last_record.update(**stage, **self.moe_metrics)
         if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
         interval = cfg.tokens.val_check_interval

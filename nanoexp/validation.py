@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, stage_data
+from nanoexp.model.moe import ROUTERS
 from nanoexp.parallel.layout import CP_ATTENTION, PIPELINE_ENGINES, TP_MODES, Layout
 
 Rule = tuple[bool, str]   # (condition, the message shown when it does not hold)
@@ -64,7 +65,31 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
          f"{MODEL_CONFIG}vocab_size>={tokenizer_vocab_size}"),
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
         one_of(cfg, "model.attention_mask", ("causal", "document")),
-    ] + parametrization_rules(cfg)
+    ] + parametrization_rules(cfg) + moe_rules(cfg)
+
+
+def moe_rules(cfg: Any) -> list[Rule]:
+    """model.moe: a mixture of experts (num_experts > 0) needs a routing that fits it; µP and Hugging Face
+    weights are not built for it yet."""
+    moe, model = cfg.model.moe, cfg.model
+    rules = [must(cfg, "model.moe.num_experts", lambda experts: experts >= 0, ">= 0 (0: a dense model)")]
+    if moe.num_experts == 0:
+        return rules
+    return rules + [
+        must(cfg, "model.moe.top_k", lambda k: 1 <= k <= moe.num_experts,
+             f"between 1 and model.moe.num_experts={moe.num_experts}"),
+        must(cfg, "model.moe.moe_intermediate_size", lambda width: width is None or width > 0, "positive or null"),
+        must(cfg, "model.moe.num_shared_experts", lambda shared: shared >= 0, ">= 0"),
+        must(cfg, "model.moe.layer_frequency", lambda k: 1 <= k <= model.model_config.num_hidden_layers,
+             f"between 1 and {MODEL_CONFIG}num_hidden_layers={model.model_config.num_hidden_layers}"),
+        one_of(cfg, "model.moe.router", ROUTERS),
+        must(cfg, "model.moe.aux_loss_coef", lambda coef: coef >= 0, ">= 0"),
+        must(cfg, "model.moe.z_loss_coef", lambda coef: coef >= 0, ">= 0"),
+        (model.parametrization == "standard", "model.parametrization=mup with model.moe.num_experts > 0: µP for "
+         "mixtures of experts is not built yet; use model.parametrization=standard"),
+        (not model.init_method.path, f"model.init_method.path={model.init_method.path}: Hugging Face weights load "
+         "into dense models only (not yet into model.moe.num_experts > 0)"),
+    ]
 
 
 def parametrization_rules(cfg: Any) -> list[Rule]:

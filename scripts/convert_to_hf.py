@@ -25,6 +25,9 @@ def convert_to_hf(checkpoint: str, out: str) -> None:
     reader = CheckpointReader(checkpoint)
     cfg = OmegaConf.create(reader.meta["config"])
     shape = model_shape(cfg)
+    if shape.moe is not None:
+        raise ValueError(f"{checkpoint} holds a mixture of experts (model.moe): Hugging Face export is built for "
+                         "dense Llama models only so far")
     check_compatible(reader, shape)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     os.makedirs(out, exist_ok=True)

@@ -12,8 +12,21 @@ from nanoexp.config import num_kv_heads, padded_vocab_size
 from nanoexp.hf import load_hf_weights
 from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
+from nanoexp.model.moe import MoeShape
 from nanoexp.model.mup import parametrization_of
 from nanoexp.parallel.context import ParallelContext
+
+
+def moe_shape(cfg) -> MoeShape | None:
+    """model.moe for the layers (None for a dense model)."""
+    moe = cfg.model.moe
+    if moe.num_experts == 0:
+        return None
+    return MoeShape(num_experts=moe.num_experts, top_k=moe.top_k,
+                    intermediate_size=moe.moe_intermediate_size or cfg.model.model_config.intermediate_size,
+                    num_shared_experts=moe.num_shared_experts, layer_frequency=moe.layer_frequency,
+                    normalize_top_k=moe.router == "softmax_topk_normalized", aux_loss_coef=moe.aux_loss_coef,
+                    z_loss_coef=moe.z_loss_coef)
 
 
 def model_shape(cfg) -> LlamaShape:
@@ -24,7 +37,7 @@ def model_shape(cfg) -> LlamaShape:
                       max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
                       rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings,
                       attention_scale=mup.attention_scale(m.hidden_size // m.num_attention_heads),
-                      logit_multiplier=mup.logit_multiplier)
+                      logit_multiplier=mup.logit_multiplier, moe=moe_shape(cfg))
 
 
 def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanoexp.model.moe import MoE, MoeLosses, MoeShape, moe_layer_shapes
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, place
 from nanoexp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -50,6 +51,10 @@ class LlamaShape:
     tie_word_embeddings: bool = False
     attention_scale: float | None = None   # the factor on q·k (None: 1/sqrt(head_dim))
     logit_multiplier: float = 1.0
+    moe: MoeShape | None = None   # model.moe (None: every layer dense)
+
+    def is_moe_layer(self, n: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(n)
 
     @property
     def head_dim(self) -> int:
@@ -60,10 +65,13 @@ def layer_shapes(shape: LlamaShape, n: int) -> dict[str, tuple[int, ...]]:
     """The full shape of every parameter of decoder layer n, by Hugging Face name."""
     h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q, kv, p = shape.num_attention_heads * d, shape.num_key_value_heads * d, f"model.layers.{n}."
-    return {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+    shapes = {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+              p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+              p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)}
+    if shape.is_moe_layer(n):
+        return {**shapes, **moe_layer_shapes(h, shape.moe, p + "mlp.")}
+    return {**shapes, p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i)}
 
 
 def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
@@ -81,6 +89,16 @@ def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
 def count_parameters(shape: LlamaShape) -> int:
     """Parameters of the whole model (all stages, unsharded), counting a tied embedding once."""
     return sum(math.prod(s) for s in parameter_shapes(shape).values())
+
+
+def count_active_parameters(shape: LlamaShape) -> int:
+    """Parameters a token goes through: all but the routed experts it is not sent to (top_k of E)."""
+    moe = shape.moe
+    if moe is None:
+        return count_parameters(shape)
+    moe_layers = sum(shape.is_moe_layer(n) for n in range(shape.num_hidden_layers))
+    idle = (moe.num_experts - moe.top_k) * 3 * shape.hidden_size * moe.intermediate_size
+    return count_parameters(shape) - moe_layers * idle
 
 
 class RMSNorm(nn.Module):
@@ -188,12 +206,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, n: int = 0, moe_losses: MoeLosses | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape, ctx)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape, ctx)
+        self.mlp = (MoE(shape.hidden_size, shape.moe, moe_losses, n, ctx.layout.sequence_parallel)
+                    if shape.is_moe_layer(n) else MLP(shape, ctx))
 
     def forward(self, x, cos, sin, documents=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
@@ -203,12 +222,12 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     """HF's `model.*`: embedding (first stage), this stage's layers, final norm (last stage)."""
 
-    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: list[int]):
+    def __init__(self, shape: LlamaShape, ctx: ParallelContext, layer_ids: list[int], moe_losses=None):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, ctx,
                                                     sequence_parallel=ctx.layout.sequence_parallel)
                              if ctx.is_first_stage else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(shape, ctx, i, moe_losses) for i in layer_ids})
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if ctx.is_last_stage else None
 
 
@@ -226,7 +245,9 @@ class LlamaForCausalLM(nn.Module):
         self.shape, self.ctx = shape, ctx
         self.sequence_parallel, self.recompute_layer = ctx.layout.sequence_parallel, recompute_layer
         self.chunks = [range(shape.num_hidden_layers)] if layer_ids is None else list(layer_ids)
-        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk])
+        self.moe_losses = (MoeLosses(ctx, shape.moe, [n for n in range(shape.num_hidden_layers)
+                                                      if shape.is_moe_layer(n)]) if shape.moe else None)
+        self.model = LlamaBody(shape, ctx, [i for chunk in self.chunks for i in chunk], self.moe_losses)
         self.lm_head = None
         if ctx.is_last_stage:
             self.lm_head = ColumnParallelLinear(shape.hidden_size, shape.vocab_size, ctx,

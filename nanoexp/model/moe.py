@@ -1,0 +1,192 @@
+"""Mixture of experts: a router sends each token to its top-k of E SwiGLU experts, dropless (every token reaches
+its experts), beside shared experts that every token goes through; the Switch/GShard load-balancing loss and
+the router z-loss keep the routing healthy.
+
+Layout. Experts are whole on every rank (not split by tp; expert parallelism is not built yet). Under tp's
+all_reduce mode every tp rank routes all the micro-batch's tokens and computes the same output; under sequence
+parallelism and context parallelism a rank routes only the tokens it holds, and the router's counts (tokens per
+expert) are summed over the ranks that split the micro-batch (tp under SP, cp), so every loss below is that of
+the whole micro-batch on every layout. Under SP the MoE weights see part of the sequence: their gradients are
+summed over tp, as the norms' are (placement `sequence_parallel`).
+
+Losses. For a micro-batch of T tokens each MoE layer adds
+    aux = E · Σ_e f_e · P_e     f_e: the share of the T·k assignments that went to expert e; P_e: the mean router
+                                probability of expert e over the T tokens (Switch Transformer, Fedus et al. 2021)
+    z   = mean over tokens of logsumexp(router logits)²          (ST-MoE, Zoph et al. 2022)
+weighted by model.moe.aux_loss_coef and z_loss_coef, summed over the MoE layers and averaged over the global
+batch's micro-batches. A rank holding part of the tokens computes its part (its tokens' P_e and z over T, f_e
+from the summed counts); the parts add up over those ranks. The losses enter backward on whichever pipeline
+stage the layer runs: `_AddLossGradient` passes the layer's output through and, in backward, gives the layer's
+losses the gradient of their weight in the step loss (as Megatron-LM does).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanoexp.parallel.placement import place
+
+ROUTERS = ("softmax_topk", "softmax_topk_normalized")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """model.moe, for the layers: E experts of width `intermediate_size`, top_k of them per token."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int = 0
+    layer_frequency: int = 1
+    normalize_top_k: bool = False
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def is_moe_layer(self, n: int) -> bool:
+        """Every layer_frequency-th layer is MoE (the last of each group of layer_frequency)."""
+        return (n + 1) % self.layer_frequency == 0
+
+
+def moe_layer_shapes(hidden: int, moe: MoeShape, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The full shape of every parameter of one MoE block (`prefix`: "model.layers.<n>.mlp.")."""
+    h, i = hidden, moe.intermediate_size
+    shapes = {prefix + "router.weight": (moe.num_experts, h)}
+    experts = [f"experts.{e}." for e in range(moe.num_experts)]
+    experts += ["shared_experts."] if moe.num_shared_experts else []
+    for expert in experts:
+        width = i * (moe.num_shared_experts if expert == "shared_experts." else 1)
+        shapes.update({prefix + expert + "gate_proj.weight": (width, h), prefix + expert + "up_proj.weight": (width, h),
+                       prefix + expert + "down_proj.weight": (h, width)})
+    return shapes
+
+
+class Expert(nn.Module):
+    """A SwiGLU MLP, whole on this rank."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoeLosses:
+    """What the model's MoE layers share: the weight of their losses in the step loss (`scale`, set by the
+    trainer: cp / micro-batches per replica, so that the dp x cp gradient average gives the mean over the global
+    batch's micro-batches), whether forwards are recorded (the trainer's training forwards; not a forward
+    recomputed inside backward), and the step's records for the metrics."""
+
+    def __init__(self, ctx, moe: MoeShape, moe_layers: list[int]):
+        self.ctx, self.moe, self.moe_layers = ctx, moe, moe_layers   # the model's MoE layers (all stages)
+        self.scale, self.recording = 1.0, False
+        self.records: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []   # (layer, aux, z, counts)
+        # The ranks that split one micro-batch's tokens: their router counts are summed.
+        self.token_groups = ([ctx.cp_group] if ctx.cp > 1 else []) + (
+            [ctx.tp_group] if ctx.tp > 1 and ctx.layout.sequence_parallel else [])
+
+    def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor):
+        """`out` with the layer's losses attached (in a forward with grad). A forward recomputed inside backward
+        (parallelism.recompute_layer) computes them again, as activation checkpointing needs the same saved
+        tensors, but records nothing."""
+        if not torch.is_grad_enabled():
+            return out
+        moe = self.moe
+        with torch.no_grad():
+            counts = torch.bincount(chosen.reshape(-1), minlength=moe.num_experts).to(probs.dtype)
+            counts = torch.cat([counts, counts.new_tensor([float(logits.shape[0])])])   # + this rank's tokens
+            for group in self.token_groups:
+                dist.all_reduce(counts, group=group)
+        counts, tokens = counts[:-1], counts[-1]
+        share = counts / (tokens * moe.top_k)   # f_e
+        aux = moe.num_experts * (share * probs.sum(0) / tokens).sum()
+        z = torch.logsumexp(logits, dim=-1).pow(2).sum() / tokens
+        if self.recording:
+            self.records.append((layer, aux.detach(), z.detach(), counts))
+        loss = self.scale * (moe.aux_loss_coef * aux + moe.z_loss_coef * z)
+        return _AddLossGradient.apply(out, loss)
+
+
+    @contextlib.contextmanager
+    def training_forward(self):
+        """Record the MoE layers' losses and loads during this block (a training forward)."""
+        self.recording = True
+        try:
+            yield
+        finally:
+            self.recording = False
+
+    @torch.no_grad()
+    def step_metrics(self, micro_batches: int) -> dict[str, float]:
+        """The step's records as metrics, identical on every rank (one all-reduce over all ranks):
+        `moe_aux_loss` and `moe_z_loss`, summed over the MoE layers and averaged over the global batch's
+        `micro_batches` (before their coefficients), and per MoE layer n `moe_load_imbalance/layer_n`: the most
+        tokens an expert got over the mean (1: balanced). Clears the records."""
+        ctx, experts = self.ctx, self.moe.num_experts
+        values = torch.zeros(2 + len(self.moe_layers) * experts, device=ctx.device)
+        for layer, aux, z, counts in self.records:
+            if ctx.tp_rank == 0 or ctx.layout.sequence_parallel:   # parts of the micro-batch's tokens (all of
+                values[0] += aux                                       # them on every tp rank without SP)
+                values[1] += z
+            if ctx.tp_rank == 0 and ctx.cp_rank == 0:   # the counts are the micro-batch's on each of its ranks
+                start = 2 + self.moe_layers.index(layer) * experts
+                values[start:start + experts] += counts
+        self.records.clear()
+        if ctx.world_size > 1:
+            dist.all_reduce(values)
+        loads = values[2:].view(len(self.moe_layers), experts)
+        imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
+        return {"moe_aux_loss": values[0].item() / micro_batches, "moe_z_loss": values[1].item() / micro_batches,
+                **{f"moe_load_imbalance/layer_{n}": x for n, x in zip(self.moe_layers, imbalance.tolist())}}
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """Identity on `out`; in backward, `loss` gets gradient 1 (it is part of the step loss)."""
+
+    @staticmethod
+    def forward(ctx, out, loss):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+class MoE(nn.Module):
+    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring)."""
+
+    def __init__(self, hidden: int, moe: MoeShape, losses: MoeLosses, layer: int, sequence_parallel: bool):
+        super().__init__()
+        self.moe, self.losses, self.layer = moe, losses, layer
+        self.router = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.shared_experts = (Expert(hidden, moe.intermediate_size * moe.num_shared_experts)
+                               if moe.num_shared_experts else None)
+        for param in self.parameters():   # under SP each tp rank routes part of the sequence
+            place(param, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        shape, tokens = x.shape, x.reshape(-1, x.shape[-1])            # [T, h]
+        logits = self.router(tokens)                                   # [T, E]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # routing in float32 under bf16
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(self.moe.top_k, dim=-1)          # [T, k]
+        if self.moe.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            # The tokens routed to e, in order. An expert with none still runs (on no rows): every rank then
+            # gets a gradient, zeros or not, for every expert, in the same order (ZeRO-3 relies on it).
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            routed = expert(tokens[token]) * weights[token, slot, None]
+            out = out.index_add(0, token, routed.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens).to(out.dtype)
+        out = self.losses.add(self.layer, out, logits, probs, chosen)
+        return out.view(shape)

@@ -1,0 +1,158 @@
+"""Mixture of experts: the layer against a token-by-token reference, its losses' gradients, and every layout
+training the one-process model (language-model loss, load-balancing and z losses, expert loads).
+
+Tolerances: the layer in float64 is the reference's math in another order (1e-12). Layouts: those of
+tests/test_parallel.py (float32 reductions in another order); measured over 8 steps at most 9.5e-7 on the
+loss, 4.8e-7 on the aux loss (about 2.5) and 1.9e-6 on the z loss (about 10: 2e-7 relative).
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from nanoexp.model.moe import MoE, MoeLosses, MoeShape
+from nanoexp.parallel.context import ParallelContext
+from scripts.convert_to_hf import convert_to_hf
+from tests.helpers import FAST, compose_config, start_error, train, train_losses
+from tests.test_parallel import FIRST_STEP_ATOL, INTERLEAVED, LATER_STEP_ATOL
+
+MOE = ["model=moe_tiny"]
+STEPS = ["tokens.train_steps=8", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
+         "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
+# FAST's 4 layers: layers 1 and 3 are MoE; 8 experts of width 96, top-2, one shared expert.
+LAYOUTS = {
+    "dp2": ["parallelism=dp2tp1pp1"],
+    "dp4": ["parallelism=dp4tp1pp1"],
+    "tp2-all_reduce": ["parallelism=dp1tp2pp1"],
+    "tp2-reduce_scatter": ["parallelism=dp1tp2pp1", "parallelism.tp_mode=reduce_scatter"],
+    "pp2-1f1b": ["parallelism=dp1tp1pp2"],
+    "pp2-interleaved": ["parallelism=dp1tp1pp2"] + INTERLEAVED,
+    "cp2": ["parallelism=dp1cp2tp1pp1"],
+    "dp2tp2pp2-reduce_scatter-recompute": ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter",
+                                           "parallelism.recompute_layer=true"],
+    "dp1cp2tp2-recompute": ["parallelism=dp1cp2tp2pp1", "parallelism.recompute_layer=true"],
+    # an expert with no token on one rank leaves its gradient missing there: ZeRO-3 must keep one order
+    "dp2pp2-zero3": ["parallelism=dp2tp1pp2", "optimizer.zero_stage=3"],
+    "dp2cp2-zero1-normalized": ["parallelism=dp2cp2tp1pp1", "optimizer.zero_stage=1",
+                                "model.moe.router=softmax_topk_normalized"],
+}
+AUX_ATOL, Z_ATOL = 1e-5, 1e-5   # measured 4.8e-7 and 1.9e-6 (module docstring)
+
+
+# -- the layer ----------------------------------------------------------------------------------------
+def make_layer(normalize: bool, shared: int = 1) -> MoE:
+    moe = MoeShape(num_experts=4, top_k=2, intermediate_size=6, num_shared_experts=shared, normalize_top_k=normalize,
+                   aux_loss_coef=0.3, z_loss_coef=0.2)
+    torch.manual_seed(0)
+    layer = MoE(8, moe, MoeLosses(ParallelContext(), moe, [0]), 0, sequence_parallel=False).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return layer
+
+
+def reference_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: the weighted sum of its top-k experts, plus the shared ones."""
+    out = []
+    for token in x.reshape(-1, x.shape[-1]):
+        probs = layer.router(token).softmax(-1)
+        weights, chosen = probs.topk(layer.moe.top_k)
+        if layer.moe.normalize_top_k:
+            weights = weights / weights.sum()
+        y = sum(w * layer.experts[int(e)](token) for w, e in zip(weights, chosen))
+        out.append(y + (layer.shared_experts(token) if layer.shared_experts is not None else 0))
+    return torch.stack(out).view(x.shape)
+
+
+@pytest.mark.parametrize("normalize, shared", [(False, 1), (True, 0)])
+def test_layer_is_the_weighted_sum_of_each_tokens_experts(normalize, shared):
+    layer = make_layer(normalize, shared)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference_forward(layer, x), atol=1e-12, rtol=0)
+
+
+def test_losses_enter_the_gradient_as_their_formulas_say():
+    """One process, one micro-batch: backward of (output + attached losses) equals autograd of output plus
+    coef x aux + coef x z, written out; the recorded values are those formulas."""
+    layer = make_layer(normalize=False)
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    with layer.losses.training_forward():
+        layer(x).sum().backward()
+    ours = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    (_, aux, z, counts), = layer.losses.records
+    layer.zero_grad()
+    tokens = x.reshape(-1, 8)
+    logits = layer.router(tokens)
+    probs = logits.softmax(-1)
+    chosen = probs.topk(2).indices
+    share = torch.stack([(chosen == e).sum() for e in range(4)]).double() / (tokens.shape[0] * 2)
+    expected_aux = 4 * (share * probs.mean(0)).sum()
+    expected_z = torch.logsumexp(logits, -1).pow(2).mean()
+    (reference_forward(layer, x).sum() + 0.3 * expected_aux + 0.2 * expected_z).backward()
+    torch.testing.assert_close(aux, expected_aux.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(z, expected_z.detach(), atol=1e-12, rtol=0)
+    assert counts.tolist() == [float((chosen == e).sum()) for e in range(4)]
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, atol=1e-10, rtol=0, msg=name)
+
+
+# -- every layout trains the one-process model --------------------------------------------------------
+def moe_curves(records) -> dict[str, np.ndarray]:
+    steps = [r for r in records if "loss" in r]
+    return {key: np.array([r[key] for r in steps]) for key in
+            ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_imbalance/layer_1", "moe_load_imbalance/layer_3")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return moe_curves(train(tmp_path_factory.mktemp("moe_reference"), FAST + MOE + STEPS))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_reproduces_single_process_moe_losses(name, reference, tmp_path):
+    ours = moe_curves(train(tmp_path, FAST + MOE + STEPS + LAYOUTS[name]))
+    if "normalized" in name:   # another router: its own one-process run
+        reference = moe_curves(train(tmp_path / "reference", FAST + MOE + STEPS + LAYOUTS[name][-1:]))
+    assert len(ours["loss"]) == 8
+    assert abs(ours["loss"][0] - reference["loss"][0]) < FIRST_STEP_ATOL
+    np.testing.assert_allclose(ours["loss"], reference["loss"], atol=LATER_STEP_ATOL, rtol=0)
+    np.testing.assert_allclose(ours["moe_aux_loss"], reference["moe_aux_loss"], atol=AUX_ATOL, rtol=0)
+    np.testing.assert_allclose(ours["moe_z_loss"], reference["moe_z_loss"], atol=Z_ATOL, rtol=0)
+    for layer in (1, 3):   # loads are counts: equal while the routing is (ties aside)
+        key = f"moe_load_imbalance/layer_{layer}"
+        np.testing.assert_allclose(ours[key], reference[key], atol=1e-6, rtol=0)
+
+
+def test_the_losses_train_the_router(reference, tmp_path):
+    """Without the load-balancing and z losses the run differs (they reach the gradient), and the aux loss is
+    at least its balanced value, 1 per MoE layer."""
+    off = moe_curves(train(tmp_path, FAST + MOE + STEPS + ["model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0"]))
+    assert off["loss"][0] == reference["loss"][0] and off["loss"][-1] != reference["loss"][-1]
+    assert (reference["moe_aux_loss"] >= 2.0 - 1e-6).all()   # two MoE layers, each at least 1
+    assert (reference["moe_load_imbalance/layer_1"] >= 1.0).all()
+
+
+def test_checkpoint_moves_between_layouts(tmp_path):
+    constant = ["optimizer.learning_rate_scheduler.lr_decay_style=constant",
+                "optimizer.learning_rate_scheduler.lr_warmup_steps=0"]
+    run = FAST + MOE + STEPS + constant
+    reference = train_losses(train(tmp_path / "ref", run + ["tokens.train_steps=6"]))
+    a = train_losses(train(tmp_path / "a", run + ["tokens.train_steps=3", "parallelism=dp2tp1pp2",
+                                                  "optimizer.zero_stage=1"]))
+    b = train_losses(train(tmp_path / "b", run + ["tokens.train_steps=6", "parallelism=dp1tp2pp1",
+                                                  "parallelism.tp_mode=reduce_scatter",
+                                                  f"checkpoint.resume_checkpoint_path={tmp_path}/a/checkpoints/3"]))
+    np.testing.assert_allclose(a + b, reference, atol=LATER_STEP_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="mixture of experts"):
+        convert_to_hf(str(tmp_path / "a" / "checkpoints" / "3"), str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.top_k=9"], "model.moe.top_k=9: must be between 1 and model.moe.num_experts=8"),
+    (["model.moe.router=sigmoid"], "model.moe.router=sigmoid: allowed values are softmax_topk, softmax_topk_normalized"),
+    (["model.parametrization=mup", "model.mup.base_width=32"], "µP for mixtures of experts is not built yet"),
+])
+def test_bad_moe_config_is_named(overrides, message):
+    assert message in start_error(compose_config(MOE + overrides))
