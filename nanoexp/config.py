@@ -117,7 +117,7 @@ class OptimizerConfig:
     clip_grad: Optional[float] = 1.0
     zero_stage: int = 0                  # 0 | 1 optimizer state | 2 + gradients | 3 + parameters, sharded over dp x cp
     zero3_prefetch: int = 1              # ZeRO-3: units (layers) gathered ahead of the one computing
-    zero3_reshard_after_forward: bool = True   # ZeRO-3: free a layer after its forward (false: keep it until its backward)
+    zero3_reshard_after_forward: bool = True   # ZeRO-3: free a layer after its forward (false: until its backward)
     skip_nonfinite_steps: bool = False   # true: skip an update whose loss or gradient is NaN/Inf
     learning_rate_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
 

@@ -151,7 +151,8 @@ def test_checkpoint_moves_between_layouts(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.moe.top_k=9"], "model.moe.top_k=9: must be between 1 and model.moe.num_experts=8"),
-    (["model.moe.router=sigmoid"], "model.moe.router=sigmoid: allowed values are softmax_topk, softmax_topk_normalized"),
+    (["model.moe.router=sigmoid"],
+     "model.moe.router=sigmoid: allowed values are softmax_topk, softmax_topk_normalized"),
     (["model.parametrization=mup", "model.mup.base_width=32"], "µP for mixtures of experts is not built yet"),
 ])
 def test_bad_moe_config_is_named(overrides, message):

@@ -21,8 +21,8 @@ class PipelineEngine:
     `engine` (afab, 1f1b, interleaved_1f1b: the trainer passes Layout.engine) with `num_chunks` chunks of
     layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b); chunk `num_chunks - 1` of the
     last stage computes the loss. It keeps the per-micro-batch forward and backward steps and their
-    bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch chunks whose
-    activations were held at once), the trace."""
+    bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch
+    chunks whose activations were held at once), the trace."""
 
     def __init__(self, ctx, engine: str, num_chunks: int = 1, trace=NO_TRACE):
         check_shape(engine, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
