@@ -21,6 +21,7 @@ from nanoexp.verify.comm_counter import CommCounter
 from scripts.convert_to_hf import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train, train_losses
+from tests.test_checkpoint import CONSTANT_LR
 from tests.test_hf_conversion import LOGITS_ATOL
 from tests.test_parallel import FIRST_STEP_ATOL, INTERLEAVED, LATER_STEP_ATOL, MUP, TIED
 
@@ -137,11 +138,6 @@ def test_a_rank_holds_its_shard_and_moves_the_analytic_bytes(stage):
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
-CONSTANT_LR = FAST + ["tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
-                      "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
-                      "optimizer.learning_rate_scheduler.lr_decay_style=constant"]
-
-
 def test_zero3_resumes_bit_for_bit_on_its_layout(tmp_path):
     run = CONSTANT_LR + ["parallelism=dp2tp1pp2", "optimizer.zero_stage=3", "tokens.train_steps=4",
                          "checkpoint.checkpoint_interval=2"]
