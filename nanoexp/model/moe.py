@@ -112,7 +112,6 @@ class MoeLosses:
         loss = self.scale * (moe.aux_loss_coef * aux + moe.z_loss_coef * z)
         return _AddLossGradient.apply(out, loss)
 
-
     @contextlib.contextmanager
     def training_forward(self):
         """Record the MoE layers' losses and loads during this block (a training forward)."""
@@ -151,11 +150,12 @@ class _AddLossGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, loss):
+        ctx.loss_dtype = loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
 
 
 class MoE(nn.Module):
