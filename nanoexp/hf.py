@@ -1,9 +1,10 @@
 """Hugging Face transformers interop: config.json, tokenizer files, weights.
 
 nanoexp's parameter names already equal LlamaForCausalLM's, so the mapping is the identity (full
-shapes: `nanoexp.model.llama.parameter_shapes`); what this module adds is the translation between
-`model.model_config` and HF's LlamaConfig, loading HF weights on any layout, and the tokenizer files
-for the built-in byte tokenizer.
+shapes: `nanoexp.model.llama.parameter_shapes`), except a mixture of experts' blocks, which are named as
+Mixtral's checkpoints name them (`hf_name`); what this module adds is the translation between
+`model.model_config` and HF's LlamaConfig (MixtralConfig), loading HF weights on any layout, and the tokenizer
+files for the built-in byte tokenizer.
 
 Vocabulary: HF's `vocab_size` is nanoexp's padded vocabulary (`model.make_vocab_size_divisible_by`),
 so the weights and logits keep their shape. The padding ids never occur in the data, so training
@@ -27,8 +28,43 @@ from nanoexp.parallel.tensor_parallel import shard_tensor
 EOD_TOKEN = "<|endoftext|>"
 
 
+def mixtral_mismatch(shape: LlamaShape) -> str | None:
+    """Why a mixture of experts is not a transformers Mixtral (None when it is): Mixtral's every layer is MoE, it
+    has no shared experts, and it renormalises the top-k weights."""
+    moe = shape.moe
+    wrong = [f"model.moe.{key}={value}" for key, value, ok in (
+        ("num_shared_experts", moe.num_shared_experts, 0), ("layer_frequency", moe.layer_frequency, 1),
+        ("router", "softmax_topk" if not moe.normalize_top_k else "", "")) if value != ok]
+    return None if not wrong else (f"{', '.join(wrong)}: Hugging Face's Mixtral has no shared experts, makes every "
+                                   "layer MoE and routes with softmax_topk_normalized")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a nanoexp parameter: the same for a Llama; a MoE block's as Mixtral's
+    checkpoints on the Hub name them (`block_sparse_moe`: gate, experts.<e>.w1 / w3 / w2 = gate / up / down)."""
+    if ".mlp.router." in name:
+        return name.replace(".mlp.router.", ".block_sparse_moe.gate.")
+    if ".mlp.experts." in name:
+        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            name = name.replace(f".{ours}.", f".{theirs}.")
+        return name.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+    return name
+
+
 def hf_config(shape: LlamaShape, eod_id: int) -> dict:
-    """config.json of a transformers LlamaForCausalLM with this shape (vocab_size = padded vocabulary)."""
+    """config.json of a transformers LlamaForCausalLM (a MixtralForCausalLM for a mixture of experts) with this
+    shape (vocab_size = padded vocabulary)."""
+    if shape.moe is not None:
+        if mixtral_mismatch(shape):
+            raise ValueError(f"no Hugging Face architecture for this mixture of experts: {mixtral_mismatch(shape)}")
+        return {**llama_config(shape, eod_id), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": shape.moe.intermediate_size, "num_local_experts": shape.moe.num_experts,
+                "num_experts_per_tok": shape.moe.top_k, "router_aux_loss_coef": shape.moe.aux_loss_coef,
+                "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+    return llama_config(shape, eod_id)
+
+
+def llama_config(shape: LlamaShape, eod_id: int) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
             "num_hidden_layers": shape.num_hidden_layers, "num_attention_heads": shape.num_attention_heads,
@@ -67,8 +103,9 @@ def read_hf_config(folder: str) -> dict:
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: {path} is missing")
     with open(path) as f:
         config = json.load(f)
-    unsupported = [f"{k}={config[k]}" for k, ok in (("model_type", "llama"), ("hidden_act", "silu"))
-                   if config.get(k, ok) != ok]
+    unsupported = [f"model_type={config.get('model_type')}"] if config.get("model_type", "llama") not in (
+        "llama", "mixtral") else []
+    unsupported += [f"hidden_act={config['hidden_act']}"] if config.get("hidden_act", "silu") != "silu" else []
     unsupported += [k for k in ("rope_scaling", "attention_bias", "mlp_bias") if config.get(k)]
     if unsupported:
         raise ValueError(f"{path}: nanoexp's Llama does not support {', '.join(unsupported)}")
@@ -82,8 +119,22 @@ def read_hf_config(folder: str) -> dict:
 
 
 def check_hf_matches(config: dict, shape: LlamaShape, folder: str) -> None:
-    """Raise naming the first model.model_config key whose value differs from the HF config."""
+    """Raise naming the first model.model_config (or model.moe) key whose value differs from the HF config."""
+    mixtral = config.get("model_type") == "mixtral"
+    if mixtral != (shape.moe is not None):
+        raise ValueError(f"model.init_method.path={folder} holds a {config.get('model_type', 'llama')} model: set "
+                         f"model.moe.num_experts={config.get('num_local_experts', 0)} to load it")
+    if mixtral:
+        moe = shape.moe
+        for key, ours, theirs in (("num_experts", moe.num_experts, "num_local_experts"),
+                                  ("top_k", moe.top_k, "num_experts_per_tok"),
+                                  ("moe_intermediate_size", moe.intermediate_size, "intermediate_size")):
+            if config[theirs] != ours:
+                raise ValueError(f"model.init_method.path={folder}: its config.json has {theirs}={config[theirs]} "
+                                 f"but model.moe.{key}={ours}; set model.moe.{key}={config[theirs]}")
     for key in MATCHED_KEYS:
+        if mixtral and key == "intermediate_size":   # Mixtral's is the experts' width (above)
+            continue
         ours = getattr(shape, key)
         if key in config and config[key] != ours:
             raise ValueError(f"model.init_method.path={folder}: its config.json has {key}={config[key]} but "
@@ -113,10 +164,10 @@ def load_hf_weights(model, folder: str, ctx) -> None:
             where.update({key: path for key in f.keys()})
     for name, param in model.named_parameters():
         source = value_name(name, param)
-        if source not in where:
-            raise KeyError(f"{folder} has no tensor {source}")
-        with safe_open(where[source], "pt") as f:
-            hf_tensor = f.get_tensor(source).float()
+        if hf_name(source) not in where:
+            raise KeyError(f"{folder} has no tensor {hf_name(source)}")
+        with safe_open(where[hf_name(source)], "pt") as f:
+            hf_tensor = f.get_tensor(hf_name(source)).float()
         if source in (EMBEDDING, LM_HEAD):   # [vocab, h], split over rows
             if hf_tensor.shape[1] != param.shape[1]:
                 raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected "

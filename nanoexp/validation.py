@@ -87,8 +87,10 @@ def moe_rules(cfg: Any) -> list[Rule]:
         must(cfg, "model.moe.z_loss_coef", lambda coef: coef >= 0, ">= 0"),
         (model.parametrization == "standard", "model.parametrization=mup with model.moe.num_experts > 0: µP for "
          "mixtures of experts is not built yet; use model.parametrization=standard"),
-        (not model.init_method.path, f"model.init_method.path={model.init_method.path}: Hugging Face weights load "
-         "into dense models only (not yet into model.moe.num_experts > 0)"),
+        (not model.init_method.path or (moe.num_shared_experts == 0 and moe.layer_frequency == 1
+                                        and moe.router == "softmax_topk_normalized"),
+         f"model.init_method.path={model.init_method.path}: Hugging Face mixtures of experts load as Mixtral, "
+         "which needs model.moe.num_shared_experts=0, layer_frequency=1 and router=softmax_topk_normalized"),
     ]
 
 

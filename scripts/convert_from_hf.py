@@ -1,4 +1,4 @@
-"""Turn a local Hugging Face Llama folder into a nanoexp checkpoint (step 0, no optimizer state).
+"""Turn a local Hugging Face Llama (or Mixtral) folder into a nanoexp checkpoint (step 0, no optimizer state).
 
     python scripts/convert_from_hf.py hf_llama/ ckpt_out/ [config overrides ...]
     python train.py checkpoint.resume_checkpoint_path=ckpt_out/0 <the overrides printed> ...   # any layout
@@ -25,6 +25,10 @@ def model_overrides(hf_dir: str) -> list[str]:
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
     out = [f"model.model_config.{k}={str(c[k]).lower() if isinstance(c[k], bool) else c[k]}" for k in keys]
+    if c.get("model_type") == "mixtral":   # a mixture of experts: every layer, no shared experts, renormalised
+        out += [f"model.moe.num_experts={c['num_local_experts']}", f"model.moe.top_k={c['num_experts_per_tok']}",
+                f"model.moe.moe_intermediate_size={c['intermediate_size']}", "model.moe.num_shared_experts=0",
+                "model.moe.layer_frequency=1", "model.moe.router=softmax_topk_normalized"]
     has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     return out + [f"tokenizer.tokenizer_name_or_path={os.path.abspath(hf_dir) if has_tokenizer else 'byte'}"]
 

@@ -157,3 +157,30 @@ def test_checkpoint_moves_between_layouts(tmp_path):
 ])
 def test_bad_moe_config_is_named(overrides, message):
     assert message in start_error(compose_config(MOE + overrides))
+
+
+# -- Hugging Face: a Mixtral ---------------------------------------------------------------------------
+MIXTRAL = ["model.moe.num_shared_experts=0", "model.moe.layer_frequency=1", "model.moe.router=softmax_topk_normalized"]
+
+
+def test_mixtral_round_trip(tmp_path):
+    """Trained on tp2 x pp2, exported: transformers' MixtralForCausalLM gives nanoexp's logits; imported back
+    (convert_from_hf, then a resume on dp2), the weights are the same."""
+    from transformers import MixtralForCausalLM
+
+    from scripts.convert_from_hf import convert_from_hf
+    from nanoexp.checkpoint.load import load_single_process
+    from tests.test_hf_conversion import LOGITS_ATOL
+    train(tmp_path / "run", FAST + MOE + MIXTRAL + ["tokens.train_steps=2", "tokens.val_check_interval=0",
+                                                    "parallelism=dp1tp2pp2"])
+    ckpt = tmp_path / "run" / "checkpoints" / "2"
+    convert_to_hf(str(ckpt), str(tmp_path / "hf"))
+    ours, _ = load_single_process(str(ckpt))
+    hf = MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+    convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), [])
+    back, _ = load_single_process(str(tmp_path / "back" / "0"))
+    for (name, p), q in zip(ours.named_parameters(), back.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
