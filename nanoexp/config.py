@@ -74,6 +74,7 @@ class MoeConfig:
     router: str = "softmax_topk"      # softmax_topk | softmax_topk_normalized (the top-k weights sum to 1)
     aux_loss_coef: float = 0.01       # Switch/GShard load-balancing loss, per MoE layer
     z_loss_coef: float = 0.0          # router z-loss (ST-MoE), per MoE layer
+    capacity_factor: Optional[float] = None   # null: dropless; c: an expert takes ceil(c x tokens x top_k / E)
 
 
 @dataclass

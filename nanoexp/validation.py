@@ -85,6 +85,12 @@ def moe_rules(cfg: Any) -> list[Rule]:
         one_of(cfg, "model.moe.router", ROUTERS),
         must(cfg, "model.moe.aux_loss_coef", lambda coef: coef >= 0, ">= 0"),
         must(cfg, "model.moe.z_loss_coef", lambda coef: coef >= 0, ">= 0"),
+        must(cfg, "model.moe.capacity_factor", lambda factor: factor is None or factor > 0, "positive or null"),
+        (moe.capacity_factor is None or (cfg.parallelism.cp == 1 and cfg.parallelism.tp_mode != "reduce_scatter"),
+         f"model.moe.capacity_factor={moe.capacity_factor} with parallelism.cp={cfg.parallelism.cp} and "
+         f"tp_mode={cfg.parallelism.tp_mode}: an expert's capacity counts a rank's tokens, so splitting a "
+         "micro-batch's tokens over cp or sequence-parallel ranks would drop other tokens than one process; "
+         "use cp=1 and tp_mode=all_reduce, or capacity_factor=null (dropless)"),
         (model.parametrization == "standard", "model.parametrization=mup with model.moe.num_experts > 0: µP for "
          "mixtures of experts is not built yet; use model.parametrization=standard"),
         (not model.init_method.path or (moe.num_shared_experts == 0 and moe.layer_frequency == 1

@@ -22,6 +22,7 @@ losses the gradient of their weight in the step loss (as Megatron-LM does).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,14 @@ class MoeShape:
     normalize_top_k: bool = False
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    capacity_factor: float | None = None   # None: dropless
+
+    def capacity(self, tokens: int) -> int | None:
+        """The most assignments an expert takes from `tokens` tokens: ceil(capacity_factor x tokens x top_k / E)
+        (the Switch Transformer's rule), None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
     def is_moe_layer(self, n: int) -> bool:
         """Every layer_frequency-th layer is MoE (the last of each group of layer_frequency)."""
@@ -86,12 +95,13 @@ class MoeLosses:
     def __init__(self, ctx, moe: MoeShape, moe_layers: list[int]):
         self.ctx, self.moe, self.moe_layers = ctx, moe, moe_layers   # the model's MoE layers (all stages)
         self.scale, self.recording = 1.0, False
-        self.records: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []   # (layer, aux, z, counts)
+        self.records: list[tuple] = []   # (layer, aux, z, assignments per expert, assignments dropped)
         # The ranks that split one micro-batch's tokens: their router counts are summed.
         self.token_groups = ([ctx.cp_group] if ctx.cp > 1 else []) + (
             [ctx.tp_group] if ctx.tp > 1 and ctx.layout.sequence_parallel else [])
 
-    def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor):
+    def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
+            dropped: int = 0):
         """`out` with the layer's losses attached (in a forward with grad). A forward recomputed inside backward
         (parallelism.recompute_layer) computes them again, as activation checkpointing needs the same saved
         tensors, but records nothing."""
@@ -108,7 +118,7 @@ class MoeLosses:
         aux = moe.num_experts * (share * probs.sum(0) / tokens).sum()
         z = torch.logsumexp(logits, dim=-1).pow(2).sum() / tokens
         if self.recording:
-            self.records.append((layer, aux.detach(), z.detach(), counts))
+            self.records.append((layer, aux.detach(), z.detach(), counts, dropped))
         loss = self.scale * (moe.aux_loss_coef * aux + moe.z_loss_coef * z)
         return _AddLossGradient.apply(out, loss)
 
@@ -125,24 +135,28 @@ class MoeLosses:
     def step_metrics(self, micro_batches: int) -> dict[str, float]:
         """The step's records as metrics, identical on every rank (one all-reduce over all ranks):
         `moe_aux_loss` and `moe_z_loss`, summed over the MoE layers and averaged over the global batch's
-        `micro_batches` (before their coefficients), and per MoE layer n `moe_load_imbalance/layer_n`: the most
-        tokens an expert got over the mean (1: balanced). Clears the records."""
+        `micro_batches` (before their coefficients), per MoE layer n `moe_load_imbalance/layer_n`: the most
+        tokens an expert got over the mean (1: balanced), and with a capacity factor `moe_dropped_fraction`: the
+        share of the step's assignments beyond their expert's capacity. Clears the records."""
         ctx, experts = self.ctx, self.moe.num_experts
-        values = torch.zeros(2 + len(self.moe_layers) * experts, device=ctx.device)
-        for layer, aux, z, counts in self.records:
+        values = torch.zeros(3 + len(self.moe_layers) * experts, device=ctx.device)
+        for layer, aux, z, counts, dropped in self.records:
             if ctx.tp_rank == 0 or ctx.layout.sequence_parallel:   # parts of the micro-batch's tokens (all of
                 values[0] += aux                                       # them on every tp rank without SP)
                 values[1] += z
             if ctx.tp_rank == 0 and ctx.cp_rank == 0:   # the counts are the micro-batch's on each of its ranks
-                start = 2 + self.moe_layers.index(layer) * experts
+                start = 3 + self.moe_layers.index(layer) * experts
                 values[start:start + experts] += counts
+                values[2] += dropped
         self.records.clear()
         if ctx.world_size > 1:
             dist.all_reduce(values)
-        loads = values[2:].view(len(self.moe_layers), experts)
+        loads = values[3:].view(len(self.moe_layers), experts)
         imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
+        dropped = {} if self.moe.capacity_factor is None else {
+            "moe_dropped_fraction": values[2].item() / max(loads.sum().item(), 1.0)}
         return {"moe_aux_loss": values[0].item() / micro_batches, "moe_z_loss": values[1].item() / micro_batches,
-                **{f"moe_load_imbalance/layer_{n}": x for n, x in zip(self.moe_layers, imbalance.tolist())}}
+                **{f"moe_load_imbalance/layer_{n}": x for n, x in zip(self.moe_layers, imbalance.tolist())}, **dropped}
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -179,14 +193,17 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.moe.top_k, dim=-1)          # [T, k]
         if self.moe.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(tokens)
+        out, capacity, dropped = torch.zeros_like(tokens), self.moe.capacity(tokens.shape[0]), 0
         for e, expert in enumerate(self.experts):
             # The tokens routed to e, in order. An expert with none still runs (on no rows): every rank then
             # gets a gradient, zeros or not, for every expert, in the same order (ZeRO-3 relies on it).
             token, slot = (chosen == e).nonzero(as_tuple=True)
+            if capacity is not None and token.numel() > capacity:   # the first `capacity` tokens in order stay
+                dropped += token.numel() - capacity
+                token, slot = token[:capacity], slot[:capacity]
             routed = expert(tokens[token]) * weights[token, slot, None]
             out = out.index_add(0, token, routed.to(out.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens).to(out.dtype)
-        out = self.losses.add(self.layer, out, logits, probs, chosen)
+        out = self.losses.add(self.layer, out, logits, probs, chosen, dropped)
         return out.view(shape)
