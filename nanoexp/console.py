@@ -96,6 +96,8 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     parts += [f"tensor parallel {p.tp_mode}"] if layout.tp > 1 else []
     parts += [f"context parallel {layout.cp_mode}: {layout.local_tokens(t.sequence_length)} tokens per rank"
               ] if layout.cp > 1 else []
+    parts += [f"expert parallel: {shape.moe.num_experts // layout.ep} experts per rank, "
+              f"{layout.edp} cop{'ies' if layout.edp > 1 else 'y'} of each"] if layout.ep > 1 else []
     lines.append(f"layout: {layout.name} ({', '.join(parts)})")
     lines.append(f"global batch: {global_batch} sequences x {t.sequence_length} tokens = "
                  f"{global_batch * t.sequence_length:,} tokens per step (dp {layout.dp} x micro-batch "

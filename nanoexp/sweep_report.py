@@ -83,7 +83,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         row["overrides"] = read_yaml(os.path.join(hydra_dir, "overrides.yaml")) or []
         cfg = read_yaml(os.path.join(hydra_dir, "config.yaml"))
         p = cfg["parallelism"]
-        row["layout"] = Layout(dp=p["dp"], cp=p.get("cp", 1), tp=p["tp"], pp=p["pp"]).name
+        row["layout"] = Layout(dp=p["dp"], cp=p.get("cp", 1), tp=p["tp"], pp=p["pp"], ep=p.get("ep", 1)).name
         row["lr"] = cfg["optimizer"]["learning_rate_scheduler"]["learning_rate"]
         row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
         row["parametrization"] = cfg["model"].get("parametrization", "standard")

@@ -161,7 +161,25 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         (interleaved or v == 1, f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine=interleaved_1f1b "
          f"(got {layout.engine})"),
         must(cfg, "parallelism.collective_timeout_s", lambda seconds: seconds > 0, "positive (seconds)"),
-    ] + context_parallel_rules(cfg, layout)
+    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout)
+
+
+def expert_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
+    """ep splits a mixture's experts over groups of dp x cp ranks (Layout.ep)."""
+    ep, experts, stage = layout.ep, cfg.model.moe.num_experts, cfg.optimizer.zero_stage
+    rules = [must(cfg, "parallelism.ep", lambda ep: ep >= 1, ">= 1 (1: every rank holds every expert)")]
+    if ep <= 1:
+        return rules
+    return rules + [
+        (experts > 0, f"parallelism.ep={ep} needs a mixture of experts: set model.moe.num_experts (e.g. "
+         "model=moe_tiny) or parallelism.ep=1"),
+        (layout.dp_cp % ep == 0, f"parallelism.ep={ep} does not divide parallelism.dp * cp = {layout.dp_cp}: expert "
+         "parallelism splits the experts over dp x cp ranks; change parallelism.ep or parallelism.dp"),
+        (experts == 0 or experts % ep == 0, f"model.moe.num_experts={experts} is not divisible by parallelism.ep={ep}:"
+         " each ep rank holds num_experts / ep experts"),
+        (stage <= 1, f"optimizer.zero_stage={stage} with parallelism.ep={ep}: ZeRO-2 and 3 are not built for expert "
+         "parallelism yet; use optimizer.zero_stage=1 (which shards the experts' optimizer state too) or 0"),
+    ]
 
 
 def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:

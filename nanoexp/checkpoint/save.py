@@ -3,9 +3,10 @@
 Layout of `<checkpoints_path>/<step>/`:
   rank_<r>.safetensors   what global rank r owns: its parameter slices and optimizer state, keyed by
                          HF parameter name, plus its RNG states. Every value is stored once: model
-                         weights and plain AdamW state by dp (and cp) rank 0, tp-replicated ones by tp rank 0,
+                         weights and plain AdamW state by dp (and cp) rank 0 (a routed expert under
+                         expert parallelism by the first rank holding it), tp-replicated ones by tp rank 0,
                          a pipeline's tied LM-head copy not at all (it equals the embedding); ZeRO
-                         state (and ZeRO-3's weights) by the dp x cp rank that owns it, as flat ranges of
+                         state (and ZeRO-3's weights) by the dp x cp (edp) rank that owns it, as flat ranges of
                          each parameter.
   meta.json              step, data position, layout, the composed config, format version, and an
                          index: which file holds which piece of which tensor (enough to re-slice).
@@ -57,20 +58,19 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
     zero = isinstance(optimizer, ZeroAdamW)
     names = {id(p): n for n, p in model.named_parameters()}
     held_as_shards = optimizer.grad_sync.held_as_shards() if zero else set()
-    if ctx.dp_cp_rank == 0:   # dp and cp replicas hold the same weights: one of them writes
-        for name, p in model.named_parameters():
-            if not counted_here(p, ctx.tp_rank) or id(p) in held_as_shards:
-                continue
-            add(name, p, name, "param", p)
-            state = {} if zero else optimizer.state.get(p, {})
-            for kind in STATE_KINDS:
-                if kind in state:
-                    add(f"{name}:{kind}", state[kind], name, kind, p)
+    for name, p in model.named_parameters():   # of the replicas holding the same weights, the first writes
+        if ctx.replica_rank(p) != 0 or not counted_here(p, ctx.tp_rank) or id(p) in held_as_shards:
+            continue
+        add(name, p, name, "param", p)
+        state = {} if zero else optimizer.state.get(p, {})
+        for kind in STATE_KINDS:
+            if kind in state:
+                add(f"{name}:{kind}", state[kind], name, kind, p)
     if zero:
         # ZeRO's pieces: this dp x cp rank's part [start, end) of each parameter's flattened elements (a piece
         # every rank holds whole is written by the first); under ZeRO-3 their values too.
         for piece in optimizer.pieces:
-            if not counted_here(piece.param, ctx.tp_rank) or (piece.replicated and ctx.dp_cp_rank != 0):
+            if not counted_here(piece.param, ctx.tp_rank) or (piece.replicated and ctx.replica_rank(piece.param) != 0):
                 continue
             name, state = names[id(piece.param)], optimizer.state.get(piece.value, {})
             kinds = (["param"] if id(piece.param) in held_as_shards else []) + [k for k in STATE_KINDS if k in state]

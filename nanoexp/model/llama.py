@@ -211,7 +211,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape, ctx)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = (MoE(shape.hidden_size, shape.moe, moe_losses, n, ctx.layout.sequence_parallel)
+        self.mlp = (MoE(shape.hidden_size, shape.moe, moe_losses, n, ctx)
                     if shape.is_moe_layer(n) else MLP(shape, ctx))
 
     def forward(self, x, cos, sin, documents=None):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoexp.parallel.expert_parallel import ExpertRoute
 from nanoexp.parallel.placement import place
 
 ROUTERS = ("softmax_topk", "softmax_topk_normalized")
@@ -173,17 +174,23 @@ class _AddLossGradient(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring)."""
+    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring). Under expert
+    parallelism this rank holds experts [ep_rank x E/ep, (ep_rank + 1) x E/ep), named by their global index."""
 
-    def __init__(self, hidden: int, moe: MoeShape, losses: MoeLosses, layer: int, sequence_parallel: bool):
+    def __init__(self, hidden: int, moe: MoeShape, losses: MoeLosses, layer: int, ctx):
         super().__init__()
         self.moe, self.losses, self.layer = moe, losses, layer
+        self.ep, self.ep_group = ctx.ep, ctx.ep_group
         self.router = nn.Linear(hidden, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size) for _ in range(moe.num_experts))
+        local = moe.num_experts // ctx.ep
+        self.experts = nn.ModuleDict({str(e): Expert(hidden, moe.intermediate_size)
+                                      for e in range(ctx.ep_rank * local, (ctx.ep_rank + 1) * local)})
         self.shared_experts = (Expert(hidden, moe.intermediate_size * moe.num_shared_experts)
                                if moe.num_shared_experts else None)
         for param in self.parameters():   # under SP each tp rank routes part of the sequence
-            place(param, sequence_parallel=sequence_parallel)
+            place(param, sequence_parallel=ctx.layout.sequence_parallel)
+        for param in self.experts.parameters() if ctx.ep > 1 else ():
+            place(param, expert=True)
 
     def forward(self, x):
         shape, tokens = x.shape, x.reshape(-1, x.shape[-1])            # [T, h]
@@ -193,17 +200,27 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.moe.top_k, dim=-1)          # [T, k]
         if self.moe.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out, capacity, dropped = torch.zeros_like(tokens), self.moe.capacity(tokens.shape[0]), 0
-        for e, expert in enumerate(self.experts):
-            # The tokens routed to e, in order. An expert with none still runs (on no rows): every rank then
-            # gets a gradient, zeros or not, for every expert, in the same order (ZeRO-3 relies on it).
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if capacity is not None and token.numel() > capacity:   # the first `capacity` tokens in order stay
-                dropped += token.numel() - capacity
-                token, slot = token[:capacity], slot[:capacity]
-            routed = expert(tokens[token]) * weights[token, slot, None]
-            out = out.index_add(0, token, routed.to(out.dtype))
+        token, slot, counts, dropped = self.assignments(chosen)
+        # Every expert runs, on the rows routed to it (possibly none): every rank then gets a gradient, zeros or
+        # not, for each of its experts, in the same order (ZeRO-3 relies on it).
+        route = ExpertRoute(counts, self.ep, self.ep_group)
+        outputs = [expert(rows) for expert, rows in zip(self.experts.values(), route.dispatch(tokens[token]))]
+        routed = route.combine(outputs) * weights[token, slot, None]
+        out = torch.zeros_like(tokens).index_add(0, token, routed.to(tokens.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens).to(out.dtype)
         out = self.losses.add(self.layer, out, logits, probs, chosen, dropped)
         return out.view(shape)
+
+    def assignments(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The (token, slot) pairs that reach their expert, sorted by expert then token, the count per expert and
+        how many were dropped. With a capacity, an expert keeps the first `capacity` tokens in order."""
+        capacity = self.moe.capacity(chosen.shape[0])
+        expert, order = chosen.reshape(-1).sort(stable=True)           # by expert, then token
+        token, slot = order // self.moe.top_k, order % self.moe.top_k
+        counts = torch.bincount(expert, minlength=self.moe.num_experts)
+        if capacity is None or int(counts.max()) <= capacity:
+            return token, slot, counts, 0
+        rank_in_expert = torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
+        kept = rank_in_expert < capacity
+        return token[kept], slot[kept], counts.clamp(max=capacity), int((~kept).sum())

@@ -10,6 +10,10 @@ With cp = 1 this is the (pp, dp, tp) grid of every layout before cp, rank for ra
 holds the full weights of its stage and part of each sample's tokens, so gradients are averaged
 (and ZeRO-1 shards) over dp x cp (`dp_cp_group`), which is the dp group when cp = 1.
 
+Expert parallelism (ep > 1) cuts each dp x cp group into groups of ep consecutive ranks (`ep_group`: they
+exchange tokens and each holds num_experts / ep experts); the ranks at the same place in every ep group hold
+the same experts (`edp_group`, dp x cp / ep of them: the experts' gradients are summed there).
+
 Everything else asks this object for its group, rank or neighbour; nothing else creates
 process groups. With one process no group is created and every collective is skipped.
 """
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.placement import placement
 
 
 class ParallelContext:
@@ -41,7 +46,10 @@ class ParallelContext:
         self.backend = dist.get_backend() if dist.is_initialized() else None
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = layout.position(self.rank)
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank   # rank order within dp_cp_group
+        self.ep, self.edp = layout.ep, layout.edp
+        self.ep_rank, self.edp_rank = layout.expert_position(self.dp_cp_rank)
         self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
+        self.ep_group = self.edp_group = None   # None also when of one rank
         self.model_parallel_group = self.embedding_group = None
         if self.world_size > 1:
             self._build_groups()
@@ -71,16 +79,29 @@ class ParallelContext:
             keep("embedding_group", [rank(p, d, t, c) for p in self.layout.tied_stages])
         if self.cp == 1:
             self.dp_cp_group = self.dp_group
+        else:
+            for p, d, t in product(P, D, T):
+                keep("cp_group", [rank(p, d, t, c) for c in C])
+            for p, t in product(P, T):
+                keep("dp_cp_group", [rank(p, d, t, c) for d in D for c in C])
+        if self.ep == 1:
             return
-        for p, d, t in product(P, D, T):
-            keep("cp_group", [rank(p, d, t, c) for c in C])
         for p, t in product(P, T):
-            keep("dp_cp_group", [rank(p, d, t, c) for d in D for c in C])
+            dp_cp = [rank(p, d, t, c) for d in D for c in C]   # in dp_cp_rank order
+            for start in range(0, self.dp_cp, self.ep):
+                keep("ep_group", dp_cp[start:start + self.ep])
+            for ep_rank in range(self.ep) if self.edp > 1 else ():
+                keep("edp_group", dp_cp[ep_rank::self.ep])
 
     def _maybe_keep(self, name: str, ranks: list[int]):
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
         if self.rank in ranks:
             setattr(self, name, group)
+
+    def replica_rank(self, param) -> int:
+        """This rank's place among the ranks that hold `param` whole and identical (0: the one that writes it
+        to checkpoints and counts it): an expert's edp group, any other parameter's dp x cp group."""
+        return self.edp_rank if placement(param).expert else self.dp_cp_rank
 
     # -- pipeline position ---------------------------------------------------------------
     @property

@@ -17,6 +17,11 @@ gradient in it is final, so most of the communication hides behind the rest of b
 ZeRO-2 and 3 keep no gradient buffer: their parameters live in `ShardedBuffers` (sharded_buffers.py), reduced in
 every micro-batch's backward; only the parameters held twice (below) stay here, whole, as without ZeRO.
 
+Expert parallelism (ep > 1): a routed expert lives on one rank of each ep group, and its gradient there already
+sums the tokens of the whole ep group (they came to it through the all-to-all). Each chunk's experts get buffers
+of their own, summed over the edp group (the ranks holding the same experts) and divided by dp x cp, which gives
+the dp x cp average every other parameter gets; ZeRO-1 shards them over edp.
+
 Parameters held twice in a replica need a second sum:
 * sequence-parallel norm weights (each tp rank saw part of the sequence) are summed over tp first, then averaged
   over dp x cp: they sit in each chunk's last buckets, which only `finish()` starts, after the tp sum;
@@ -74,17 +79,19 @@ class ChunkBuffers:
       * Between `arm()` and `finish()` each bucket starts its reduction once all its gradients are final, in
         bucket order 0, 1, 2, ... on every rank; `deferred` parameters' buckets start only in `finish()`.
         Before `arm()` nothing communicates.
-      * After `finish()` the gradients are averaged over the group: all of them (`shard=False`) or this rank's
-        `shard_pieces()` (`shard=True`), and always all of each `whole` parameter (each in a bucket of its
-        own). A parameter that got no gradient counts as zeros. With `group is None` or `group_size == 1`
-        nothing communicates.
+      * After `finish()` the gradients are summed over the group and divided by `average_over` (default: the
+        group's size, an average): all of them (`shard=False`) or this rank's `shard_pieces()` (`shard=True`),
+        and always all of each `whole` parameter (each in a bucket of its own). A parameter that got no
+        gradient counts as zeros. With `group is None` or `group_size == 1` nothing communicates.
     With a `trace` (trace.py), each launch is an "allreduce_launch" instant and each wait in `finish()` an
     "allreduce_wait" span.
     """
 
     def __init__(self, params: list[nn.Parameter], group, group_size: int, group_rank: int = 0,
-                 shard: bool = False, deferred=(), whole=(), bucket_cap_mb: float = 25.0, trace=NO_TRACE):
+                 shard: bool = False, deferred=(), whole=(), bucket_cap_mb: float = 25.0, trace=NO_TRACE,
+                 average_over: int | None = None):
         self.group, self.group_size, self.group_rank, self.shard, self.trace = group, group_size, group_rank, shard, trace
+        self.average_over = average_over or group_size   # the group's sum is divided by this
         self.enabled = group is not None and group_size > 1
         self.armed = False
         params = [p for p in params if p.requires_grad]
@@ -212,6 +219,8 @@ class ChunkBuffers:
         """Start the remaining reductions (deferred buckets, gradients that never arrived), wait for
         all, and average: the whole buffer, or this rank's shard of each bucket."""
         if not self.enabled:
+            if self.average_over > 1:
+                self.grads.div_(self.average_over)
             return
         if not self.armed:
             raise RuntimeError("finish() without arm(): no gradients were collected")
@@ -222,7 +231,7 @@ class ChunkBuffers:
             with self.trace.span("allreduce_wait", bucket=bucket.index):
                 bucket.handle.wait()
             lo, hi = (bucket.start, bucket.start + bucket.numel) if bucket.whole else self.shard_range(bucket)
-            self.grads[lo:hi].div_(self.group_size)
+            self.grads[lo:hi].div_(self.average_over)
             bucket.handle = None
         self.armed = False
 
@@ -266,9 +275,15 @@ class GradientSync:
         self.tied = [p for p in params if placement(p).tied_across_stages]
         twice = {key for key, count in Counter(map(id, uses)).items() if count > 1}   # tied on one stage
         whole = {id(p) for p in self.sequence_parallel + self.tied} | twice
-        self.chunks, self.sharded = [], []
+        self.chunks, self.sharded, self.expert_chunks = [], [], []
         for c, chunk in enumerate(chunks):
             chunk_params = list({id(p): p for _module, unit in chunk for p in unit}.values())
+            if ctx.ep > 1:   # routed experts: summed over the edp ranks that hold them, averaged over dp x cp
+                experts = [p for p in chunk_params if placement(p).expert]
+                chunk_params = [p for p in chunk_params if not placement(p).expert]
+                self.expert_chunks.append(ChunkBuffers(
+                    experts, ctx.edp_group, ctx.edp, ctx.edp_rank, self.stage == 1, deferred=self.sequence_parallel,
+                    bucket_cap_mb=bucket_cap_mb, trace=trace.bind(chunk=c, experts=True), average_over=ctx.dp_cp))
             if self.stage >= 2:
                 units = [(module, [p for p in unit if id(p) not in whole]) for module, unit in chunk]
                 if self.stage == 2:   # nothing to gather: reduce in buckets, whose gradients in flight are smaller
@@ -287,6 +302,8 @@ class GradientSync:
             self.sharded[chunk].before_backward()
         if last:
             self.chunks[chunk].arm()
+            if self.expert_chunks:
+                self.expert_chunks[chunk].arm()
 
     def after_backward(self, chunk: int, last: bool) -> None:
         """Call right after each backward through chunk `chunk`."""
@@ -299,12 +316,17 @@ class GradientSync:
         ctx = self.ctx
         if ctx.tp > 1:
             all_reduce_grads(self.sequence_parallel, ctx.tp_group)
-        for chunk in self.chunks + self.sharded:
+        for chunk in self.buffers:
             chunk.finish()
         all_reduce_grads(self.tied, ctx.embedding_group)
 
+    @property
+    def buffers(self) -> list:
+        """Every ChunkBuffers and ShardedBuffers, in the order every rank finishes them."""
+        return self.chunks + self.expert_chunks + self.sharded
+
     def zero_grad(self) -> None:
-        for chunk in self.chunks + self.sharded:
+        for chunk in self.buffers:
             chunk.zero_grad()
 
     # -- what the optimizer reads ------------------------------------------------------------
@@ -315,7 +337,7 @@ class GradientSync:
 
     def shard_pieces(self) -> list[ShardPiece]:
         """ZeRO: the parts of parameters this rank updates, with their averaged gradients."""
-        whole = [piece for chunk in self.chunks for piece in chunk.shard_pieces()]
+        whole = [piece for chunk in self.chunks + self.expert_chunks for piece in chunk.shard_pieces()]
         if self.stage >= 2:
             whole = [replace(piece, replicated=True) for piece in whole]
         return whole + [piece for chunk in self.sharded for piece in chunk.shard_pieces(ShardPiece)]
@@ -323,7 +345,7 @@ class GradientSync:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """ZeRO-1 and 2, after the update of the shard pieces: every rank gets every updated parameter."""
-        works = [work for chunk in self.chunks + self.sharded for work in chunk.gather_parameters()]
+        works = [work for chunk in self.buffers for work in chunk.gather_parameters()]
         for work in works:
             work.wait()
 
@@ -332,7 +354,8 @@ class GradientSync:
         (each element of the model once), and the group their squares are summed over. ZeRO: this rank's
         shard pieces, summed over every rank (a piece every dp x cp rank holds counts on the first); else
         every parameter's gradient (already identical across dp x cp), summed over the replica's
-        model-parallel group."""
+        model-parallel group; with expert parallelism, whose experts differ between the ep ranks, over every
+        rank, each element counted on the first rank that holds it (ParallelContext.replica_rank)."""
         ctx = self.ctx
         if self.shard:
             pieces = self.shard_pieces()
@@ -341,13 +364,17 @@ class GradientSync:
                        and (ctx.dp_cp_rank == 0 or not piece.replicated)]
             return grads, counted, dist.group.WORLD if ctx.world_size > 1 else None
         used = [(p.grad, p) for p in params if p.grad is not None]
+        if ctx.ep > 1:
+            counted = [g for g, p in used if counted_here(p, ctx.tp_rank) and ctx.replica_rank(p) == 0]
+            return [g for g, _ in used], counted, dist.group.WORLD
         group = ctx.model_parallel_group if ctx.tp * ctx.pp > 1 else None
         return [g for g, _ in used], [g for g, p in used if counted_here(p, ctx.tp_rank)], group
 
     def buffer_bytes(self) -> tuple[int, int]:
         """(parameter, gradient) bytes held between steps."""
-        values = sum(c.values.numel() * c.values.element_size() for c in self.chunks)
-        grads = sum(c.grads.numel() * c.grads.element_size() for c in self.chunks)
+        whole = self.chunks + self.expert_chunks
+        values = sum(c.values.numel() * c.values.element_size() for c in whole)
+        grads = sum(c.grads.numel() * c.grads.element_size() for c in whole)
         for chunk in self.sharded:
             sharded_values, sharded_grads = chunk.persistent_bytes()
             values, grads = values + sharded_values, grads + sharded_grads

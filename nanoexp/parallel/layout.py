@@ -2,7 +2,9 @@
 
 A run splits its work four ways: dp replicas of the model each read part of the global batch, cp ranks each
 hold part of every sequence (context parallel), tp ranks each hold a slice of every large weight, and pp
-stages each hold some of the layers (in `virtual_stages` chunks per rank with interleaved 1F1B). Validation,
+stages each hold some of the layers (in `virtual_stages` chunks per rank with interleaved 1F1B). A fifth,
+expert parallelism, adds no ranks: the dp x cp ranks, which read different tokens, are cut into groups of ep
+consecutive ones, each of which holds a mixture's experts once, num_experts / ep on each rank. Validation,
 the sweeps and launchers, ParallelContext, model building, the memory estimate and the trainer all read these
 numbers here; none recomputes them.
 
@@ -36,6 +38,7 @@ class Layout:
     virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b only)
     cp_mode: str = "ring"
     sequence_parallel: bool = False   # tp_mode=reduce_scatter: activations between blocks split over tp
+    ep: int = 1                       # expert parallel: ranks of dp x cp that split a mixture's experts
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Layout":
@@ -43,7 +46,7 @@ class Layout:
         p = cfg.parallelism
         return cls(dp=int(p.dp), cp=int(p.get("cp", 1)), tp=int(p.tp), pp=int(p.pp), engine=str(p.pp_engine),
                    virtual_stages=int(p.pp_virtual_stages), cp_mode=str(p.get("cp_mode", "ring")),
-                   sequence_parallel=p.tp_mode == "reduce_scatter")
+                   sequence_parallel=p.tp_mode == "reduce_scatter", ep=int(p.get("ep", 1)))
 
     @property
     def world_size(self) -> int:
@@ -55,6 +58,17 @@ class Layout:
         """Ranks that hold the same weights and read different tokens: gradients are averaged (and ZeRO-1
         shards its state) over dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel: the ranks that hold the same experts (one in each ep group), over which the
+        experts' gradients are summed: dp x cp / ep."""
+        return self.dp_cp // self.ep
+
+    def expert_position(self, dp_cp_rank: int) -> tuple[int, int]:
+        """(ep_rank, edp_rank) of the rank at `dp_cp_rank` (dp_rank x cp + cp_rank) in dp x cp: ep groups are
+        consecutive, so that with cp > 1 the ranks of a sample's cp ring exchange tokens first."""
+        return dp_cp_rank % self.ep, dp_cp_rank // self.ep
 
     # -- the rank grid: (pp, dp, cp, tp), tp innermost (context.py says why) -------------------
     def rank_at(self, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
@@ -76,8 +90,9 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """dp2tp2pp2; cp is named only when it is used (dp1cp2tp2pp2), so 3D names never change."""
-        return f"dp{self.dp}" + (f"cp{self.cp}" if self.cp > 1 else "") + f"tp{self.tp}pp{self.pp}"
+        """dp2tp2pp2; cp and ep are named only when used (dp1cp2tp2pp2, dp2ep2tp1pp1), so 3D names never change."""
+        return (f"dp{self.dp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (f"ep{self.ep}" if self.ep > 1 else "")
+                + f"tp{self.tp}pp{self.pp}")
 
     # -- pipeline stages ---------------------------------------------------------------------
     def stage_layers(self, num_layers: int, pp_rank: int) -> list[range]:

@@ -5,7 +5,8 @@ clipping, checkpoints, Hugging Face weights).
 A parameter without a declaration is replicated on every tp rank of its pipeline stage. Tied
 embeddings split over the pipeline (Layout.lm_head_weight decides where) are declared here as two
 ends: the embedding, and the last stage's copy of its values, which is stored and counted nowhere
-(`counted_here`) and reads its values from the embedding's name (`value_name`).
+(`counted_here`) and reads its values from the embedding's name (`value_name`). A routed expert's
+parameters under expert parallelism live on one rank of each ep group (ParallelContext.replica_rank).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Placement:
     sequence_parallel: bool = False   # each tp rank's gradient covers its part of the sequence: summed over tp
     tied_across_stages: bool = False  # one end of an embedding tied over the first and last stage: grads summed
     tied_copy: bool = False           # the last stage's end: the embedding's values, stored and counted there
+    expert: bool = False              # a routed expert's: on one rank of each ep group, gradients summed over edp
 
 
 REPLICATED = Placement()

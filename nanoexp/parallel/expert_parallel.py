@@ -1,0 +1,79 @@
+"""Expert parallelism's token exchange: each routed token's hidden state goes to the ep rank that holds its
+expert, and the expert's output comes back, by `all_to_all_single` over the ep group (ParallelContext).
+
+A MoE layer sorts its (token, expert) assignments by expert and calls `ExpertRoute(counts, ...)` with how many
+rows go to each of the E experts. The route first exchanges those counts (one all-to-all of E integers: each
+rank learns how many rows every peer sends to each of its experts), then `dispatch` sends the rows in one
+variable-size all-to-all and regroups what arrived by local expert; `combine` undoes both. Autograd runs
+through both directions: the backward of a send is the reverse exchange of the gradients, with the split sizes
+swapped.
+
+Every rank of the ep group must make the same calls in the same order, which it does: the ranks run the same
+layers on the same schedule, and a rank with no row for a peer still takes part (with a split of 0). With
+ep = 1 no communication happens: the rows are only cut into one block per expert.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send_splits), ...] out to the group, [sum(receive_splits), ...] in; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, rows, receive_splits, send_splits, group):
+        ctx.splits, ctx.group = (receive_splits, send_splits), group
+        received = rows.new_empty((sum(receive_splits), *rows.shape[1:]))
+        dist.all_to_all_single(received, rows.contiguous(), receive_splits, send_splits, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        receive_splits, send_splits = ctx.splits
+        sent_back = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(sent_back, grad.contiguous(), send_splits, receive_splits, group=ctx.group)
+        return sent_back, None, None, None
+
+
+class ExpertRoute:
+    """One micro-batch's exchange in one MoE layer, from `counts[e]`: the rows this rank sends to expert e
+    (rows sorted by expert), E = len(counts) experts of which each of the `ep` ranks of `group` holds E / ep
+    consecutive ones. `local_counts[j]`: the rows that arrive for this rank's j-th expert (from every rank)."""
+
+    def __init__(self, counts: torch.Tensor, ep: int, group):
+        self.ep, self.group = ep, group
+        if ep == 1:
+            self.local_counts = counts.tolist()
+            return
+        experts_per_rank = counts.numel() // ep
+        received = torch.empty_like(counts)   # [source rank, local expert], flattened
+        dist.all_to_all_single(received, counts, group=group)
+        received = received.view(ep, experts_per_rank).tolist()
+        self.send_splits = counts.view(ep, experts_per_rank).sum(1).tolist()
+        self.receive_splits = [sum(row) for row in received]
+        self.local_counts = [sum(row[j] for row in received) for j in range(experts_per_rank)]
+        # Arrived rows are grouped by source, then expert; `order` lists them by expert, then source.
+        starts, offset = [], 0
+        for row in received:
+            starts.append([])
+            for n in row:
+                starts[-1].append(offset)
+                offset += n
+        order = [i for j in range(experts_per_rank) for s, row in enumerate(received)
+                 for i in range(starts[s][j], starts[s][j] + row[j])]
+        self.order = torch.tensor(order, dtype=torch.long, device=counts.device)
+
+    def dispatch(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The rows each of this rank's experts computes, one block per local expert (empty blocks included)."""
+        if self.ep > 1:
+            rows = _AllToAll.apply(rows, self.receive_splits, self.send_splits, self.group)[self.order]
+        return list(rows.split(self.local_counts))
+
+    def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The experts' outputs (blocks as `dispatch` gave them) back to the ranks and rows they came from."""
+        rows = torch.cat(outputs)
+        if self.ep == 1:
+            return rows
+        by_source = torch.empty_like(rows).index_copy(0, self.order, rows)
+        return _AllToAll.apply(by_source, self.send_splits, self.receive_splits, self.group)
