@@ -52,6 +52,9 @@ does for the whole sequence, but its output is laid out [b, heads, s, d] and o_p
 (+ h/tp in both formulas; none under recomputation, which keeps only the layer's input). With
 parallelism.cp_mode=all_gather the attention saves the gathered K/V of all cp ranks in place of its own
 (+ (cp − 1)·2kv/tp), and its backward holds their float32 dK/dV at once (`ring_workspace`).
+A MoE layer saves its routing and, per assignment, its expert's tensors in place of the MLP's
+(`moe_floats_per_token`); under expert parallelism a rank holds num_experts / ep routed experts (`Unit.experts`,
+whose ZeRO-1 state is sharded over edp = dp x cp / ep) and, during a MoE layer, its sent and received rows.
 """
 from __future__ import annotations
 
@@ -183,9 +186,10 @@ def saved_activation_bytes(params):
 
 
 def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
-                           cp: int = 1, cp_mode: str = "ring") -> float:
+                           cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1) -> float:
     """Floats one decoder layer saves for backward per token on a rank (see the module docstring); under
-    cp > 1 per token of the rank's s/cp, with cp_mode's attention (ring | all_gather)."""
+    cp > 1 per token of the rank's s/cp, with cp_mode's attention (ring | all_gather); `moe`: a MoE layer's
+    (moe_floats_per_token in place of the MLP's 4i / tp)."""
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
     if recompute:
@@ -198,15 +202,30 @@ def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence
     ring = h / tp if cp > 1 else 0
     # All-gather attention saves the K/V of every cp rank's chunks instead of its own: cp − 1 more K/V.
     gathered = (cp - 1) * 2 * kv / tp if cp > 1 and cp_mode == "all_gather" else 0
-    return (norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads + 4 * i) / tp
+    mlp = moe_floats_per_token(shape, ep) / (tp if sequence_parallel else 1) if moe else 4 * i / tp
+    return (norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads) / tp + mlp
             + ring + gathered)
+
+
+def moe_floats_per_token(shape: LlamaShape, ep: int) -> float:
+    """A MoE block's saved floats per token it routes (counted from autograd's tensors, tests/test_memory.py):
+    router logits and probabilities (2E) and a scalar; per assignment (top_k of them) the expert's input,
+    its output before weighting, its SwiGLU's 4 i_e, the weight and the int64 token and slot indices
+    (3h + 4 i_e + 7); under ep > 1, measured, h + 2 more per row a rank's experts compute (the received rows and
+    their int64 order; with even routing a rank computes as many rows as it sends); the shared experts' SwiGLU
+    (4 x their width)."""
+    moe, h = shape.moe, shape.hidden_size
+    per_assignment = 3 * h + 4 * moe.intermediate_size + 7 + (h + 2 if ep > 1 else 0)
+    return 2 * moe.num_experts + 1 + moe.top_k * per_assignment + 4 * moe.intermediate_size * moe.num_shared_experts
 
 
 class Unit(NamedTuple):
     """One module's parameters on a rank (its tp slices): those ZeRO-2/3 shard over dp x cp, and those every
-    rank keeps whole (sequence-parallel norms, a tied embedding or its copy)."""
+    rank keeps whole (sequence-parallel norms, a tied embedding or its copy); under expert parallelism (which
+    refuses ZeRO-2/3) `experts` are counted apart, as ZeRO-1 shards their state over edp, not dp x cp."""
     sharded: int
     whole: int
+    experts: int = 0
 
 
 def units(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[Unit]:
@@ -219,8 +238,13 @@ def units(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[Unit]:
     held = [Unit(0, embedding) if tied else Unit(embedding, 0)] if pp_rank == 0 else []
     for n in (n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk):
         if shape.is_moe_layer(n):   # experts whole on every tp rank; under SP kept whole, as the norms (moe.py)
-            experts = sum(math.prod(s) for s in moe_layer_shapes(h, shape.moe, "").values())
-            held.append(Unit(attention, norms + experts) if sp else Unit(attention + experts + norms, 0))
+            moe = sum(math.prod(s) for s in moe_layer_shapes(h, shape.moe, "").values())
+            if layout.ep > 1:   # the routed experts split over ep (Unit.experts); router and shared ones whole
+                routed = 3 * h * shape.moe.intermediate_size * shape.moe.num_experts
+                held.append(Unit(attention, norms + moe - routed, routed // layout.ep) if sp
+                            else Unit(attention + norms + moe - routed, 0, routed // layout.ep))
+                continue
+            held.append(Unit(attention, norms + moe) if sp else Unit(attention + moe + norms, 0))
         else:
             matrices = attention + 3 * h * i // layout.tp
             held.append(Unit(matrices, norms) if sp else Unit(matrices + norms, 0))
@@ -234,7 +258,7 @@ def units(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[Unit]:
 def held_parameters(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[int, list[int]]:
     """(parameters this pp rank holds per tp rank, layers of each of its chunks)."""
     chunks = [len(layers) for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank)]
-    return sum(u.sharded + u.whole for u in units(shape, layout, pp_rank)), chunks
+    return sum(u.sharded + u.whole + u.experts for u in units(shape, layout, pp_rank)), chunks
 
 
 def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
@@ -278,12 +302,22 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     tokens = cfg.tokens.micro_batch_size * layout.local_tokens(cfg.tokens.sequence_length)
-    floats = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, cp_mode=layout.cp_mode)
-    per_layer = layer_floats_per_token(shape, recompute=recompute, **floats)
-    # Recomputation re-materialises one full layer at a time during backward.
-    transient = layer_floats_per_token(shape, recompute=False, **floats) if recompute else 0
+    floats = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, cp_mode=layout.cp_mode,
+                  ep=layout.ep)
+    ids = [n for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in layers]
+    # Dense and MoE layers save different amounts: a layer in flight counts as the stage's mean layer.
+    per_layer = sum(layer_floats_per_token(shape, recompute=recompute, moe=shape.is_moe_layer(n), **floats)
+                    for n in ids) / len(ids)
+    # Recomputation re-materialises one full layer at a time during backward; the all-to-all of a MoE layer
+    # under ep holds its rows twice at once (sent and received), k per token.
+    def transient(n: int) -> float:
+        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=shape.is_moe_layer(n), **floats)
+        if layout.ep == 1 or not shape.is_moe_layer(n):
+            return recomputed
+        return recomputed + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
-    return act_bytes * tokens * (layers * per_layer + transient + heads * head) + ring_workspace(cfg, layout, shape)
+    return (act_bytes * tokens * (layers * per_layer + max(map(transient, ids)) + heads * head)
+            + ring_workspace(cfg, layout, shape))
 
 
 def zero_stage(cfg, layout: Layout) -> int:
@@ -291,12 +325,14 @@ def zero_stage(cfg, layout: Layout) -> int:
     return int(cfg.optimizer.zero_stage) if layout.dp_cp > 1 else 0
 
 
-def model_state(stage: int, held: list[Unit], d: int) -> dict[str, float]:
+def model_state(stage: int, held: list[Unit], d: int, edp: int | None = None) -> dict[str, float]:
     """Persistent bytes (parameters, gradients, AdamW moments) and the update's temporaries, for ZeRO `stage`
-    over d ranks. Each unit's flat buffer is padded to a multiple of d: a rank's shard is ceil(sharded / d)."""
-    full = sum(u.sharded + u.whole for u in held)
-    shard = sum(-(-u.sharded // d) + u.whole for u in held)   # what ZeRO-2/3 keep per rank
-    updated = {0: full, 1: full / d}.get(stage, shard)          # the parameters this rank's AdamW steps
+    over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard is
+    ceil(sharded / d)."""
+    experts = sum(u.experts for u in held)
+    full = sum(u.sharded + u.whole for u in held) + experts
+    shard = sum(-(-u.sharded // d) + u.whole for u in held)   # what ZeRO-2/3 keep per rank (no experts: refused)
+    updated = {0: full, 1: (full - experts) / d + experts / (edp or d)}.get(stage, shard)   # what AdamW steps
     return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
             "optimizer": 8 * updated, "update_workspace": 4 * updated}
 
@@ -340,7 +376,7 @@ def communication_bytes(stage: int, held: list[Unit], device_type: str) -> float
     if device_type != "cpu":
         return 0
     if stage == 1:
-        return 4 * sum(u.sharded + u.whole for u in held)
+        return 4 * sum(u.sharded + u.whole + u.experts for u in held)
     return 4 * max((u.sharded for u in held), default=0) if stage == 2 else 0   # at most: buckets are smaller
 
 
@@ -350,7 +386,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     layout = Layout.from_config(cfg)
     stage, held = zero_stage(cfg, layout), units(shape, layout, pp_rank)
     _, chunks = held_parameters(shape, layout, pp_rank)
-    return {**model_state(stage, held, layout.dp_cp),
+    return {**model_state(stage, held, layout.dp_cp, layout.edp),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}

@@ -3,6 +3,7 @@
     python scripts/bench_parallel.py dp2tp1pp1 dp1tp2pp1 dp1tp2pp1:parallelism.tp_mode=reduce_scatter \
         dp1tp1pp2 dp2tp2pp2 [--model tiny] [--steps 3] [--warmup 1] [--set KEY=VALUE ...]
     python scripts/bench_parallel.py dp1cp2tp1pp1 dp1cp4tp1pp1 dp2cp2tp1pp1   # context parallel
+    python scripts/bench_parallel.py dp2ep2tp1pp1 dp4ep2tp1pp1 --model moe_tiny  # expert parallel
 
 Each layout ("dpXtpYppZ" or "dpXcpWtpYppZ", optionally ":" and comma-separated overrides for that
 layout) runs dp*cp*tp*pp forked gloo workers with the real Trainer; after warm-up steps, `--steps`
@@ -32,6 +33,13 @@ A = micro_batch x s' x hidden activation bytes, N = the parameters this rank hol
       gathered cp x KV, and one reduce-scatter of the float32 dK/dV backward (cp-1) x KV32; the backward
       reuses the saved K/V: cp_min = m x layers x (cp-1) x (KV + KV32), plus the forward's share again
       under recomputation;
+  ep  expert parallelism's all-to-all (nanoexp/parallel/expert_parallel.py, layouts dpXepVtpYppZ with a MoE
+      model): per micro-batch and MoE layer of the stage, each routed token's float32 hidden state to its
+      top_k experts and back, forward and backward (the forward's share again under recomputation), of which
+      (ep-1)/ep leave the rank with even routing, plus the E int64 counts per forward; the measured share
+      follows the routing, so sent/min strays from 1 by the routing's skew; and edp: the experts' gradients,
+      2(edp-1)/edp x 4 x the expert parameters the rank holds (reduce-scatter + all-gather under ZeRO-1), the
+      dense ones staying on dp;
   tp  Megatron's minimum, per micro-batch: 2 all-reduces forward + 2 backward per layer
       (sequence parallel: 4 all-gathers + 4 reduce-scatters, the same bytes), one for the
       embedding (first stage) and one for the LM head's input (last stage), each 2(tp-1)/tp x A;
@@ -61,13 +69,13 @@ from omegaconf import OmegaConf
 
 from nanoexp.config import compose as compose_config, normalize
 from nanoexp.launch import free_port
-from nanoexp.memory import held_parameters
+from nanoexp.memory import held_parameters, units
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 from nanoexp.verify.comm_counter import CommCounter
 
-GROUPS = ("dp", "dp_cp", "cp", "tp", "pp", "model_parallel", "embedding")
+GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding")
 
 
 def compose(overrides: list[str]):
@@ -88,9 +96,14 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
     out = {name: 0.0 for name in GROUPS}
     held, chunks = held_parameters(trainer.shape, ctx.layout, ctx.pp_rank)
+    experts = sum(unit.experts for unit in units(trainer.shape, ctx.layout, ctx.pp_rank))   # ep > 1 only
     if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
-        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * (held * zero_passes(cfg, m) / 2 + scalars)
+        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * ((held - experts) * zero_passes(cfg, m) / 2
+                                                                     + scalars)
+    if ctx.ep > 1:
+        out["ep"] = all_to_all_bytes(cfg, ctx, trainer.shape, m, mb * s // (ctx.tp if sp else 1))
+        out["edp"] = ring(ctx.edp) * 4 * experts * zero_passes(cfg, m) / 2 if ctx.edp > 1 else 0
     if ctx.cp > 1:
         kv_heads = trainer.shape.num_key_value_heads // ctx.tp
         kv = 2 * mb * kv_heads * s * trainer.shape.head_dim   # floats of one K/V message
@@ -115,6 +128,19 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     if ctx.tp * ctx.pp > 1:
         out["model_parallel"] = ring(ctx.tp * ctx.pp) * 4
     return out
+
+
+def all_to_all_bytes(cfg, ctx: ParallelContext, shape, micro_batches: int, tokens: int) -> float:
+    """Expert parallelism per step: each of the `tokens` a micro-batch has this rank route sends its hidden state
+    (float32) to its top_k experts and gets their outputs back, in every MoE layer of this stage, forward and
+    backward (and forward again under recomputation); with even routing (ep-1)/ep of the rows go to another
+    rank. Before the rows, each forward exchanges the E counts (int64)."""
+    moe, layers = shape.moe, ctx.layout.stage_layers(shape.num_hidden_layers, ctx.pp_rank)
+    moe_layers = sum(shape.is_moe_layer(n) for chunk in layers for n in chunk)
+    forwards = 2 if cfg.parallelism.recompute_layer else 1
+    rows = 4 * shape.hidden_size * tokens * moe.top_k * (2 * forwards + 2)
+    counts = 8 * moe.num_experts * forwards
+    return micro_batches * moe_layers * (rows + counts) * (ctx.ep - 1) / ctx.ep
 
 
 def zero_passes(cfg, m: int) -> int:
@@ -216,12 +242,12 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; bytes are what each rank sends (ring algorithms)")
     for spec in args.layouts:
         layout, _, extra = spec.partition(":")
-        match = re.fullmatch(r"dp(\d+)(?:cp(\d+))?tp(\d+)pp(\d+)", layout)
+        match = re.fullmatch(r"dp(\d+)(?:cp(\d+))?(?:ep(\d+))?tp(\d+)pp(\d+)", layout)
         if match is None:
-            parser.error(f"layout {layout!r} is not of the form dpXtpYppZ or dpXcpWtpYppZ")
-        dp, cp, tp, pp = match.groups()
+            parser.error(f"layout {layout!r} is not of the form dpXtpYppZ, dpXcpWtpYppZ or dpXepVtpYppZ")
+        dp, cp, ep, tp, pp = match.groups()
         overrides = [f"model={args.model}", f"parallelism.dp={dp}", f"parallelism.cp={cp or 1}", f"parallelism.tp={tp}",
-                     f"parallelism.pp={pp}",
+                     f"parallelism.pp={pp}", f"parallelism.ep={ep or 1}",
                      "logging.tensorboard=false", "data.prefetch=false", *args.set,
                      *[o for o in extra.split(",") if o]]
         report(spec, run_layout(compose(overrides), args), args.steps)

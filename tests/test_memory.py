@@ -34,8 +34,10 @@ def saved_per_layer(overrides) -> tuple[float, float]:
             model(input_ids=ids, labels=ids)
         saved.append(counter.bytes)
     layout = ctx.layout
-    formula = 4 * 2 * 64 * layer_floats_per_token(model_shape(cfg), layout.tp, cfg.parallelism.recompute_layer,
-                                                  layout.sequence_parallel, layout.cp, layout.cp_mode)
+    shape = model_shape(cfg)
+    formula = 4 * 2 * 64 * layer_floats_per_token(shape, layout.tp, cfg.parallelism.recompute_layer,
+                                                  layout.sequence_parallel, layout.cp, layout.cp_mode,
+                                                  moe=shape.is_moe_layer(1), ep=layout.ep)
     return saved[1] - saved[0], formula
 
 
@@ -43,6 +45,29 @@ def saved_per_layer(overrides) -> tuple[float, float]:
 def test_layer_formula_is_what_autograd_saves(overrides):
     measured, formula = saved_per_layer(overrides)
     assert measured == formula   # counted from the tensors: exact
+
+
+# Every layer a MoE one: 8 experts of width 96 on small's hidden 512.
+MOE = ["model.moe.num_experts=8", "model.moe.moe_intermediate_size=96", "model.moe.layer_frequency=1"]
+MOE_SCALARS = 4 * (2 * 8 + 1)   # bytes a MoE layer saves once per micro-batch (the aux loss's P_e, f_e, T)
+
+
+@pytest.mark.parametrize("overrides", [["model.moe.num_shared_experts=1"], ["model.moe.top_k=1"]],
+                         ids=["top2-shared", "top1"])
+def test_moe_layer_formula_is_what_autograd_saves(overrides):
+    measured, formula = saved_per_layer(MOE + overrides)
+    assert formula < measured <= formula + MOE_SCALARS
+
+
+def _ep2_layer(rank, world, overrides):
+    return saved_per_layer(MOE + overrides + ["parallelism.dp=2", "parallelism.ep=2"])
+
+
+def test_moe_layer_formula_under_expert_parallelism():
+    """A rank saves the rows its experts compute: per rank they vary with the routing, their mean is the
+    formula's (every row sent is computed once)."""
+    (measured_0, formula), (measured_1, _) = run_distributed(_ep2_layer, 2, [])
+    assert formula < (measured_0 + measured_1) / 2 <= formula + MOE_SCALARS
 
 
 def _tp2_layer(rank, world, overrides):

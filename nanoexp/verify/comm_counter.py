@@ -6,7 +6,7 @@
 
 While the block runs, `torch.distributed.{all_reduce, all_gather, all_gather_into_tensor,
 all_gather_single, reduce_scatter, reduce_scatter_tensor, reduce_scatter_single, broadcast, send,
-recv, isend, irecv, batch_isend_irecv}` (those this torch has) are replaced by wrappers that record each call and then call the original; everything is
+recv, isend, irecv, batch_isend_irecv, all_to_all_single}` (those this torch has) are replaced by wrappers that record each call and then call the original; everything is
 restored on exit. A call is attributed to the name of the group object it was given (None is
 the default group, "world"; an unnamed group is "other").
 
@@ -15,7 +15,8 @@ Two numbers per call, for THIS rank:
     gather, its own chunk for a reduce-scatter, the buffer for send/recv);
   * sent_bytes: the bytes this rank puts on the wire with the bandwidth-optimal (ring)
     algorithm, for a group of n: all-reduce 2(n-1)/n x tensor, all-gather (n-1) x chunk,
-    reduce-scatter (n-1) x chunk, broadcast (n-1)/n x tensor, send/isend the tensor, recv 0.
+    reduce-scatter (n-1) x chunk, broadcast (n-1)/n x tensor, send/isend the tensor, recv 0,
+    all-to-all its input but the rows of its own split.
 Backends may use other algorithms; sent_bytes is the standard yardstick, comparable with the
 analytic minimum of a layout. Only the outermost call counts (a wrapped function that calls
 another wrapped one is not counted twice).
@@ -44,7 +45,7 @@ RULES = {
     "recv": ((0, "tensor"), (2, "group"), lambda b, n: 0),
     "irecv": ((0, "tensor"), (2, "group"), lambda b, n: 0),
 }
-WRAPPED = (*(name for name in RULES if hasattr(dist, name)), "batch_isend_irecv")   # as this torch has them
+WRAPPED = (*(name for name in RULES if hasattr(dist, name)), "all_to_all_single", "batch_isend_irecv")   # as this torch has them
 
 
 def _nbytes(tensor) -> int:
@@ -61,6 +62,11 @@ def _call_bytes(name: str, args: tuple, kwargs: dict) -> list[tuple[object, int,
         i, key = where
         return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
 
+    if name == "all_to_all_single":   # sends every row but those of its own split
+        rows, splits, group = arg((1, "input")), arg((3, "input_split_sizes")), arg((4, "group"))
+        n, me, total = dist.get_world_size(group), dist.get_rank(group), _nbytes(rows)
+        own = total * splits[me] // max(sum(splits), 1) if splits else total // n
+        return [(group, total, total - own)]
     tensor_at, group_at, sent = RULES[name]
     tensor, group = arg(tensor_at), arg(group_at)
     return [(group, _nbytes(tensor), sent(_nbytes(tensor), dist.get_world_size(group)))]
