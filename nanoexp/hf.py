@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from nanoexp.model.llama import LlamaShape, parameter_shapes
+from nanoexp.model.mup import ROUTER
 from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, value_name
 from nanoexp.parallel.tensor_parallel import shard_tensor
 
@@ -79,7 +80,8 @@ def llama_config(shape: LlamaShape, eod_id: int) -> dict:
 def bake_multipliers(tensors: dict[str, torch.Tensor], shape: LlamaShape) -> tuple[dict, LlamaShape]:
     """Full weights and shape of a transformers Llama that computes the logits of this model, whose
     forward may carry multipliers (µP): the attention scale goes into q_proj (HF scales q·k by
-    1/sqrt(head_dim); rotary embeddings are linear in q), the logit multiplier into the LM head. A
+    1/sqrt(head_dim); rotary embeddings are linear in q), the logit multiplier into the LM head (and a
+    mixture's router multiplier into each router). A
     tied LM head gets its own scaled tensor (the embedding keeps its values): exported untied."""
     tensors = dict(tensors)
     if shape.attention_scale is not None:
@@ -89,6 +91,10 @@ def bake_multipliers(tensors: dict[str, torch.Tensor], shape: LlamaShape) -> tup
     if shape.logit_multiplier != 1.0:
         tensors[LM_HEAD] = tensors.get(LM_HEAD, tensors[EMBEDDING]) * shape.logit_multiplier
         shape = replace(shape, tie_word_embeddings=False)
+    if shape.moe is not None and shape.moe.router_multiplier != 1.0:   # into each router, as the LM head's
+        for name in [n for n in tensors if n.endswith(ROUTER)]:
+            tensors[name] = tensors[name] * shape.moe.router_multiplier
+        shape = replace(shape, moe=replace(shape.moe, router_multiplier=1.0))
     return tensors, replace(shape, attention_scale=None, logit_multiplier=1.0)
 
 

@@ -69,8 +69,8 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
 
 
 def moe_rules(cfg: Any) -> list[Rule]:
-    """model.moe: a mixture of experts (num_experts > 0) needs a routing that fits it; µP and Hugging Face
-    weights are not built for it yet."""
+    """model.moe: a mixture of experts (num_experts > 0) needs a routing that fits it; Hugging Face weights load
+    only as a Mixtral."""
     moe, model = cfg.model.moe, cfg.model
     rules = [must(cfg, "model.moe.num_experts", lambda experts: experts >= 0, ">= 0 (0: a dense model)")]
     if moe.num_experts == 0:
@@ -91,8 +91,6 @@ def moe_rules(cfg: Any) -> list[Rule]:
          f"tp_mode={cfg.parallelism.tp_mode}: an expert's capacity counts a rank's tokens, so splitting a "
          "micro-batch's tokens over cp or sequence-parallel ranks would drop other tokens than one process; "
          "use cp=1 and tp_mode=all_reduce, or capacity_factor=null (dropless)"),
-        (model.parametrization == "standard", "model.parametrization=mup with model.moe.num_experts > 0: µP for "
-         "mixtures of experts is not built yet; use model.parametrization=standard"),
         (not model.init_method.path or (moe.num_shared_experts == 0 and moe.layer_frequency == 1
                                         and moe.router == "softmax_topk_normalized"),
          f"model.init_method.path={model.init_method.path}: Hugging Face mixtures of experts load as Mixtral, "

@@ -5,6 +5,7 @@ Tolerances: the layer in float64 is the reference's math in another order (1e-12
 tests/test_parallel.py (float32 reductions in another order); measured over 8 steps at most 9.5e-7 on the
 loss, 4.8e-7 on the aux loss (about 2.5) and 1.9e-6 on the z loss (about 10: 2e-7 relative).
 """
+import dataclasses
 import os
 
 import numpy as np
@@ -184,7 +185,6 @@ def test_checkpoint_moves_between_layouts(tmp_path):
     (["model.moe.top_k=9"], "model.moe.top_k=9: must be between 1 and model.moe.num_experts=8"),
     (["model.moe.router=sigmoid"],
      "model.moe.router=sigmoid: allowed values are softmax_topk, softmax_topk_normalized"),
-    (["model.parametrization=mup", "model.mup.base_width=32"], "µP for mixtures of experts is not built yet"),
     (CAPACITY + ["parallelism=dp1cp2tp1pp1"], "an expert's capacity counts a rank's tokens"),
     (CAPACITY + ["parallelism=dp1tp2pp1", "parallelism.tp_mode=reduce_scatter"], "use cp=1 and tp_mode=all_reduce"),
     (["parallelism=dp2tp1pp1", "parallelism.ep=4"], "parallelism.ep=4 does not divide parallelism.dp * cp = 2"),
@@ -226,3 +226,67 @@ def test_mixtral_round_trip(tmp_path):
     back, _ = load_single_process(str(tmp_path / "back" / "0"))
     for (name, p), q in zip(ours.named_parameters(), back.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
+
+
+# -- µP ----------------------------------------------------------------------------------------------
+MUP = ["model.parametrization=mup", "model.mup.base_width=32"]   # FAST's hidden 64: m = 2
+
+
+def test_mup_treats_the_router_as_an_output_layer_and_the_experts_as_hidden():
+    """m = 2: the router keeps the init std and the rate (the "matrices" group, as the LM head) and its logits
+    are multiplied by 1/m; the experts are hidden matrices (std / sqrt(m), lr / m)."""
+    from nanoexp.model.build import build_model
+    from nanoexp.optim import build_optimizer, set_lr
+    cfg = compose_config(FAST + MOE + MUP + ["model.model_config.hidden_size=256", "model.mup.base_width=64",
+                                             "model.moe.moe_intermediate_size=256"])   # m = 4, enough draws
+    model = build_model(cfg, ParallelContext())
+    assert model.shape.moe.router_multiplier == 0.25
+    std = cfg.model.init_method.std
+    params = dict(model.named_parameters())
+    assert params["model.layers.1.mlp.router.weight"].std().item() == pytest.approx(std, rel=0.05)
+    assert params["model.layers.1.mlp.experts.3.up_proj.weight"].std().item() == pytest.approx(std / 2, rel=0.05)
+    optimizer = build_optimizer(cfg, model)
+    set_lr(optimizer, 1e-3)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    assert group_of[id(params["model.layers.1.mlp.router.weight"])]["lr"] == 1e-3
+    assert group_of[id(params["model.layers.1.mlp.experts.3.up_proj.weight"])]["lr"] == 1e-3 / 4
+    # the multiplier on the logits: the layer routes as a standard one whose router weight is scaled by 1/m
+    layer = model.model.layers["1"].mlp
+    x = torch.randn(2, 8, 256)
+    with torch.no_grad():
+        ours = layer(x)
+        layer.router.weight.mul_(0.25)
+        layer.moe = dataclasses.replace(layer.moe, router_multiplier=1.0)
+        torch.testing.assert_close(layer(x), ours, atol=1e-6, rtol=0)
+
+
+def test_mup_moe_on_expert_parallel_layout_and_exported_to_mixtral(tmp_path):
+    """µP with a MoE trains the one-process model on ep2 x pp2, and its Mixtral export (router multiplier
+    folded into the router, as the logit multiplier into the LM head) gives nanoexp's logits."""
+    from transformers import MixtralForCausalLM
+
+    from nanoexp.checkpoint.load import load_single_process
+    from tests.test_hf_conversion import LOGITS_ATOL
+    run = FAST + MOE + MIXTRAL + MUP + STEPS + ["model.mup.attention_multiplier=4"]
+    expected = moe_curves(train(tmp_path / "one", run))
+    ours = moe_curves(train(tmp_path / "ep2pp2", run + ["parallelism=dp2tp1pp2"] + EP2))
+    np.testing.assert_allclose(ours["loss"], expected["loss"], atol=LATER_STEP_ATOL, rtol=0)
+    np.testing.assert_allclose(ours["grad_norm"], expected["grad_norm"], rtol=GRAD_NORM_RTOL)
+    ckpt = tmp_path / "ep2pp2" / "checkpoints" / "8"
+    convert_to_hf(str(ckpt), str(tmp_path / "hf"))
+    model, _ = load_single_process(str(ckpt))
+    hf = MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_bf16_expert_parallel_matches_one_bf16_process(tmp_path):
+    """bf16 autocast on ep2: within the bf16 contract of tests/test_bf16_parity.py (measured 1.6e-4 relative
+    on the loss, 1.2e-3 on the gradient norm; the routing in float32, the rows exchanged in float32)."""
+    from tests.test_bf16_parity import GRAD_NORM_RTOL as BF16_GRAD_NORM_RTOL, LOSS_RTOL
+    run = FAST + MOE + STEPS + ["model.dtype=bfloat16"]
+    expected = moe_curves(train(tmp_path / "one", run))
+    ours = moe_curves(train(tmp_path / "ep2", run + ["parallelism=dp2tp1pp1"] + EP2))
+    np.testing.assert_allclose(ours["loss"], expected["loss"], rtol=LOSS_RTOL, atol=0)
+    np.testing.assert_allclose(ours["grad_norm"], expected["grad_norm"], rtol=BF16_GRAD_NORM_RTOL, atol=0)

@@ -26,7 +26,8 @@ def moe_shape(cfg) -> MoeShape | None:
                     intermediate_size=moe.moe_intermediate_size or cfg.model.model_config.intermediate_size,
                     num_shared_experts=moe.num_shared_experts, layer_frequency=moe.layer_frequency,
                     normalize_top_k=moe.router == "softmax_topk_normalized", aux_loss_coef=moe.aux_loss_coef,
-                    z_loss_coef=moe.z_loss_coef, capacity_factor=moe.capacity_factor)
+                    z_loss_coef=moe.z_loss_coef, capacity_factor=moe.capacity_factor,
+                    router_multiplier=parametrization_of(cfg).logit_multiplier)
 
 
 def model_shape(cfg) -> LlamaShape:

@@ -48,6 +48,7 @@ class MoeShape:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None   # None: dropless
+    router_multiplier: float = 1.0         # on the router's logits: 1/m under µP (mup.py), else 1
 
     def capacity(self, tokens: int) -> int | None:
         """The most assignments an expert takes from `tokens` tokens: ceil(capacity_factor x tokens x top_k / E)
@@ -196,6 +197,8 @@ class MoE(nn.Module):
         shape, tokens = x.shape, x.reshape(-1, x.shape[-1])            # [T, h]
         logits = self.router(tokens)                                   # [T, E]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # routing in float32 under bf16
+        if self.moe.router_multiplier != 1.0:
+            logits = logits * self.moe.router_multiplier
         probs = logits.softmax(dim=-1)
         weights, chosen = probs.topk(self.moe.top_k, dim=-1)          # [T, k]
         if self.moe.normalize_top_k:

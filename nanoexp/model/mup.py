@@ -14,6 +14,9 @@ formulation with multipliers), with the width multiplier m = hidden_size / model
   learning rate η; the logits are multiplied by 1/m. The output layer keeps its init (rather than
   starting at zero) so that a tied embedding, which is also the input layer, obeys the same rule:
   a tied LM head is the embedding and follows the embedding's rules, the 1/m on the logits included;
+- a mixture of experts' router (hidden size in, the number of experts out, which does not grow) is an output
+  layer like the LM head: init std σ, learning rate η, its logits multiplied by 1/m; its experts are hidden
+  matrices (their width should grow with the hidden size, as the dense MLP's does);
 - norm weights: ones, learning rate η;
 - attention scores α·q·k / d_head instead of q·k / √d_head, α = model.mup.attention_multiplier (1 by
   default). What µP fixes is the 1/d_head law (as the head dimension grows, q and k become correlated
@@ -30,6 +33,8 @@ from typing import Any
 
 from nanoexp.parallel.placement import EMBEDDING, LM_HEAD
 
+ROUTER = ".mlp.router.weight"   # a MoE layer's router: an output layer under µP
+
 # The optimizer's parameter groups, in this order (empty ones are left out): matrices trained with η
 # (under µP only the embedding and the LM head), hidden matrices (µP only: η/m), vectors (no decay).
 GROUPS = ("matrices", "hidden", "vectors")
@@ -45,7 +50,8 @@ class Parametrization:
         """The optimizer group of a parameter, named by the values it holds (see placement.value_name)."""
         if ndim < 2:
             return "vectors"
-        return "hidden" if self.mup and name not in (EMBEDDING, LM_HEAD) else "matrices"
+        output_like = name in (EMBEDDING, LM_HEAD) or name.endswith(ROUTER)
+        return "hidden" if self.mup and not output_like else "matrices"
 
     def lr_scale(self, group: str) -> float:
         """The group's learning rate over the scheduled one."""
