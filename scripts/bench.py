@@ -1,6 +1,7 @@
 """Single-process training throughput: nanoexp's Trainer against a plain PyTorch loop.
 
     python scripts/bench.py                                    # tiny and small, default options
+    python scripts/bench.py --models small,moe_small           # dense vs MoE at the same active parameters
     python scripts/bench.py --models small --variants default,compile,recompute,fused
     python scripts/bench.py --models tiny --steps 20 tokens.micro_batch_size=8   # extra overrides
     python scripts/bench.py --wall --models small             # fresh runs timed from outside
@@ -18,6 +19,19 @@ each, the medians of `--steps` timed steps are reported, with ratio = reference 
 nanoexp time (> 1: nanoexp is faster), by wall clock and by process CPU time (less
 sensitive to other load on the machine). The first-step losses of both are printed too: they
 start from the same weights, so they must agree (a check that the comparison is fair).
+
+MFU: each side's model FLOP/s (nanoexp/metrics.py: 6 x the parameters a token goes through + attention)
+over this machine's matmul peak (the first model's dtype, the same thread count) as nanoexp/peak.py keeps it
+(the best of a few 2048² matmuls now, or the best this machine ever measured if higher); it is printed first.
+
+A mixture of experts: FLOPs and MFU count its active parameters. A Mixtral-shaped one (every layer MoE, no
+shared experts, router=softmax_topk_normalized, e.g. conf/model/moe_small) is compared with transformers'
+`MixtralForCausalLM` holding the same weights (exported with nanoexp.hf's Mixtral names and loaded by
+`from_pretrained`, so transformers' default expert kernel runs); its loop adds HF's load-balancing loss,
+weighted to match nanoexp's aux_loss_coef (see PlainLoop). Any other MoE shape (e.g. moe_tiny) has no
+Hugging Face counterpart: only nanoexp is timed, the reference columns say "-" (--wall skips it). When a run has
+a dense model and a MoE, a closing line compares the MoE's tokens/s and MFU with the dense model's
+whose active parameter count is nearest.
 
 With --wall, the comparison is made from outside instead, as a user would time it: fresh processes of
 `python train.py model=M tokens.train_steps=S` (everything default: metrics, TensorBoard, the final
@@ -44,10 +58,16 @@ import torch
 import torch.nn.functional as F
 
 from nanoexp.config import batch_accumulation, compose as compose_config, global_batch_size, normalize
+from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.hf import hf_config, hf_name, mixtral_mismatch
 from nanoexp.memory import saved_activation_bytes
+from nanoexp.metrics import flops_per_token
+from nanoexp.model.build import model_shape
+from nanoexp.model.llama import count_active_parameters, count_parameters
 from nanoexp.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
+from nanoexp.peak import node_peak
 from nanoexp.validation import validate
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
@@ -71,24 +91,60 @@ def build_trainer(cfg, run_dir: str):
     return Trainer(cfg, ParallelContext(Layout.from_config(cfg)), run_dir)
 
 
+def hf_model(cfg, s, weights: dict | None):
+    """HF's model of shape `s` (None when it has none): LlamaForCausalLM, or MixtralForCausalLM for a
+    Mixtral-shaped mixture of experts; with `weights` (nanoexp's names) it holds those, else HF's own init."""
+    if s.moe is not None:
+        return None if mixtral_mismatch(s) else mixtral_model(cfg, s, weights)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                         num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+                         num_key_value_heads=s.num_key_value_heads, vocab_size=s.vocab_size,
+                         max_position_embeddings=s.max_position_embeddings, rope_theta=s.rope_theta,
+                         rms_norm_eps=s.rms_norm_eps, tie_word_embeddings=s.tie_word_embeddings,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf_cfg)
+    if weights is not None:
+        missing = model.load_state_dict(weights, strict=False)
+        if missing.missing_keys or missing.unexpected_keys:
+            raise RuntimeError(f"weights do not map onto the HF model: {missing}")
+    return model
+
+
+def mixtral_model(cfg, s, weights: dict | None):
+    """transformers' Mixtral of shape `s`. The weights go through a safetensors folder with the Hub's Mixtral
+    names (nanoexp.hf.hf_name), as scripts/convert_to_hf.py writes them, so that `from_pretrained` lays them
+    out for whichever transformers is installed (5 fuses each layer's experts into 3-D tensors)."""
+    from safetensors.torch import save_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()   # from_pretrained's "Loading weights" bar would cut into the table
+    config = MixtralConfig.from_dict(hf_config(s, build_tokenizer(cfg.tokenizer.tokenizer_name_or_path).eod_id),
+                                     attn_implementation="sdpa")
+    if weights is None:
+        return MixtralForCausalLM(config)
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        save_file({hf_name(k): v.detach().contiguous() for k, v in weights.items()},
+                  os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        model, info = MixtralForCausalLM.from_pretrained(folder, attn_implementation="sdpa", output_loading_info=True)
+    if any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        raise RuntimeError(f"weights do not map onto the HF Mixtral: {info}")
+    return model.float()
+
+
 class PlainLoop:
-    """HF LlamaForCausalLM of the model's shape, trained the obvious way; with `weights` (a state dict,
+    """HF's model of the config's shape (hf_model), trained the obvious way; with `weights` (a state dict,
     e.g. `trainer.model`'s) it starts from those, else from HF's own init."""
 
     def __init__(self, cfg, s, weights: dict | None = None):
-        from transformers import LlamaConfig, LlamaForCausalLM
-        hf_cfg = LlamaConfig(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                             num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-                             num_key_value_heads=s.num_key_value_heads, vocab_size=s.vocab_size,
-                             max_position_embeddings=s.max_position_embeddings, rope_theta=s.rope_theta,
-                             rms_norm_eps=s.rms_norm_eps, tie_word_embeddings=s.tie_word_embeddings,
-                             attn_implementation="sdpa")
-        self.model = LlamaForCausalLM(hf_cfg)
-        if weights is not None:
-            missing = self.model.load_state_dict(weights, strict=False)
-            if missing.missing_keys or missing.unexpected_keys:
-                raise RuntimeError(f"weights do not map onto the HF model: {missing}")
+        self.model = hf_model(cfg, s, weights)
+        if self.model is None:
+            raise ValueError(f"no Hugging Face model for this mixture of experts: {mixtral_mismatch(s)}")
         self.model.train()
+        # HF's load-balancing loss pools the MoE layers' tokens and counts top_k assignments per token: with
+        # equal loads in every layer it is top_k x nanoexp's per-layer aux, which nanoexp sums over the layers.
+        self.aux_weight = 0.0 if s.moe is None else s.moe.aux_loss_coef * s.num_hidden_layers / s.moe.top_k
         if cfg.parallelism.recompute_layer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.model.compile:
@@ -104,19 +160,23 @@ class PlainLoop:
         self.autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.model.dtype == "bfloat16"
                          else contextlib.nullcontext())
 
-    def loss(self, mb):
+    def losses(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
+        """The language-model loss and the loss trained on (plus, for a MoE, the load-balancing loss)."""
+        moe = self.aux_weight > 0
         with self.autocast:
-            logits = self.model(input_ids=mb["input_ids"]).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), mb["labels"].flatten())
+            out = self.model(input_ids=mb["input_ids"], **({"output_router_logits": True} if moe else {}))
+        lm = F.cross_entropy(out.logits.float().flatten(0, 1), mb["labels"].flatten())
+        return lm, (lm + self.aux_weight * out.aux_loss if moe else lm)
 
     def train_step(self, micro_batches, lr: float) -> float:
+        """One optimizer step; returns the language-model loss (as nanoexp's train_step)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = 0.0
         for mb in micro_batches:
-            loss = self.loss(mb) / self.accumulation
-            loss.backward()
-            total += loss.item()
+            lm, loss = self.losses(mb)
+            (loss / self.accumulation).backward()
+            total += lm.item() / self.accumulation
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
@@ -125,56 +185,115 @@ class PlainLoop:
 
 
 def nanoexp_activation_bytes(trainer, mb) -> int:
-    with saved_activation_bytes(trainer.model.parameters()) as counter:
-        loss = trainer.forward_step(mb, None)
+    """The trainer measures what its first forward saves for backward itself (`saved_bytes`, with the same
+    counter as plain_activation_bytes); a counter around it would see nothing, as the innermost hooks win."""
+    trainer.saved_bytes = None
+    loss = trainer.forward_step(mb, None)
     loss.backward()
     trainer.grad_sync.zero_grad()
-    return counter.bytes
+    return trainer.saved_bytes
 
 
 def plain_activation_bytes(plain, mb) -> int:
     with saved_activation_bytes(plain.model.parameters()) as counter:
-        loss = plain.loss(mb)
+        loss = plain.losses(mb)[1]
     loss.backward()
     plain.optimizer.zero_grad(set_to_none=True)
     return counter.bytes
 
 
-def bench_one(model: str, variant: str, args, extra: list[str]) -> dict:
+def time_steps(runners: dict, steps: list, warmup: int, lr: float) -> tuple[dict, dict, dict]:
+    """Every runner trains on the same steps, their order alternating each step so that neither always runs
+    after the other: the timed steps' wall and CPU seconds per runner, and each one's step-1 loss."""
+    times, cpu_times, first = {name: [] for name in runners}, {name: [] for name in runners}, {}
+    for i, micro_batches in enumerate(steps):
+        order = list(runners.items())
+        for name, runner in (order if i % 2 == 0 else order[::-1]):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            out = runner.train_step(micro_batches, lr)
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            first.setdefault(name, out[0] if isinstance(out, tuple) else out)
+            if i >= warmup:
+                times[name].append(elapsed)
+                cpu_times[name].append(cpu)
+    return times, cpu_times, first
+
+
+def bench_one(model: str, variant: str, args, extra: list[str], peak_tflops: float | None) -> dict:
+    """One model and variant: per side ("nanoexp", and "plain" when HF has the model) the median step time,
+    tokens/s, CPU time, MFU, step-1 loss and saved-activation MB."""
     cfg = compose([f"model={model}", "logging.tensorboard=false", "data.prefetch=false",
                    *VARIANTS[variant], *extra])
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = build_trainer(cfg, run_dir)
-        plain = PlainLoop(cfg, trainer.shape, trainer.model.state_dict())
+        shape = trainer.shape
+        runners = {"nanoexp": trainer}
+        if not (shape.moe and mixtral_mismatch(shape)):
+            runners["plain"] = PlainLoop(cfg, shape, trainer.model.state_dict())
         steps = [trainer.batches.next_step() for _ in range(args.warmup + args.steps)]
         trainer.batches.close()
-        act_nano = nanoexp_activation_bytes(trainer, steps[0][0])
-        act_plain = plain_activation_bytes(plain, steps[0][0])
-        lr = cfg.optimizer.learning_rate_scheduler.learning_rate
-        times = {"nanoexp": [], "plain": []}
-        cpu_times = {"nanoexp": [], "plain": []}
-        first = {}
-        for i, micro_batches in enumerate(steps):
-            # Alternate the order each step so that neither side always runs after the other.
-            sides = [("nanoexp", trainer), ("plain", plain)]
-            for name, runner in (sides if i % 2 == 0 else sides[::-1]):
-                start, cpu_start = time.perf_counter(), time.process_time()
-                out = runner.train_step(micro_batches, lr)
-                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-                loss = out[0] if isinstance(out, tuple) else out
-                first.setdefault(name, loss)
-                if i >= args.warmup:
-                    times[name].append(elapsed)
-                    cpu_times[name].append(cpu)
+        act = {name: (nanoexp_activation_bytes if name == "nanoexp" else plain_activation_bytes)(r, steps[0][0])
+               for name, r in runners.items()}
+        times, cpu_times, first = time_steps(runners, steps, args.warmup,
+                                             cfg.optimizer.learning_rate_scheduler.learning_rate)
     tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
-    t_nano, t_plain = statistics.median(times["nanoexp"]), statistics.median(times["plain"])
-    cpu_nano, cpu_plain = statistics.median(cpu_times["nanoexp"]), statistics.median(cpu_times["plain"])
-    return {"model": model, "variant": variant, "tokens_per_step": tokens,
-            "nanoexp_ms": 1e3 * t_nano, "plain_ms": 1e3 * t_plain,
-            "nanoexp_tok_s": tokens / t_nano, "plain_tok_s": tokens / t_plain, "ratio": t_plain / t_nano,
-            "cpu_ratio": cpu_plain / cpu_nano, "nanoexp_cpu_ms": 1e3 * cpu_nano, "plain_cpu_ms": 1e3 * cpu_plain,
-            "loss_nanoexp": first["nanoexp"], "loss_plain": first["plain"],
-            "act_mb_nanoexp": act_nano / 2**20, "act_mb_plain": act_plain / 2**20}
+    flops = flops_per_token(shape, cfg.tokens.sequence_length) * tokens   # model FLOPs per step
+    sides = {}
+    for name in runners:
+        t, cpu = statistics.median(times[name]), statistics.median(cpu_times[name])
+        sides[name] = {"ms": 1e3 * t, "tok_s": tokens / t, "cpu_ms": 1e3 * cpu, "loss": first[name],
+                       "mfu": flops / t / 1e12 / peak_tflops if peak_tflops else None, "act_mb": act[name] / 2**20}
+    return {"model": model, "variant": variant, "tokens_per_step": tokens, "moe": shape.moe is not None,
+            "parameters": count_parameters(shape), "active": count_active_parameters(shape), "sides": sides,
+            "no_reference": mixtral_mismatch(shape) if shape.moe else None,
+            "reference": describe_reference(runners["plain"].model) if "plain" in runners else None}
+
+
+def describe_reference(model) -> str:
+    """The HF class, transformers version and, for a MoE, the expert kernel transformers chose."""
+    import transformers
+    kernel = getattr(model.config, "_experts_implementation", None)
+    return (f"{type(model).__name__} (transformers {transformers.__version__}"
+            f"{f', experts_implementation={kernel}' if kernel else ''})")
+
+
+def cell(side: dict | None, key: str, spec: str) -> str:
+    """side[key] formatted by `spec`; "-" when there is no such side (no reference) or value (no peak)."""
+    value = side.get(key) if side else None
+    return "-" if value is None else format(value, spec)
+
+
+def table_row(r: dict, width: int) -> str:
+    """One result as a row of the table main() prints."""
+    n, p = r["sides"]["nanoexp"], r["sides"].get("plain")
+    ratio = f"{p['ms'] / n['ms']:.2f}" if p else "-"
+    cpu_ratio = f"{p['cpu_ms'] / n['cpu_ms']:.2f}" if p else "-"
+    return (f"{r['model']:<{width}} {r['variant']:<10} {r['tokens_per_step']:>11} {n['ms']:>10.1f} "
+            f"{cell(p, 'ms', '.1f'):>9} {n['tok_s']:>13.0f} {cell(p, 'tok_s', '.0f'):>11} {ratio:>6} "
+            f"{n['cpu_ms']:>7.0f}/{cell(p, 'cpu_ms', '.0f'):<7} {cpu_ratio:>9} "
+            f"{cell(n, 'mfu', '.1%'):>6}/{cell(p, 'mfu', '.1%'):<6} "
+            f"{n['act_mb']:>5.1f}/{cell(p, 'act_mb', '.1f'):<6} {n['loss']:>8.4f}/{cell(p, 'loss', '.4f')}")
+
+
+def moe_comparisons(results: list[dict]) -> list[str]:
+    """For each MoE result, a line comparing it with the dense result of the same variant whose active
+    parameter count is nearest (none when the run has no dense model)."""
+    lines = []
+    for moe in (r for r in results if r["moe"]):
+        dense = [r for r in results if not r["moe"] and r["variant"] == moe["variant"]]
+        if not dense:
+            continue
+        d = min(dense, key=lambda r: abs(r["active"] - moe["active"]))
+        parts = []
+        for side in ("nanoexp", "plain"):
+            a, b = moe["sides"].get(side), d["sides"].get(side)
+            if a and b:
+                mfu = (f" (MFU {100 * a['mfu']:.1f}% vs {100 * b['mfu']:.1f}%)" if a["mfu"] and b["mfu"] else "")
+                parts.append(f"{side} {a['tok_s'] / b['tok_s']:.2f}x the tokens/s{mfu}")
+        lines.append(f"{moe['model']} vs {d['model']} ({moe['variant']}): {moe['active'] / 1e6:.2f}M active of "
+                     f"{moe['parameters'] / 1e6:.2f}M parameters vs {d['active'] / 1e6:.2f}M dense; "
+                     + ", ".join(parts))
+    return lines
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,7 +303,6 @@ def plain_run(model: str, steps: int, extra: list[str]) -> None:
     """The plain side of --wall: HF Llama (its own init) trained `steps` steps on the run's batches."""
     from nanoexp.data import build_datasets
     from nanoexp.data.loader import TrainBatches
-    from nanoexp.model.build import model_shape
     cfg = compose([f"model={model}", *extra])
     train_set, _, _ = build_datasets(cfg)
     batches = TrainBatches(train_set, global_batch_size(cfg), cfg.tokens.micro_batch_size, 0, 1, cfg.general.seed,
@@ -210,7 +328,7 @@ def bench_wall(model: str, repeats: int, extra: list[str]) -> dict:
             for side, steps in (list(seconds) if i % 2 == 0 else list(seconds)[::-1]):
                 command = ([sys.executable, "train.py", f"model={model}", f"tokens.train_steps={steps}",
                             f"hydra.run.dir={out}/{i}_{steps}", *extra] if side == "nanoexp" else
-                           [sys.executable, "scripts/bench.py", "--plain-run", str(steps), "--models", model, *extra])
+                           [sys.executable, "scripts/bench.py", "--plain-run", str(steps), f"--models={model}", *extra])
                 seconds[side, steps].append(wall_seconds(command))
     per_25 = {side: statistics.median(seconds[side, 50]) - statistics.median(seconds[side, 25])
               for side in ("nanoexp", "plain")}
@@ -222,6 +340,10 @@ def main_wall(args) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (torch's default, as train.py); wall time "
           f"of fresh 50-step minus 25-step runs, medians of {args.repeats}; ratio = nanoexp tok/s / plain tok/s")
     for model in args.models:
+        shape = model_shape(compose([f"model={model}", *args.overrides]))
+        if shape.moe and mixtral_mismatch(shape):
+            print(f"{model}: no Hugging Face reference ({mixtral_mismatch(shape)}), skipped")
+            continue
         r = bench_wall(model, args.repeats, args.overrides)
         print(f"{model}: nanoexp {r['nanoexp_tok_s']:,.0f} tok/s, plain {r['plain_tok_s']:,.0f} tok/s, "
               f"ratio {r['ratio']:.3f}", flush=True)
@@ -231,7 +353,7 @@ def main_wall(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "small"], help="comma- or space-separated")
     parser.add_argument("--variants", default="default", help="comma-separated: " + ",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
@@ -242,6 +364,7 @@ def main() -> None:
     parser.add_argument("--plain-run", type=int, metavar="STEPS", help=argparse.SUPPRESS)   # --wall's plain side
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both sides")
     args = parser.parse_args()
+    args.models = [m for item in args.models for m in item.split(",") if m]   # "small,moe_small" or "small moe_small"
     if args.plain_run is not None:
         return plain_run(args.models[0], args.plain_run, args.overrides)
     if args.wall:
@@ -251,21 +374,24 @@ def main() -> None:
     for v in variants:
         if v not in VARIANTS:
             parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    peak = node_peak(compose([f"model={args.models[0]}", *args.overrides]).model.dtype, args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.warmup} warm-up + {args.steps} timed steps, "
-          f"medians; ratio = plain / nanoexp step time (> 1: nanoexp faster); CPU = process CPU time per step")
-    header = (f"{'model':<6} {'variant':<10} {'tokens/step':>11} {'nanoexp ms':>10} {'plain ms':>9} "
-              f"{'nanoexp tok/s':>13} {'plain tok/s':>11} {'ratio':>6} {'CPU ms n/p':>15} {'CPU ratio':>9} "
-              f"{'act MB n/p':>12} {'step-1 loss n/p':>17}")
-    print(header)
+          f"medians; ratio = plain / nanoexp step time (> 1: nanoexp faster); CPU = process CPU time per step; "
+          f"MFU = model FLOP/s / peak\npeak: {peak.tflops * 1e3:.1f} GFLOP/s ({peak.source})")
+    width = max(5, *map(len, args.models))
+    print(f"{'model':<{width}} {'variant':<10} {'tokens/step':>11} {'nanoexp ms':>10} {'plain ms':>9} "
+          f"{'nanoexp tok/s':>13} {'plain tok/s':>11} {'ratio':>6} {'CPU ms n/p':>15} {'CPU ratio':>9} "
+          f"{'MFU n/p':>13} {'act MB n/p':>12} {'step-1 loss n/p':>17}")
+    results = []
     for model in args.models:
         for variant in variants:
-            r = bench_one(model, variant, args, args.overrides)
-            print(f"{r['model']:<6} {r['variant']:<10} {r['tokens_per_step']:>11} {r['nanoexp_ms']:>10.1f} "
-                  f"{r['plain_ms']:>9.1f} {r['nanoexp_tok_s']:>13.0f} {r['plain_tok_s']:>11.0f} "
-                  f"{r['ratio']:>6.2f} {r['nanoexp_cpu_ms']:>7.0f}/{r['plain_cpu_ms']:<7.0f} {r['cpu_ratio']:>9.2f} "
-                  f"{r['act_mb_nanoexp']:>5.1f}/{r['act_mb_plain']:<6.1f} "
-                  f"{r['loss_nanoexp']:>8.4f}/{r['loss_plain']:.4f}", flush=True)
-
+            results.append(bench_one(model, variant, args, args.overrides, peak.tflops))
+            print(table_row(results[-1], width), flush=True)
+    for r in (r for r in results if r["moe"] and r["variant"] == variants[0]):
+        print(f"{r['model']}: " + (f"reference {r['reference']}" if r["reference"] else
+                                    f"no Hugging Face reference ({r['no_reference']})"))
+    for line in moe_comparisons(results):
+        print(line)
 
 if __name__ == "__main__":
     main()
