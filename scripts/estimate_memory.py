@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         print_zero_stages(cfg, shape, args.device)
     else:
         print(f"{'pp stage':>8}" + "".join(f"{k:>14}" for k in KINDS) + f"{'total':>10}  (MB per rank above the "
-              f"baseline, ZeRO-{cfg.optimizer.zero_stage} over dp x cp = {layout.dp_cp})")
+              f"baseline, ZeRO-{cfg.optimizer.zero_stage} over dp x cp = {layout.dp_cp}"
+              + (f"; {shape.moe.num_experts // layout.ep} experts per rank, ep = {layout.ep}, their state over "
+                 f"edp = {layout.edp})" if layout.ep > 1 else ")"))
         for pp_rank in range(layout.pp):
             stage = estimate(cfg, shape, pp_rank, args.device)
             print(f"{pp_rank:>8}" + "".join(f"{stage[k] / MB:>14.1f}" for k in KINDS) + f"{total(stage) / MB:>10.1f}")

@@ -290,3 +290,22 @@ def test_bf16_expert_parallel_matches_one_bf16_process(tmp_path):
     ours = moe_curves(train(tmp_path / "ep2", run + ["parallelism=dp2tp1pp1"] + EP2))
     np.testing.assert_allclose(ours["loss"], expected["loss"], rtol=LOSS_RTOL, atol=0)
     np.testing.assert_allclose(ours["grad_norm"], expected["grad_norm"], rtol=BF16_GRAD_NORM_RTOL, atol=0)
+
+
+def test_olmoe_shape_counts_its_published_parameters_and_ep_shrinks_its_memory():
+    """conf/model/olmoe_1b_7b: 6.9 B parameters, 1.3 B active (OLMoE's paper); on 8 GPUs with ZeRO-1, ep = 8
+    holds 8 of the 64 experts per rank: the estimate falls from 61 to 19 GiB a rank (docs/moe.md)."""
+    from nanoexp.memory import estimate, total
+    from nanoexp.model.build import model_shape
+    from nanoexp.model.llama import count_active_parameters, count_parameters
+    from nanoexp.validation import validate
+    per_rank = {}
+    for ep in (1, 8):
+        cfg = compose_config(["model=olmoe_1b_7b", "parallelism.dp=8", f"parallelism.ep={ep}", "optimizer.zero_stage=1",
+                              "tokens.micro_batch_size=1", "tokens.sequence_length=4096",
+                              "parallelism.recompute_layer=true"])
+        validate(cfg, world_size=8)
+        shape = model_shape(cfg)
+        per_rank[ep] = total(estimate(cfg, shape, 0, "cuda")) / 2**30
+    assert round(count_parameters(shape) / 1e9, 1) == 6.9 and round(count_active_parameters(shape) / 1e9, 1) == 1.3
+    assert 55 < per_rank[1] < 65 and 15 < per_rank[8] < 22, per_rank
