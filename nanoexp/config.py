@@ -225,6 +225,18 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks of EleutherAI's lm-eval in the training loop (nanoexp/evaluation/downstream.py)."""
+    tasks: List[str] = field(default_factory=list)   # empty: none (the default)
+    interval: int = 0                    # every this many steps, and at the end (0: only at the end)
+    limit: Optional[int] = None          # examples per task (null: all)
+    num_fewshot: Optional[int] = None    # null: the task's own default
+    batch_size: int = 32                 # rows per scoring call
+    include_path: Optional[str] = None   # a folder of your own task YAMLs (the harness's --include_path)
+    bootstrap_iters: int = 1000          # the harness's bootstrap for the stderr of non-mean metrics
+
+
+@dataclass
 class FaultInjectionConfig:
     """Deliberate faults, for the robustness tests (all off by default)."""
     nonfinite_loss_at_step: Optional[int] = None   # the loss of this step becomes NaN
@@ -245,6 +257,7 @@ class NanoexpConfig:
     data_stages: List[DataStageConfig] = field(default_factory=list)   # empty: `data` is the one stage
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 

@@ -21,6 +21,7 @@ from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.evaluation.downstream import INSTALL_HINT, harness_installed, unknown_tasks
 from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, lost_peer,
                             setup_device, spawn_local)
 from nanoexp.memory import return_freed_memory
@@ -83,11 +84,27 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
             check_data(stage.cfg, tokenizer)
         except (FileNotFoundError, KeyError, ValueError) as error:
             raise ConfigError(stage_error(stage, str(error))) from None
+    check_eval_tasks(cfg)
     if run_dir is not None:
         try:
             check_resume(cfg, run_dir)
         except CheckpointError as error:
             raise ConfigError(f"checkpoint: {error}") from None
+
+
+def check_eval_tasks(cfg) -> None:
+    """eval.tasks needs the harness installed, and names it knows (its own, the shipped ones, eval.include_path)."""
+    tasks = list(cfg.eval.tasks)
+    if not tasks:
+        return
+    if not harness_installed():
+        raise ConfigError(f"eval.tasks={tasks} needs lm-evaluation-harness, which is not installed: {INSTALL_HINT}")
+    unknown = unknown_tasks(tasks, cfg.eval.include_path)
+    if unknown:
+        where = f" or in eval.include_path={cfg.eval.include_path}" if cfg.eval.include_path else ""
+        raise ConfigError(f"eval.tasks: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a task of "
+                          f"lm-eval, of the shipped ones (shakespeare_choice, shakespeare_complete){where}: check "
+                          "the name, or set eval.include_path to the folder of its YAML")
 
 
 def stage_error(stage, message: str) -> str:

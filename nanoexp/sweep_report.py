@@ -94,6 +94,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
     summary = read_summary(folder) or {}
     for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
         row[key] = summary.get(key)
+    row.update({key: value for key, value in summary.items() if is_task_score(key)})   # eval/<task>/<metric>
     load, row["busy"] = summary.get("machine_load"), machine_was_busy(summary)
     row["load"] = f"{load['start']:.1f}/{load['end']:.1f}{' busy' if row['busy'] else ''}" if load else None
     row["state"], row["reason"] = job_state(sweep_dir, folder, summary, job_id)
@@ -148,6 +149,26 @@ def collect(sweep_dir: str) -> tuple[list[dict], dict[int, list[dict]]]:
         curves[number] = records
     differing_overrides(rows)
     return rows, curves
+
+
+def is_task_score(key: str) -> bool:
+    """A downstream task's score in summary.json (eval/<task>/<metric>, not its stderr)."""
+    return key.startswith("eval/") and key.count("/") == 2 and not key.endswith("_stderr")
+
+
+def lower_is_better(metric: str) -> bool:
+    """eval_loss (and any loss or perplexity): lower is better; a task's score (accuracy, exact match): higher."""
+    return not is_task_score(metric) or any(word in metric for word in ("loss", "perplexity", "bits_per"))
+
+
+def ranked(rows: list[dict], metric: str) -> list[dict]:
+    """The rows best first by `metric` (rows without a finite value last, in job order)."""
+    def key(row):
+        value = row.get(metric)
+        if not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+            return (1, 0.0, row["job"])
+        return (0, value if lower_is_better(metric) else -value, row["job"])
+    return sorted(rows, key=key)
 
 
 def busy_note(rows: list[dict]) -> str | None:

@@ -21,6 +21,8 @@ from nanoexp.config import batch_accumulation, global_batch_size
 from nanoexp.console import StepClock, describe_data, memory_line, run_facts, step_line
 from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
+from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.evaluation.downstream import task_lines
 from nanoexp.memory import peak_memory_mb, saved_activation_bytes, start_measuring
 from nanoexp.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.model.build import build_model, model_shape
@@ -84,6 +86,18 @@ class Trainer:
         self.loss_denominator = 1.0   # see replica_target_tokens
         self.saved_bytes, self.memory = None, {}   # see memory_breakdown
         self.writer = MetricsWriter(run_dir, cfg) if self.is_writer else None
+        self.downstream = self.downstream_eval() if cfg.eval.tasks else None
+        self.downstream_scores: dict[str, float] = {}
+
+    def downstream_eval(self):
+        """The eval group's harness tasks, on this model as it is sharded (nanoexp/evaluation/)."""
+        from nanoexp.evaluation.downstream import DownstreamEval
+        from nanoexp.evaluation.scorer import ShardedScorer
+        t = self.cfg.tokens
+        tokenizer = build_tokenizer(self.cfg.tokenizer.tokenizer_name_or_path)
+        scorer = ShardedScorer(self.model, self.ctx, self.engine, t.micro_batch_size, t.sequence_length,
+                               self.autocast, tokenizer.eod_id)
+        return DownstreamEval(self.cfg.eval, scorer, tokenizer)
 
     def build_model_and_optimizer(self) -> None:
         """This rank's model shard, its gradient sync (flat buffers, one set of buckets per chunk: a chunk's
@@ -265,6 +279,10 @@ class Trainer:
         if (interval and step % interval == 0) or step == total:
             self.eval_loss = self.evaluate()
             self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
+        if self.downstream and self.downstream.due(step, total):
+            start = time.perf_counter()
+            self.downstream_scores = self.downstream.run()
+            self.log_record({"step": step, **self.downstream_scores, "eval/seconds": time.perf_counter() - start})
         stop = stop_agreed(self.ctx)   # a collective: every rank stops after the same step
         self.checkpoints.after_step(step, step == total, stop, self.model, self.optimizer, self.progress)
         if stop and step != total:   # each rank's log says whether the signal reached it (every node, on SLURM)
@@ -302,6 +320,9 @@ class Trainer:
         self.writer.write(record)
         if "eval_loss" in record:
             log.info("step %d/%d | eval_loss %.4f", record["step"], self.cfg.tokens.train_steps, record["eval_loss"])
+        elif "eval/seconds" in record:   # downstream tasks: one line each
+            for line in task_lines({k: v for k, v in record.items() if k.count("/") == 2}):
+                log.info("step %d/%d | %s", record["step"], self.cfg.tokens.train_steps, line)
         else:
             log.info(step_line(record, self.cfg.tokens.train_steps, self.clock))
 
@@ -356,6 +377,7 @@ class Trainer:
     def finish(self, summary: dict) -> None:
         timed = self.step_times[2:] or self.step_times
         record, seconds = self.last_record, sum(timed) / len(timed) if timed else None
+        summary.update(self.downstream_scores)
         summary.update(final_loss=record.get("loss"), eval_loss=self.eval_loss, train_steps=record.get("step", 0),
                        tokens_per_sec=self.tokens_per_step / seconds if seconds else None,   # after the first two
                        consumed_tokens=self.progress.consumed_tokens,

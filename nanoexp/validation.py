@@ -32,7 +32,7 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
         must(cfg, "tokens.batch_accumulation_per_replica", lambda n: n is None or n > 0, "positive (or null)")]
     if all(ok for ok, _ in rules):   # the divisibility checks below would only repeat a size that is not positive
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
-                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg))
+                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg))
     problems = [message for ok, message in rules if not ok]
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
@@ -160,6 +160,20 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
          f"(got {layout.engine})"),
         must(cfg, "parallelism.collective_timeout_s", lambda seconds: seconds > 0, "positive (seconds)"),
     ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout)
+
+
+def eval_rules(cfg: Any) -> list[Rule]:
+    """The eval group (downstream tasks): whether its tasks exist is checked at start (run.check_config)."""
+    e = cfg.eval
+    return [
+        must(cfg, "eval.interval", lambda steps: steps >= 0, ">= 0 (0: only at the end of training)"),
+        must(cfg, "eval.limit", lambda n: n is None or n > 0, "positive or null (every example)"),
+        must(cfg, "eval.num_fewshot", lambda n: n is None or n >= 0, ">= 0 or null (the task's default)"),
+        must(cfg, "eval.batch_size", lambda n: n > 0, "positive"),
+        must(cfg, "eval.bootstrap_iters", lambda n: n >= 0, ">= 0"),
+        (not e.include_path or os.path.isdir(os.path.expanduser(e.include_path)),
+         f"eval.include_path={e.include_path}: no such folder (a folder of lm-eval task YAMLs)"),
+    ]
 
 
 def expert_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:

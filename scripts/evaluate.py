@@ -1,6 +1,13 @@
-"""Loss and perplexity of a text file under a checkpoint of any layout (one process), as JSON.
+"""Evaluate a checkpoint of any layout: the loss of a text file (one process), or downstream tasks (any layout).
 
     python scripts/evaluate.py outputs/.../checkpoints/100 --text-file some.txt
+    python scripts/evaluate.py outputs/.../checkpoints/100 --tasks shakespeare_choice,shakespeare_complete \
+        parallelism=dp2tp1pp1 eval.limit=100 [--out scores.json] [--samples]
+
+--tasks runs lm-evaluation-harness tasks on the checkpoint as training runs them in the loop
+(nanoexp/evaluation/): the checkpoint's config, with the overrides given after the options (a layout such as
+parallelism=dp1tp2pp1 or parallelism.dp=2, any eval.* key); it prints the scores as JSON and writes them
+(with --samples each document's responses too) to --out.
 
 The text is encoded without special tokens; every token from the second on is predicted from the
 tokens before it in its window: windows of `tokens.sequence_length` predictions that overlap by
@@ -10,6 +17,7 @@ next-token cross-entropy in nats; `perplexity` = exp(loss).
 import argparse
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +39,43 @@ def evaluate_ids(model, ids: list[int], window: int) -> dict:
     return {"loss": loss, "tokens": count, "perplexity": math.exp(loss) if count else float("nan")}
 
 
+def layout_overrides(overrides: list[str]) -> list[str]:
+    """Dotted overrides, with a parallelism=<file> group choice expanded into its keys (conf/parallelism/)."""
+    from omegaconf import OmegaConf
+
+    from nanoexp.config import CONF_DIR
+    dotted = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "parallelism":
+            group = OmegaConf.load(os.path.join(CONF_DIR, "parallelism", f"{value}.yaml"))
+            dotted += [f"parallelism.{k}={v}" for k, v in group.items()]
+        else:
+            dotted.append(override)
+    return dotted
+
+
+def evaluate_tasks(args) -> None:
+    from nanoexp.evaluation.offline import evaluate_checkpoint
+    overrides = [f"eval.tasks=[{args.tasks}]"] + layout_overrides(args.overrides)
+    result = evaluate_checkpoint(args.checkpoint, overrides, args.out, samples=args.samples)
+    print(json.dumps({"checkpoint": result["checkpoint"], "layout": result["layout"], **result["scores"]}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint folder <checkpoints_path>/<step>")
-    parser.add_argument("--text-file", required=True)
-    args = parser.parse_args()
+    parser.add_argument("--text-file", help="the loss and perplexity of this text")
+    parser.add_argument("--tasks", help="comma-separated lm-eval task names (the shipped ones, or any the harness "
+                        "knows; eval.include_path=<folder> for your own)")
+    parser.add_argument("--out", default="eval_scores.json", help="--tasks: where the scores go")
+    parser.add_argument("--samples", action="store_true", help="--tasks: also every document's responses")
+    parser.add_argument("overrides", nargs="*", help="--tasks: parallelism=..., eval.limit=..., ...")
+    args = parser.parse_intermixed_args()   # overrides may come before or after the options
+    if bool(args.text_file) == bool(args.tasks):
+        parser.error("give one of --text-file and --tasks")
+    if args.tasks:
+        return evaluate_tasks(args)
     model, cfg = load_single_process(args.checkpoint)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     with open(args.text_file, encoding="utf-8") as f:

@@ -14,6 +14,10 @@ Promises:
   parametrization and width, and writes `<out>/lr_transfer.png`: eval loss against learning rate (log-2
   axis), one curve per width, one panel per parametrization (the µTransfer picture; jobs without an eval
   loss, e.g. diverged, are crosses on the panel's top edge).
+- `--rank-by eval/<task>/<metric>` (a downstream task's score, from the runs' summary.json; see
+  docs/evaluation.md) orders the table by that score, best first, adds it as a column, and picks the best
+  learning rate and draws lr_transfer.png by it (higher is better for a task's score); the default ranks by
+  eval loss (lower is better). The CSV has every task score any job has.
 """
 from __future__ import annotations
 
@@ -24,15 +28,16 @@ import math
 import os
 import sys
 
-from nanoexp.sweep_report import COLUMNS, busy_note, collect, table
+from nanoexp.sweep_report import COLUMNS, busy_note, collect, is_task_score, lower_is_better, ranked, table
 
 
 def write_csv(rows: list[dict], path: str) -> None:
+    columns = COLUMNS + sorted({key for row in rows for key in row if is_task_score(key)})
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
-            writer.writerow({c: row.get(c) for c in COLUMNS})
+            writer.writerow({c: row.get(c) for c in columns})
 
 
 def label(row: dict) -> str:
@@ -76,30 +81,39 @@ def plot(rows: list[dict], curves: dict[int, list[dict]], out: str) -> list[str]
     return ["loss_curves.png", "tokens_per_sec.png"]
 
 
-def lr_sweep(rows: list[dict]) -> dict[tuple[str, int], list[tuple[float, float | None]]]:
-    """{(parametrization, width): [(lr, eval loss or None), ...] sorted by lr}, or {} if one lr was tried."""
+def lr_sweep(rows: list[dict], metric: str = "eval_loss") -> dict[tuple[str, int], list[tuple[float, float | None]]]:
+    """{(parametrization, width): [(lr, the metric or None), ...] sorted by lr}, or {} if one lr was tried."""
     if len({row.get("lr") for row in rows if row.get("lr")}) < 2:
         return {}
     curves: dict = {}
     for row in rows:
         if row.get("lr"):
-            curves.setdefault((row["parametrization"], row["width"]), []).append((row["lr"], row.get("eval_loss")))
+            curves.setdefault((row["parametrization"], row["width"]), []).append((row["lr"], row.get(metric)))
     order = sorted(curves, key=lambda key: (key[0] != "standard", key))   # standard first, then by width
     return {key: sorted(curves[key]) for key in order}
 
 
-def best_lr_table(curves: dict) -> str:
-    lines = [f"{'parametrization':<16}{'width':>6}{'best lr':>18}{'eval loss':>11}   eval loss at each lr (- : none)"]
+def best(points: list[tuple[float, float | None]], metric: str) -> tuple[float | None, float | None]:
+    """(value, lr) of the best finite point: the lowest loss, or the highest task score."""
+    done = [(value, lr) for lr, value in points if value is not None and math.isfinite(value)]
+    if not done:
+        return None, None
+    return min(done) if lower_is_better(metric) else max(done, key=lambda point: (point[0], -point[1]))
+
+
+def best_lr_table(curves: dict, metric: str = "eval_loss") -> str:
+    name = metric.replace("_", " ") if metric == "eval_loss" else metric
+    lines = [f"{'parametrization':<16}{'width':>6}{'best lr':>18}{name:>11}   {name} at each lr (- : none)"]
     for (parametrization, width), points in curves.items():
-        done = [(loss, lr) for lr, loss in points if loss is not None and math.isfinite(loss)]
-        loss, lr = min(done) if done else (None, None)
-        best = f"{lr:.4g} (2^{math.log2(lr):.3g})" if lr else "-"
+        value, lr = best(points, metric)
+        chosen = f"{lr:.4g} (2^{math.log2(lr):.3g})" if lr else "-"
         each = " ".join("-" if v is None else f"{v:.3f}" for _, v in points)
-        lines.append(f"{parametrization:<16}{width:>6}{best:>18}{loss if loss is None else f'{loss:.4f}':>11}   {each}")
+        lines.append(f"{parametrization:<16}{width:>6}{chosen:>18}{value if value is None else f'{value:.4f}':>11}"
+                     f"   {each}")
     return "\n".join(lines)
 
 
-def plot_lr_transfer(curves: dict, out: str) -> str:
+def plot_lr_transfer(curves: dict, out: str, metric: str = "eval_loss") -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -115,18 +129,20 @@ def plot_lr_transfer(curves: dict, out: str) -> str:
             done = [(lr, loss) for lr, loss in points if loss is not None and math.isfinite(loss)]
             if done:
                 ax.plot(*zip(*done), marker="o", color=colour, label=f"width {width}")
-                ax.plot(*min(done, key=lambda p: p[1]), marker="*", markersize=14, color=colour)
+                value, lr = best(points, metric)
+                ax.plot(lr, value, marker="*", markersize=14, color=colour)
             for lr in [lr for lr, loss in points if loss is None or not math.isfinite(loss)]:
                 ax.plot(lr, 1.0, marker="x", color=colour, transform=ax.get_xaxis_transform(), clip_on=False)
         ax.set_xscale("log", base=2)
         ax.set(title=f"{parametrization}", xlabel="learning rate (log2; µP: the base width's)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    axes[0][0].set_ylabel("eval loss (nats/token)")
+    axes[0][0].set_ylabel("eval loss (nats/token)" if metric == "eval_loss" else metric)
     losses = [loss for points in curves.values() for _, loss in points if loss is not None and math.isfinite(loss)]
-    if losses:   # the region around the optima; far worse rates leave the panel upwards
+    if losses and metric == "eval_loss":   # the region around the optima; far worse rates leave the panel upwards
         axes[0][0].set_ylim(min(losses) - 0.02, min(max(losses), min(losses) + 0.6) + 0.02)
-    fig.suptitle("Eval loss against learning rate per width (star: best; x: no eval loss)")
+    fig.suptitle(f"{'Eval loss' if metric == 'eval_loss' else metric} against learning rate per width "
+                 "(star: best; x: none)")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "lr_transfer.png"), dpi=90)
     plt.close(fig)
@@ -138,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep_dir", help="a Hydra sweep folder, e.g. outputs/multirun/<date>/<time>")
     parser.add_argument("--out", help="where summary.csv and the plots go (default: the sweep folder)")
     parser.add_argument("--no-plots", action="store_true", help="only the table and the CSV")
+    parser.add_argument("--rank-by", default="eval_loss", help="eval_loss (default, lower is better) or a task's "
+                        "score eval/<task>/<metric> (higher is better), e.g. eval/shakespeare_choice/acc")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         parser.error(f"{args.sweep_dir}: no such folder")
@@ -147,17 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"{args.sweep_dir}: no jobs found (no <n>/.hydra folders, no .submitit jobs)", file=sys.stderr)
         return 1
-    print(table(rows))
+    metric = args.rank_by
+    if metric != "eval_loss" and not any(metric in row for row in rows):
+        parser.error(f"--rank-by {metric}: no job recorded it (summary.json keys eval/<task>/<metric>)")
+    rows = ranked(rows, metric)
+    print(table(rows, COLUMNS if metric in COLUMNS else COLUMNS[:-2] + [metric] + COLUMNS[-2:]))
     if busy_note(rows):
         print(busy_note(rows))
     write_csv(rows, os.path.join(out, "summary.csv"))
     written = ["summary.csv"]
-    transfer = lr_sweep(rows)
+    transfer = lr_sweep(rows, metric)
     if transfer:
-        print("\nbest learning rate per width:\n" + best_lr_table(transfer))
+        print(f"\nbest learning rate per width ({metric}):\n" + best_lr_table(transfer, metric))
     if not args.no_plots:
         try:
-            written += plot(rows, curves, out) + ([plot_lr_transfer(transfer, out)] if transfer else [])
+            written += plot(rows, curves, out) + ([plot_lr_transfer(transfer, out, metric)] if transfer else [])
         except ImportError:
             print("matplotlib is not installed (pip install -e '.[plots]'): no plots", file=sys.stderr)
     failed = sum(row["state"] == "failed" for row in rows)

@@ -1,0 +1,129 @@
+"""Downstream evaluation: lm-evaluation-harness tasks on the model as it is sharded (the `eval` config group).
+
+    eval.tasks          task names: the shipped ones (tasks/: shakespeare_choice, shakespeare_complete), any task
+                        of the harness, or of the folder eval.include_path (the harness's --include_path)
+    eval.interval       every this many steps, and at the end of training (0: only at the end)
+    eval.limit          examples per task (null: all); eval.num_fewshot; eval.batch_size (rows per forward call)
+
+`DownstreamEval.run()` runs `lm_eval.simple_evaluate` on every rank with the `nanoexp` model (harness.py): each
+rank asks for the same forwards, the scorer shares them out, and every rank gets the same scores; the trainer
+records rank 0's. The harness does not reseed Python's, NumPy's or torch's global generators here (training's
+own state stays as it was); its few-shot sampler has its own seed. Scores become flat metrics:
+`eval/<task>/<metric>` and `eval/<task>/<metric>_stderr` (a metric under a filter other than the harness's
+"none" is named `<metric>_<filter>`).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+SHIPPED_TASKS = Path(__file__).resolve().parent / "tasks"
+INSTALL_HINT = "pip install -e '.[eval]' (EleutherAI's lm-eval)"
+
+log = logging.getLogger("nanoexp")
+
+
+def harness_installed() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def include_paths(user_path: str | None) -> list[str]:
+    """The task folders the harness indexes besides its own: the shipped tasks, then eval.include_path."""
+    return [str(SHIPPED_TASKS)] + ([os.path.abspath(os.path.expanduser(user_path))] if user_path else [])
+
+
+def task_manager(user_path: str | None, names: list[str] = ()):
+    """The harness's task index with the shipped tasks and eval.include_path; its thousands of own tasks only
+    when `names` needs one of them (indexing them takes seconds)."""
+    from lm_eval.tasks import TaskManager
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)   # the harness logs every task it loads, and warns of
+    # custom datasets' keyword arguments, each time
+    ours = TaskManager(include_path=include_paths(user_path), include_defaults=False)
+    if names and set(names) <= set(ours.all_tasks):
+        return ours
+    return TaskManager(include_path=include_paths(user_path))
+
+
+def unknown_tasks(names: list[str], user_path: str | None) -> list[str]:
+    """The names the harness does not know, with the shipped tasks and eval.include_path indexed."""
+    known = set(task_manager(user_path, names).all_tasks)
+    return [name for name in names if name not in known]
+
+
+def flatten(results: dict) -> dict[str, float]:
+    """The harness's results[task] ({"acc,none": 0.3, "acc_stderr,none": 0.02, "alias": ...}) as flat metrics."""
+    flat = {}
+    for task, values in results.items():
+        for key, value in values.items():
+            if "," not in key or not isinstance(value, (int, float)):
+                continue
+            metric, filter_name = key.split(",", 1)
+            stderr = metric.endswith("_stderr")
+            metric = metric.removesuffix("_stderr") + ("" if filter_name == "none" else f"_{filter_name}")
+            flat[f"eval/{task}/{metric}{'_stderr' if stderr else ''}"] = float(value)
+    return flat
+
+
+class DownstreamEval:
+    """The `eval` group's tasks on a ShardedScorer's model, with a nanoexp tokenizer."""
+
+    def __init__(self, eval_cfg, scorer, tokenizer):
+        from nanoexp.evaluation.harness import NanoexpLM
+        self.cfg = eval_cfg
+        self.lm = NanoexpLM(scorer, tokenizer, batch_size=int(eval_cfg.batch_size))
+        self.manager = task_manager(eval_cfg.include_path, list(eval_cfg.tasks))
+
+    def due(self, step: int, last_step: int) -> bool:
+        interval = int(self.cfg.interval)
+        return step == last_step or (interval > 0 and step % interval == 0)
+
+    def run(self) -> dict[str, float]:
+        """Every task once: {"eval/<task>/<metric>": value, ...}, the same on every rank."""
+        return flatten(self.evaluate(log_samples=False)["results"])
+
+    def run_with_samples(self) -> tuple[dict[str, float], dict[str, list]]:
+        """run()'s scores, and per task each document's responses after the task's filters (for a
+        multiple-choice document, the (log-likelihood, greedy) of each choice; for generation, the text)."""
+        results = self.evaluate(log_samples=True)
+        samples = {task: [[sample["doc_id"], sample["filtered_resps"]] for sample in docs]
+                   for task, docs in results["samples"].items()}
+        return flatten(results["results"]), samples
+
+    def evaluate(self, log_samples: bool) -> dict:
+        from lm_eval.evaluator import simple_evaluate
+        # LOCAL_RANK=0: the harness returns results only where it is 0 (it takes any other for a tp rank of its
+        # own); here every rank computes them. TQDM_DISABLE: its progress bars, one per task and request type.
+        with environment(LOCAL_RANK="0", TQDM_DISABLE="1"):
+            return simple_evaluate(model=self.lm, tasks=list(self.cfg.tasks), num_fewshot=self.cfg.num_fewshot,
+                                   limit=self.cfg.limit, task_manager=self.manager, log_samples=log_samples,
+                                   bootstrap_iters=int(self.cfg.bootstrap_iters), random_seed=None,
+                                   numpy_random_seed=None, torch_random_seed=None, verbosity="ERROR")
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Environment variables set to `values` inside the block, restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def task_lines(scores: dict[str, float]) -> list[str]:
+    """One console line per task: its metrics with their stderr."""
+    tasks = {}
+    for key, value in scores.items():
+        _, task, metric = key.split("/", 2)
+        if not metric.endswith("_stderr"):
+            stderr = scores.get(f"{key}_stderr")
+            tasks.setdefault(task, []).append(f"{metric} {value:.4f}" + (f" ± {stderr:.4f}" if stderr else ""))
+    return [f"{task}: {', '.join(parts)}" for task, parts in tasks.items()]
