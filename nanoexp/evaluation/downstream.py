@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import logging
 import os
 from pathlib import Path
@@ -95,8 +96,9 @@ class DownstreamEval:
     def evaluate(self, log_samples: bool) -> dict:
         from lm_eval.evaluator import simple_evaluate
         # LOCAL_RANK=0: the harness returns results only where it is 0 (it takes any other for a tp rank of its
-        # own); here every rank computes them. TQDM_DISABLE: its progress bars, one per task and request type.
-        with environment(LOCAL_RANK="0", TQDM_DISABLE="1"):
+        # own); here every rank computes them. Its progress bars (one per task and request type, on stderr) are
+        # dropped; its log, at ERROR here, and nanoexp's have handlers of their own.
+        with environment(LOCAL_RANK="0"), contextlib.redirect_stderr(io.StringIO()):
             return simple_evaluate(model=self.lm, tasks=list(self.cfg.tasks), num_fewshot=self.cfg.num_fewshot,
                                    limit=self.cfg.limit, task_manager=self.manager, log_samples=log_samples,
                                    bootstrap_iters=int(self.cfg.bootstrap_iters), random_seed=None,

@@ -65,11 +65,11 @@ class ShardedScorer:
         for group, size in ((ctx.cp_group, ctx.cp), (ctx.pp_group, ctx.pp)):   # positions over cp, stages over pp
             if size > 1:
                 dist.all_reduce(scores, group=group)
-        if ctx.dp > 1:
+        if ctx.dp > 1:   # in dp rank order, each rank's block of per_rank rows (then its padding rows)
             gathered = torch.empty((ctx.dp * scores.shape[0], scores.shape[1]), dtype=scores.dtype,
                                    device=scores.device)
-            all_gather_into(gathered, scores, ctx.dp_group)   # dp rank order: the blocks in row order
-            scores = gathered
+            all_gather_into(gathered, scores, ctx.dp_group)
+            scores = gathered.view(ctx.dp, -1, scores.shape[1])[:, :per_rank].flatten(0, 1)
         return scores[:len(rows)].cpu()
 
     def layout_rows(self, count: int) -> tuple[int, int]:
