@@ -30,9 +30,8 @@ LAYOUTS = {   # ep: expert parallelism over the dp x cp ranks (dp2ep2: dp4 in tw
     "ep2tp2": ["parallelism=dp2tp2pp1"] + EP2,
     "ep2pp2-1f1b": ["parallelism=dp2tp1pp2"] + EP2,
     "ep2cp2": ["parallelism=dp1cp2tp1pp1"] + EP2,
-    "tp2-all_reduce": ["parallelism=dp1tp2pp1"],
+    # without ep (ep2tp2 and ep2pp2 above run tp's all_reduce mode and 1F1B)
     "tp2-reduce_scatter": ["parallelism=dp1tp2pp1", "parallelism.tp_mode=reduce_scatter"],
-    "pp2-1f1b": ["parallelism=dp1tp1pp2"],
     "pp2-interleaved": ["parallelism=dp1tp1pp2"] + INTERLEAVED,
     "ep2-dp2tp2pp2-reduce_scatter-recompute": ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter",
                                                "parallelism.recompute_layer=true"] + EP2,
