@@ -24,8 +24,6 @@ from pathlib import Path
 SHIPPED_TASKS = Path(__file__).resolve().parent / "tasks"
 INSTALL_HINT = "pip install -e '.[eval]' (EleutherAI's lm-eval)"
 
-log = logging.getLogger("nanoexp")
-
 
 def harness_installed() -> bool:
     return importlib.util.find_spec("lm_eval") is not None
