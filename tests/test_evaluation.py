@@ -111,6 +111,17 @@ def test_in_the_loop_scores_reach_metrics_and_summary(checkpoint):
     assert "step 20/20 | shakespeare_choice: acc" in log and "step 20/20 | shakespeare_complete: exact_match" in log
 
 
+def test_in_the_loop_on_a_pipeline_scores_as_one_process(checkpoint, tmp_path):
+    """The same run on pp2 (2 processes, each calling the harness): the same scores in its metrics at every
+    evaluation (the run trains the same model, its log-likelihoods within 1e-5 of one process's)."""
+    records = train(tmp_path, FAST + ["tokens.train_steps=20", "tokens.val_check_interval=0", "eval=shakespeare",
+                                      "eval.interval=10", "eval.limit=8", "parallelism=dp1tp1pp2"])
+    ours = [{k: v for k, v in r.items() if k.count("/") == 2} for r in records if "eval/seconds" in r]
+    expected = [{k: v for k, v in r.items() if k.count("/") == 2} for r in read_metrics(checkpoint)
+                if "eval/seconds" in r]
+    assert len(ours) == 2 and ours == expected
+
+
 def compare_samples(ours: dict, reference: dict) -> None:
     """Per document: each choice's log-likelihood within LOGPROB_RTOL and the same greedy flag; generations equal."""
     for task, docs in reference.items():
@@ -158,8 +169,9 @@ def test_the_hugging_face_export_scores_alike_through_the_harness(checkpoint, tm
     convert_to_hf(str(checkpoint / "checkpoints" / "20"), str(tmp_path / "hf"))
     with environment(TQDM_DISABLE="1"):
         results = simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},max_length=128,dtype=float32",
-                                  tasks=TASKS, limit=12, task_manager=task_manager(None, TASKS), log_samples=True,
-                                  bootstrap_iters=1000, device="cpu", batch_size=4, verbosity="ERROR")
+                                  tasks=TASKS, limit=12, task_manager=task_manager(None, tuple(TASKS)),
+                                  log_samples=True, bootstrap_iters=1000, device="cpu", batch_size=4,
+                                  verbosity="ERROR")
     hf = {task: [[s["doc_id"], s["filtered_resps"]] for s in docs] for task, docs in results["samples"].items()}
     compare_samples(ours["samples"], hf)
     for key, value in flatten(results["results"]).items():
@@ -202,7 +214,8 @@ def fake_job(folder, number: int, lr: float, eval_loss: float, acc: float) -> No
     cfg = {"parallelism": {"dp": 1, "tp": 1, "pp": 1}, "optimizer": {"learning_rate_scheduler": {"learning_rate": lr}},
            "model": {"model_config": {"hidden_size": 64}}}
     (job / ".hydra" / "config.yaml").write_text(json.dumps(cfg))
-    (job / ".hydra" / "overrides.yaml").write_text(json.dumps([f"optimizer.learning_rate_scheduler.learning_rate={lr}"]))
+    overrides = [f"optimizer.learning_rate_scheduler.learning_rate={lr}"]
+    (job / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
     (job / "summary.json").write_text(json.dumps({"status": "completed", "eval_loss": eval_loss,
                                                   "eval/shakespeare_choice/acc": acc,
                                                   "eval/shakespeare_choice/acc_stderr": 0.01}))

@@ -114,7 +114,8 @@ def test_losses_enter_the_gradient_as_their_formulas_say():
 def moe_curves(records) -> dict[str, np.ndarray]:
     steps = [r for r in records if "loss" in r]
     return {key: np.array([r[key] for r in steps]) for key in
-            ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_imbalance/layer_1", "moe_load_imbalance/layer_3")}
+            ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_imbalance/layer_1",
+             "moe_load_imbalance/layer_3")}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,8 @@ def test_layout_reproduces_single_process_moe_losses(name, reference, tmp_path):
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 
 
-@pytest.mark.parametrize("layout", [["parallelism=dp2tp1pp1"] + EP2, ["parallelism=dp1tp2pp1"], ["parallelism=dp1tp1pp2"]],
+@pytest.mark.parametrize("layout", [["parallelism=dp2tp1pp1"] + EP2, ["parallelism=dp1tp2pp1"],
+                                    ["parallelism=dp1tp1pp2"]],
                          ids=["ep2", "tp2-all_reduce", "pp2"])
 def test_a_capacity_drops_the_same_tokens_where_a_rank_holds_whole_micro_batches(layout, tmp_path):
     """A capacity counts a rank's tokens of the micro-batch: where every rank that routes holds the whole
@@ -204,23 +206,30 @@ def test_expert_parallelism_needs_experts():
 MIXTRAL = ["model.moe.num_shared_experts=0", "model.moe.layer_frequency=1", "model.moe.router=softmax_topk_normalized"]
 
 
-def test_mixtral_round_trip(tmp_path):
-    """Trained on ep2 x pp2, exported: transformers' MixtralForCausalLM gives nanoexp's logits; imported back
-    (convert_from_hf, then a resume on dp2), the weights are the same."""
+def assert_mixtral_export_gives_our_logits(ckpt, folder):
+    """Export checkpoint `ckpt` to `folder`; transformers' MixtralForCausalLM must give the checkpoint's logits
+    (within the Llama export's bound). Returns the checkpoint's one-process model."""
     from transformers import MixtralForCausalLM
 
-    from scripts.convert_from_hf import convert_from_hf
     from nanoexp.checkpoint.load import load_single_process
     from tests.test_hf_conversion import LOGITS_ATOL
-    train(tmp_path / "run", FAST + MOE + MIXTRAL + ["tokens.train_steps=2", "tokens.val_check_interval=0",
-                                                    "parallelism=dp2tp1pp2"] + EP2)
-    ckpt = tmp_path / "run" / "checkpoints" / "2"
-    convert_to_hf(str(ckpt), str(tmp_path / "hf"))
+    convert_to_hf(str(ckpt), str(folder))
     ours, _ = load_single_process(str(ckpt))
-    hf = MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    hf = MixtralForCausalLM.from_pretrained(str(folder)).eval()
     ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+    return ours
+
+
+def test_mixtral_round_trip(tmp_path):
+    """Trained on ep2 x pp2, exported: transformers' MixtralForCausalLM gives nanoexp's logits; imported back
+    (convert_from_hf, then a resume on dp2), the weights are the same."""
+    from scripts.convert_from_hf import convert_from_hf
+    from nanoexp.checkpoint.load import load_single_process
+    train(tmp_path / "run", FAST + MOE + MIXTRAL + ["tokens.train_steps=2", "tokens.val_check_interval=0",
+                                                    "parallelism=dp2tp1pp2"] + EP2)
+    ours = assert_mixtral_export_gives_our_logits(tmp_path / "run" / "checkpoints" / "2", tmp_path / "hf")
     convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), [])
     back, _ = load_single_process(str(tmp_path / "back" / "0"))
     for (name, p), q in zip(ours.named_parameters(), back.parameters()):
@@ -262,22 +271,12 @@ def test_mup_treats_the_router_as_an_output_layer_and_the_experts_as_hidden():
 def test_mup_moe_on_expert_parallel_layout_and_exported_to_mixtral(tmp_path):
     """µP with a MoE trains the one-process model on ep2 x pp2, and its Mixtral export (router multiplier
     folded into the router, as the logit multiplier into the LM head) gives nanoexp's logits."""
-    from transformers import MixtralForCausalLM
-
-    from nanoexp.checkpoint.load import load_single_process
-    from tests.test_hf_conversion import LOGITS_ATOL
     run = FAST + MOE + MIXTRAL + MUP + STEPS + ["model.mup.attention_multiplier=4"]
     expected = moe_curves(train(tmp_path / "one", run))
     ours = moe_curves(train(tmp_path / "ep2pp2", run + ["parallelism=dp2tp1pp2"] + EP2))
     np.testing.assert_allclose(ours["loss"], expected["loss"], atol=LATER_STEP_ATOL, rtol=0)
     np.testing.assert_allclose(ours["grad_norm"], expected["grad_norm"], rtol=GRAD_NORM_RTOL)
-    ckpt = tmp_path / "ep2pp2" / "checkpoints" / "8"
-    convert_to_hf(str(ckpt), str(tmp_path / "hf"))
-    model, _ = load_single_process(str(ckpt))
-    hf = MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, model(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+    assert_mixtral_export_gives_our_logits(tmp_path / "ep2pp2" / "checkpoints" / "8", tmp_path / "hf")
 
 
 def test_bf16_expert_parallel_matches_one_bf16_process(tmp_path):

@@ -15,6 +15,7 @@ own state stays as it was); its few-shot sampler has its own seed. Scores become
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import logging
@@ -34,9 +35,11 @@ def include_paths(user_path: str | None) -> list[str]:
     return [str(SHIPPED_TASKS)] + ([os.path.abspath(os.path.expanduser(user_path))] if user_path else [])
 
 
-def task_manager(user_path: str | None, names: list[str] = ()):
+@functools.lru_cache(maxsize=4)
+def task_manager(user_path: str | None, names: tuple[str, ...] = ()):
     """The harness's task index with the shipped tasks and eval.include_path; its thousands of own tasks only
-    when `names` needs one of them (indexing them takes seconds)."""
+    when `names` needs one of them (indexing them takes seconds, so the start-up check's index is kept for the
+    training run in the same process)."""
     from lm_eval.tasks import TaskManager
     logging.getLogger("lm_eval").setLevel(logging.ERROR)   # the harness logs every task it loads, and warns of
     # custom datasets' keyword arguments, each time
@@ -48,7 +51,7 @@ def task_manager(user_path: str | None, names: list[str] = ()):
 
 def unknown_tasks(names: list[str], user_path: str | None) -> list[str]:
     """The names the harness does not know, with the shipped tasks and eval.include_path indexed."""
-    known = set(task_manager(user_path, names).all_tasks)
+    known = set(task_manager(user_path, tuple(names)).all_tasks)
     return [name for name in names if name not in known]
 
 
@@ -73,7 +76,7 @@ class DownstreamEval:
         from nanoexp.evaluation.harness import NanoexpLM
         self.cfg = eval_cfg
         self.lm = NanoexpLM(scorer, tokenizer, batch_size=int(eval_cfg.batch_size))
-        self.manager = task_manager(eval_cfg.include_path, list(eval_cfg.tasks))
+        self.manager = task_manager(eval_cfg.include_path, tuple(eval_cfg.tasks))
 
     def due(self, step: int, last_step: int) -> bool:
         interval = int(self.cfg.interval)
