@@ -191,6 +191,7 @@ class CheckpointConfig:
     keep_last_n: Optional[int] = None          # null: keep every checkpoint
     load_optimizer: bool = True                # false: fresh AdamW state (fine-tuning from weights)
     load_lr_scheduler: bool = True             # false: the LR schedule restarts at the resumed step
+    load_strict: bool = True                   # false: load the parameters model and checkpoint share, log the rest
 
 
 @dataclass
@@ -234,6 +235,7 @@ class EvalConfig:
     batch_size: int = 32                 # rows per scoring call
     include_path: Optional[str] = None   # a folder of your own task YAMLs (the harness's --include_path)
     bootstrap_iters: int = 1000          # the harness's bootstrap for the stderr of non-mean metrics
+    on_error: str = "continue"           # a task that raises: continue (logged, training goes on) | stop
 
 
 @dataclass

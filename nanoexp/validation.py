@@ -1,6 +1,7 @@
-"""`validate(cfg)`: every cross-field check of a composed, normalised config (config.normalize), before any
-work. Each config group has one function listing its rules as (condition, message) pairs, the message naming
-the key, the bad value and what is allowed; `validate` raises every broken rule at once, one line each, as one
+"""`validate(cfg)`: every check of a composed, normalised config (config.normalize), before any work. First
+each key on its own (nanoexp/config_domains.py: known to the schema, set, in its domain), then the cross-field
+rules: each config group has one function listing them as (condition, message) pairs, the message naming the
+key, the bad value and what is allowed. `validate` raises every broken rule at once, one line each, as one
 ConfigError. It only reads the config."""
 from __future__ import annotations
 
@@ -8,32 +9,26 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from omegaconf import OmegaConf
-
 from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, stage_data
+from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.model.moe import ROUTERS
 from nanoexp.parallel.layout import CP_ATTENTION, PIPELINE_ENGINES, TP_MODES, Layout
 
-Rule = tuple[bool, str]   # (condition, the message shown when it does not hold)
 # Key prefixes, so that the rules below fit on a line.
 MODEL_CONFIG = "model.model_config."
 LR_SCHEDULER, ADAM = "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
-# The sizes other checks divide by: when one is not positive, validate stops after these.
-POSITIVE_SIZES = [*(MODEL_CONFIG + key for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                   "num_attention_heads", "vocab_size", "max_position_embeddings")),
-                  "model.make_vocab_size_divisible_by", "tokens.sequence_length", "tokens.micro_batch_size",
-                  "tokens.global_batch_size", "tokens.train_steps", "parallelism.dp", "parallelism.cp",
-                  "parallelism.tp", "parallelism.pp", "parallelism.pp_virtual_stages"]
 
 
 def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None) -> None:
-    """Check every cross-field rule; raise one ConfigError listing each problem with its fix."""
-    rules = [must(cfg, key, lambda size: size > 0, "a positive integer") for key in POSITIVE_SIZES] + [
-        must(cfg, "tokens.batch_accumulation_per_replica", lambda n: n is None or n > 0, "positive (or null)")]
-    if all(ok for ok, _ in rules):   # the divisibility checks below would only repeat a size that is not positive
+    """Check every rule; raise one ConfigError listing each problem with its fix (one line for one problem)."""
+    rules = schema_rules(cfg)
+    if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
-                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg))
+                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
+                 + fault_rules(cfg))
     problems = [message for ok, message in rules if not ok]
+    if len(problems) == 1:
+        raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -55,7 +50,7 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
     return [
         (m.hidden_size % m.num_attention_heads == 0, f"{MODEL_CONFIG}hidden_size={m.hidden_size} is not divisible by "
          f"num_attention_heads={m.num_attention_heads}: choose a head count that divides it"),
-        (kv > 0 and m.num_attention_heads % kv == 0,
+        (m.num_attention_heads % kv == 0,
          f"{MODEL_CONFIG}num_key_value_heads={kv} must divide num_attention_heads={m.num_attention_heads}"),
         (head_dim % 2 == 0, f"{MODEL_CONFIG}hidden_size / num_attention_heads = {head_dim}: the head dimension "
          "must be even for rotary embeddings"),
@@ -72,20 +67,14 @@ def moe_rules(cfg: Any) -> list[Rule]:
     """model.moe: a mixture of experts (num_experts > 0) needs a routing that fits it; Hugging Face weights load
     only as a Mixtral."""
     moe, model = cfg.model.moe, cfg.model
-    rules = [must(cfg, "model.moe.num_experts", lambda experts: experts >= 0, ">= 0 (0: a dense model)")]
+    rules = [one_of(cfg, "model.moe.router", ROUTERS)]
     if moe.num_experts == 0:
         return rules
     return rules + [
         must(cfg, "model.moe.top_k", lambda k: 1 <= k <= moe.num_experts,
              f"between 1 and model.moe.num_experts={moe.num_experts}"),
-        must(cfg, "model.moe.moe_intermediate_size", lambda width: width is None or width > 0, "positive or null"),
-        must(cfg, "model.moe.num_shared_experts", lambda shared: shared >= 0, ">= 0"),
         must(cfg, "model.moe.layer_frequency", lambda k: 1 <= k <= model.model_config.num_hidden_layers,
              f"between 1 and {MODEL_CONFIG}num_hidden_layers={model.model_config.num_hidden_layers}"),
-        one_of(cfg, "model.moe.router", ROUTERS),
-        must(cfg, "model.moe.aux_loss_coef", lambda coef: coef >= 0, ">= 0"),
-        must(cfg, "model.moe.z_loss_coef", lambda coef: coef >= 0, ">= 0"),
-        must(cfg, "model.moe.capacity_factor", lambda factor: factor is None or factor > 0, "positive or null"),
         (moe.capacity_factor is None or (cfg.parallelism.cp == 1 and cfg.parallelism.tp_mode != "reduce_scatter"),
          f"model.moe.capacity_factor={moe.capacity_factor} with parallelism.cp={cfg.parallelism.cp} and "
          f"tp_mode={cfg.parallelism.tp_mode}: an expert's capacity counts a rank's tokens, so splitting a "
@@ -104,9 +93,8 @@ def parametrization_rules(cfg: Any) -> list[Rule]:
     if model.parametrization != "mup":
         return [one_of(cfg, "model.parametrization", ("standard", "mup"))]
     return [
-        must(cfg, "model.mup.base_width", lambda width: width is not None and width > 0, "a positive hidden size with "
+        must(cfg, "model.mup.base_width", lambda width: width is not None, "a positive hidden size with "
              "model.parametrization=mup: the width at which µP equals standard (e.g. the smallest width of a sweep)"),
-        must(cfg, "model.mup.attention_multiplier", lambda alpha: alpha > 0, "positive"),
         (not model.init_method.path, f"model.init_method.path={model.init_method.path}: Hugging Face Llama weights "
          "are a standard-parametrization model; load them with model.parametrization=standard"),
     ]
@@ -121,8 +109,6 @@ def batch_rules(cfg: Any) -> list[Rule]:
         (t.batch_accumulation_per_replica is not None or t.global_batch_size % (dp * t.micro_batch_size) == 0,
          f"tokens.global_batch_size={t.global_batch_size} is not divisible by parallelism.dp * tokens.micro_batch_size "
          f"= {dp * t.micro_batch_size}: change one, or set tokens.batch_accumulation_per_replica explicitly"),
-        must(cfg, "tokens.val_check_interval", lambda steps: steps >= 0, ">= 0 (0: only at the end)"),
-        must(cfg, "tokens.limit_val_batches", lambda batches: batches >= 0, ">= 0 (0: all held-out data)"),
     ]
 
 
@@ -158,7 +144,6 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
          "of pp; change tokens.global_batch_size or tokens.micro_batch_size"),
         (interleaved or v == 1, f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine=interleaved_1f1b "
          f"(got {layout.engine})"),
-        must(cfg, "parallelism.collective_timeout_s", lambda seconds: seconds > 0, "positive (seconds)"),
     ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout)
 
 
@@ -166,23 +151,18 @@ def eval_rules(cfg: Any) -> list[Rule]:
     """The eval group (downstream tasks): whether its tasks exist is checked at start (run.check_config)."""
     e = cfg.eval
     return [
-        must(cfg, "eval.interval", lambda steps: steps >= 0, ">= 0 (0: only at the end of training)"),
-        must(cfg, "eval.limit", lambda n: n is None or n > 0, "positive or null (every example)"),
-        must(cfg, "eval.num_fewshot", lambda n: n is None or n >= 0, ">= 0 or null (the task's default)"),
-        must(cfg, "eval.batch_size", lambda n: n > 0, "positive"),
-        must(cfg, "eval.bootstrap_iters", lambda n: n >= 0, ">= 0"),
         (not e.include_path or os.path.isdir(os.path.expanduser(e.include_path)),
          f"eval.include_path={e.include_path}: no such folder (a folder of lm-eval task YAMLs)"),
+        one_of(cfg, "eval.on_error", ("continue", "stop")),
     ]
 
 
 def expert_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
     """ep splits a mixture's experts over groups of dp x cp ranks (Layout.ep)."""
     ep, experts, stage = layout.ep, cfg.model.moe.num_experts, cfg.optimizer.zero_stage
-    rules = [must(cfg, "parallelism.ep", lambda ep: ep >= 1, ">= 1 (1: every rank holds every expert)")]
-    if ep <= 1:
-        return rules
-    return rules + [
+    if ep == 1:
+        return []
+    return [
         (experts > 0, f"parallelism.ep={ep} needs a mixture of experts: set model.moe.num_experts (e.g. "
          "model=moe_tiny) or parallelism.ep=1"),
         (layout.dp_cp % ep == 0, f"parallelism.ep={ep} does not divide parallelism.dp * cp = {layout.dp_cp}: expert "
@@ -215,23 +195,13 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
     return [
         (cfg.optimizer.optimizer_factory.name.lower() == "adamw",
          f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are adamW"),
-        must(cfg, ADAM + "adam_beta1", lambda beta: 0 <= beta < 1, "in [0, 1)"),
-        must(cfg, ADAM + "adam_beta2", lambda beta: 0 <= beta < 1, "in [0, 1)"),
-        must(cfg, ADAM + "adam_eps", lambda eps: eps > 0, "positive"),
-        must(cfg, "optimizer.weight_decay", lambda decay: decay >= 0, ">= 0"),
-        must(cfg, "optimizer.clip_grad", lambda norm: norm is None or norm > 0, "positive or null"),
-        one_of(cfg, "optimizer.zero_stage", (0, 1, 2, 3)),
-        must(cfg, "optimizer.zero3_prefetch", lambda units: units >= 0, ">= 0 (units gathered ahead; 0: none)"),
-        must(cfg, LR_SCHEDULER + "learning_rate", lambda rate: rate > 0, "positive"),
         one_of(cfg, LR_SCHEDULER + "lr_decay_style", ("linear", "cosine", "constant")),
         one_of(cfg, LR_SCHEDULER + "lr_warmup_style", ("linear", "constant")),
-        (0 <= lr.lr_warmup_steps <= steps, f"{LR_SCHEDULER}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
+        (lr.lr_warmup_steps <= steps, f"{LR_SCHEDULER}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
          f"tokens.train_steps={steps} (for a quick smoke test use debug=fast, which shrinks both)"),
-        must(cfg, LR_SCHEDULER + "lr_decay_steps", lambda steps: steps is None or steps >= 1,
-             ">= 1 or null (train_steps - the step the decay starts at)"),
         must(cfg, LR_SCHEDULER + "lr_decay_starting_step", lambda start: start is None or start >= lr.lr_warmup_steps,
              f">= lr_warmup_steps={lr.lr_warmup_steps} or null (the decay starts when warm-up ends)"),
-        (lr.min_decay_lr is None or 0 <= lr.min_decay_lr <= lr.learning_rate,
+        (lr.min_decay_lr is None or lr.min_decay_lr <= lr.learning_rate,
          f"{LR_SCHEDULER}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
     ]
 
@@ -240,12 +210,9 @@ def weights_rules(cfg: Any) -> list[Rule]:
     """Where the weights start: random with model.init_method.std, a Hugging Face folder, or a checkpoint."""
     hf_folder, resume_folder = cfg.model.init_method.path, cfg.checkpoint.resume_checkpoint_path
     return [
-        must(cfg, "model.init_method.std", lambda std: std > 0, "positive"),
         (not hf_folder or os.path.isfile(os.path.join(hf_folder, "config.json")),
          f"model.init_method.path={hf_folder}: not a Hugging Face model folder (no config.json there)"),
-        must(cfg, "checkpoint.checkpoint_interval", lambda steps: steps >= 0, ">= 0 (0: only at the end)"),
         one_of(cfg, "checkpoint.resume", ("auto", "never")),
-        must(cfg, "checkpoint.keep_last_n", lambda n: n is None or n >= 1, ">= 1 or null (keep all)"),
         (not resume_folder or os.path.isfile(os.path.join(resume_folder, "meta.json")),
          f"checkpoint.resume_checkpoint_path={resume_folder}: no such checkpoint "
          "(a folder <checkpoints_path>/<step> holding meta.json)"),
@@ -258,11 +225,7 @@ def data_rules(cfg: Any) -> list[Rule]:
         return data_group_rules(cfg.data, "data.")
     rules, previous, names = [], None, []
     for i, stage in enumerate(cfg.data_stages):
-        key = f"data_stages[{i}]"
-        if OmegaConf.is_missing(stage, "name") or OmegaConf.is_missing(stage, "start_training_step"):
-            rules.append((False, f"{key} needs a name and a start_training_step"))
-            continue
-        start = stage.start_training_step
+        key, start = f"data_stages[{i}]", stage.start_training_step
         rules += [(bool(stage.name) and stage.name not in names,
                    f"{key}.name={stage.name!r}: every stage needs its own non-empty name"),
                   (start == 1 if previous is None else start > previous,
@@ -278,17 +241,14 @@ def data_rules(cfg: Any) -> list[Rule]:
 def data_group_rules(d: Any, key: str) -> list[Rule]:
     """The rules of one data config, `key` being where it sits ("data." or "data_stages[i].data.")."""
     weights, folders = d.dataset_weights, d.dataset_folder or []
-    rules = [(d.name in ("builtin", "nanoset", "hf"), f"{key}name={d.name}: allowed values are builtin, nanoset, hf"),
-             (d.get("seed") is None or d.seed >= 0, f"{key}seed={d.get('seed')}: must be >= 0 or null (general.seed)"),
-             (0 < d.validation_fraction < 1,
-              f"{key}validation_fraction={d.validation_fraction}: must be between 0 and 1")]
+    rules = [(d.name in ("builtin", "nanoset", "hf"), f"{key}name={d.name}: allowed values are builtin, nanoset, hf")]
     if d.name == "nanoset":
         rules.append((len(folders) > 0, f"{key}dataset_folder is empty: give one or more Nanoset folders, "
                       f"e.g. {key}dataset_folder=[data/nanoset/web]"))
     if d.name == "nanoset" and weights is not None:
-        rules += [(len(weights) == len(folders), f"{key}dataset_weights has {len(weights)} values for {len(folders)} "
-                   f"{key}dataset_folder entries: give one weight per folder (or null for equal weights)"),
-                  (all(w > 0 for w in weights), f"{key}dataset_weights={list(weights)}: every weight must be positive")]
+        rules.append((len(weights) == len(folders), f"{key}dataset_weights has {len(weights)} values for "
+                      f"{len(folders)} {key}dataset_folder entries: give one weight per folder (or null for equal "
+                      "weights)"))
     if d.name == "hf":
         rules += [(bool(d.hf_dataset_or_datasets),
                    f"{key}hf_dataset_or_datasets is not set: give a local path or a Hub name"),
@@ -297,10 +257,10 @@ def data_group_rules(d: Any, key: str) -> list[Rule]:
 
 
 def logging_rules(cfg: Any) -> list[Rule]:
-    prof = cfg.logging.profiler
-    return [
-        must(cfg, "logging.iteration_step_info_interval", lambda steps: steps > 0, "positive"),
-        one_of(cfg, "logging.wandb.mode", ("disabled", "offline", "online")),
-        (prof.wait >= 0 and prof.warmup >= 0 and prof.active >= 1, f"logging.profiler.wait={prof.wait}, "
-         f"warmup={prof.warmup}, active={prof.active}: wait and warmup must be >= 0 and active >= 1"),
-    ]
+    return [one_of(cfg, "logging.wandb.mode", ("disabled", "offline", "online"))]
+
+
+def fault_rules(cfg: Any) -> list[Rule]:
+    world = Layout.from_config(cfg).world_size
+    return [must(cfg, "fault_injection.hang_rank", lambda rank: rank < world,
+                 f"below dp*cp*tp*pp = {world} (a rank of the run)")]

@@ -83,7 +83,7 @@ CASES = [
     ("data stages with one name", [f"data_stages=[{S}a, start_training_step: 1{E}, {S}a, start_training_step: 4{E}]"],
      {}, "data_stages[1].name='a': every stage needs its own non-empty name"),
     ("data stage without a name", ["data_stages=[{start_training_step: 1}]"], {},
-     "data_stages[0] needs a name and a start_training_step"),
+     "data_stages[0].name=???: must be set"),
     ("data stage with an empty folder list", ["data_stages=[{name: a, start_training_step: 1, data: {name: nanoset}}]"],
      {}, "data_stages[0].data.dataset_folder is empty"),
     ("data stage folder missing", [f"data_stages=[{S}a, start_training_step: 1{E}, {S}b, start_training_step: 3, "
