@@ -1,7 +1,8 @@
 """Hydra callbacks (registered in conf/config.yaml under hydra.callbacks).
 
-- `RunFolderGuard`: remembers whether a single run's folder existed before Hydra made it, so that a
-  run refused at validation can remove the folder it created (and never one that held anything).
+- `RunFolderGuard`: refuses a single run whose folder a live run owns before Hydra writes into it (its
+  `.hydra/` and train.log), and remembers whether the folder existed before Hydra made it, so that a run
+  refused at validation can remove the folder it created (and never one that held anything).
 - `SweepReport`: when a multirun ends (also when a job failed, which makes Hydra raise), prints the
   table of the sweep's jobs and the command that plots them.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
@@ -25,12 +27,27 @@ def created_for_run(run_dir: str) -> str | None:
 class RunFolderGuard(Callback):
     def on_run_start(self, config, **kwargs) -> None:
         run_dir = OmegaConf.select(config, "hydra.run.dir")   # `now` is cached: the job sees the same path
-        if not run_dir or os.path.exists(run_dir):
+        if not run_dir:
+            return
+        refuse_if_owned(run_dir)
+        if os.path.exists(run_dir):
             return
         outermost = os.path.abspath(run_dir)
         while not os.path.exists(os.path.dirname(outermost)):
             outermost = os.path.dirname(outermost)
         _created[os.path.abspath(run_dir)] = outermost
+
+
+def refuse_if_owned(run_dir: str) -> None:
+    from nanoexp.launch import launcher_env
+    from nanoexp.run_lock import busy_message, owner_of
+    env = launcher_env()
+    if env is not None and env["rank"] != 0:   # such ranks write into rank 0's folder (train.py)
+        return
+    held = owner_of(run_dir)
+    if held is not None:
+        print(f"nanoexp: {busy_message(os.path.realpath(run_dir), held[1], held[0])}", file=sys.stderr)
+        sys.exit(2)
 
 
 class SweepReport(Callback):

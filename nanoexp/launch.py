@@ -12,12 +12,15 @@
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -79,6 +82,28 @@ def export_slurm_rendezvous() -> None:
     env.setdefault("LOCAL_WORLD_SIZE", str(job.num_tasks // job.num_nodes))
 
 
+PR_SET_PDEATHSIG = 1   # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """End this process at once when `parent_pid` (its launcher, or torchrun's agent) is gone: a worker
+    whose launcher was killed must not train on and write checkpoints into a folder that the next run
+    of the same command will own. Linux delivers SIGKILL on the parent's death (prctl); elsewhere a
+    thread watches the parent. A parent that died before this call is caught by the pid check."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid, poll_s), daemon=True).start()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _exit_when_orphaned(parent_pid: int, poll_s: float) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os._exit(1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,9 +120,13 @@ def setup_device(local_rank: int, local_world: int) -> torch.device:
 
 
 def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s: float = 600.0) -> None:
+    from nanoexp import rendezvous
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    # Under torchrun's agent store (its default), a store of this round's own: the agent's outlives restarts
+    # and would hand a restarted world the dead workers' addresses. Elsewhere env:// as torch does it.
+    store = rendezvous.round_store(rank, timeout_s) if rendezvous.uses_agent_store() else None
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
 
 
 def start_method(name: str = "auto") -> str:
@@ -139,7 +168,8 @@ def _rebuild_log_handlers(described: list, level: int) -> None:
 
 
 def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
-                  timeout_s: float, record_signals: bool, log_handlers: list | None) -> None:
+                  timeout_s: float, record_signals: bool, log_handlers: list | None, launcher_pid: int) -> None:
+    die_with_parent(launcher_pid)
     worker_records_stop_signals(record_signals)   # first: a stop signal from now on is recorded, not fatal
     if log_handlers is not None:   # spawned: a bare interpreter
         _rebuild_log_handlers(*log_handlers)
@@ -180,7 +210,7 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
     log_handlers = (_log_handlers(), logging.getLogger().level) if method == "spawn" else None
     procs = [context.Process(target=_local_worker, daemon=False,
                              args=(r, world_size, port, fn, args, errors, timeout_s, handling_stop_signals(),
-                                   log_handlers))
+                                   log_handlers, os.getpid()))
              for r in range(world_size)]
     with workers_starting():   # a stop signal now waits until every worker records it
         for p in procs:

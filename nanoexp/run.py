@@ -2,31 +2,34 @@
 each rank, and report how the run ended."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nanoexp.checkpoint.manager import check_resume
+from nanoexp.checkpoint.manager import check_checkpoint_folder, check_resume, checkpoints_root
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.config import ConfigError, normalize
 from nanoexp.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.evaluation.downstream import INSTALL_HINT, harness_installed, unknown_tasks
-from nanoexp.launch import (WorkerFailed, export_slurm_rendezvous, init_distributed, launcher_env, lost_peer,
-                            setup_device, spawn_local)
+from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
+from nanoexp.launch import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
+                            lost_peer, setup_device, spawn_local)
 from nanoexp.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
 from nanoexp.peak import Peak, job_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.run_lock import RunFolderBusy, own_folders
 from nanoexp.signals import handle_stop_signals
 from nanoexp.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
@@ -70,7 +73,8 @@ def setup_rank_logging(run_dir: str, rank: int) -> None:
 
 def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> None:
     """Every config check, before any process group or training work: normalise `cfg` in place (nanotron's
-    spellings), validate it, then check what it points to (tokenizer, data files, the checkpoint to resume)."""
+    spellings), validate it, then check what it points to (tokenizer, data files, eval tasks, and with `run_dir`
+    the checkpoints folder: a writable folder with room for a checkpoint)."""
     normalize(cfg)
     vocab = None
     try:
@@ -86,10 +90,7 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
             raise ConfigError(stage_error(stage, str(error))) from None
     check_eval_tasks(cfg)
     if run_dir is not None:
-        try:
-            check_resume(cfg, run_dir)
-        except CheckpointError as error:
-            raise ConfigError(f"checkpoint: {error}") from None
+        check_checkpoint_folder(cfg, run_dir)
 
 
 def check_eval_tasks(cfg) -> None:
@@ -105,6 +106,9 @@ def check_eval_tasks(cfg) -> None:
         raise ConfigError(f"eval.tasks: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a task of "
                           f"lm-eval, of the shipped ones (shakespeare_choice, shakespeare_complete){where}: check "
                           "the name, or set eval.include_path to the folder of its YAML")
+    too_few = fewshot_problems(tasks, cfg.eval.include_path, cfg.eval.num_fewshot)
+    if too_few:
+        raise ConfigError(f"eval.num_fewshot={cfg.eval.num_fewshot}: {'; '.join(too_few)}: lower eval.num_fewshot")
 
 
 def stage_error(stage, message: str) -> str:
@@ -154,20 +158,33 @@ def node_cpu_peak(cfg) -> Peak | None:
 
 
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
-    """Check the config, then train in this process, in the launcher's world, or in local workers."""
+    """Check the config, own the run's folders, then train in this process, in the launcher's world, or in
+    local workers."""
     env = launcher_env()
-    check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir)
+    owner = env is None or env["rank"] == 0   # the other ranks of a launcher's world write into rank 0's folder
+    check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir if owner else None)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved
     world = Layout.from_config(cfg).world_size
     fill_wandb_identity(cfg, job or HydraJob())
     os.makedirs(run_dir, exist_ok=True)
-    if env is None or env["rank"] == 0:
-        log.info("run folder: %s", os.path.abspath(run_dir))
-    load = os.getloadavg()[0]
-    with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
-        launch_and_train(cfg, run_dir, env, world)
+    with own_folders([run_dir, checkpoints_root(cfg, run_dir)] if owner else []):
+        if owner:
+            log.info("run folder: %s", os.path.abspath(run_dir))
+            check_resume_point(cfg, run_dir)   # once the folder is ours: nobody moves latest.txt now
+        load = os.getloadavg()[0]
+        with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
+            launch_and_train(cfg, run_dir, env, world)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env else world
     record_machine_load(run_dir, load, os.getloadavg()[0], local_processes)
+
+
+def check_resume_point(cfg, run_dir: str) -> None:
+    """The checkpoint this run resumes from is whole and fits the model (a ConfigError naming the file or the
+    first parameter and key that differ)."""
+    try:
+        check_resume(cfg, run_dir)
+    except CheckpointError as error:
+        raise ConfigError(f"checkpoint: {error}") from None
 
 
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
@@ -182,10 +199,11 @@ def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
 
 def join_launcher_world(cfg, run_dir: str, env: dict) -> None:
     """This process is one rank of a world torchrun or SLURM started, on one node or several."""
+    die_with_parent(os.getppid())   # the agent (torchrun) or task launcher (SLURM): a worker never outlives it
     export_slurm_rendezvous()   # MASTER_ADDR/PORT from the SLURM node list (torchrun sets its own)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
     if env["rank"] == 0:
-        for warning in launcher_warnings(Layout.from_config(cfg), local_world, os.environ):
+        for warning in launcher_warnings(Layout.from_config(cfg), local_world):
             log.warning("%s", warning)
     # Each node's first rank measures its node's peak with every core while its peers wait in init.
     peak = node_cpu_peak(cfg) if env["local_rank"] == 0 else None
@@ -206,20 +224,11 @@ def join_launcher_world(cfg, run_dir: str, env: dict) -> None:
         dist.destroy_process_group()
 
 
-def launcher_warnings(layout: Layout, ranks_per_node: int, environ) -> list[str]:
-    """What rank 0 warns about a launcher's world before it starts: tp or cp groups that cross nodes, and
-    torchrun restarts that would fail to reconnect."""
-    warnings = [f"parallelism.{dim}={getattr(layout, dim)} spans nodes of {ranks_per_node} ranks: its collectives in "
-                "every layer cross the network; keep tp·cp within a node (dividing the ranks per node), see "
-                "docs/multi-node.md" for dim in layout.dims_crossing_nodes(ranks_per_node)]
-    # torchrun restarts the world (--max-restarts) but by default shares one TCPStore across its rounds: restarted
-    # workers then read the dead ones' addresses from it and fail to connect (gloo: "connectFullMesh failed ...
-    # Connection refused"). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every round a fresh store.
-    if int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        warnings.append("torchrun --max-restarts > 0 with its shared TCPStore: a restarted world would find the dead "
-                        "workers' addresses in it and fail to connect; start torchrun with "
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/multi-node.md)")
-    return warnings
+def launcher_warnings(layout: Layout, ranks_per_node: int) -> list[str]:
+    """What rank 0 warns about a launcher's world before it starts: tp or cp groups that cross nodes."""
+    return [f"parallelism.{dim}={getattr(layout, dim)} spans nodes of {ranks_per_node} ranks: its collectives in "
+            "every layer cross the network; keep tp·cp within a node (dividing the ranks per node), see "
+            "docs/multi-node.md" for dim in layout.dims_crossing_nodes(ranks_per_node)]
 
 
 def remove_run_folder(folder: str) -> None:
@@ -245,6 +254,20 @@ def report_end(run_dir: str, job: HydraJob) -> None:
                  summary.get("train_steps"), resume_command(job.overrides, os.path.abspath(run_dir)))
 
 
+def report_config_error(message: str) -> None:
+    """A refused config, said once: every rank of a launcher's world sees the same error, so rank 0 prints it.
+    Under torchrun every rank also writes it into its error file, so that torchrun's report shows this line, as
+    the root cause whichever rank it names, instead of a pointer to its docs."""
+    line = f"nanoexp: {message}"
+    env, error_file = launcher_env(), os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    if env is None or env["rank"] == 0:
+        print(line, file=sys.stderr)
+
+
 def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     """train.py's body: one readable message and a non-zero exit for a bad config or a failed rank.
     A failed job's summary.json says failed and why; in a multirun the error is raised instead of
@@ -255,7 +278,8 @@ def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     try:
         run(cfg, run_dir, job)
     except Exception as error:
-        if job.multirun or not isinstance(error, ConfigError):   # a single run's bad config only prints
+        # A single run's bad config only prints; a folder another run owns is never written into.
+        if (job.multirun or not isinstance(error, ConfigError)) and not isinstance(error, RunFolderBusy):
             record_failure(run_dir, error)
         if job.multirun or not isinstance(error, (ConfigError, WorkerFailed)):
             raise
@@ -266,7 +290,7 @@ def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
             remove_run_folder(job.created_folder)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"nanoexp: {error}", file=sys.stderr)
+        report_config_error(str(error))
         sys.exit(2)
     report_end(run_dir, job)
     if job.multirun and stopped_by_signal(run_dir):   # unfinished: SLURM requeues it, or the sweep reports it

@@ -275,21 +275,33 @@ class Trainer:
         self.last_record.update(**stage, **self.moe_metrics)
         if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
-        interval = cfg.tokens.val_check_interval
-        if (interval and step % interval == 0) or step == total:
-            self.eval_loss = self.evaluate()
-            self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
-        if self.downstream and self.downstream.due(step, total):
-            start = time.perf_counter()
-            self.downstream_scores = self.downstream.run()
-            self.log_record({"step": step, **self.downstream_scores, "eval/seconds": time.perf_counter() - start})
+        # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
         stop = stop_agreed(self.ctx)   # a collective: every rank stops after the same step
         self.checkpoints.after_step(step, step == total, stop, self.model, self.optimizer, self.progress)
         if stop and step != total:   # each rank's log says whether the signal reached it (every node, on SLURM)
             name = received_signal_name()
             log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
                      f"{name} reached this rank" if name else "it reached another rank")
-        return stop and step != total
+            return True
+        self.evaluate_when_due(step, stage)
+        return False
+
+    def evaluate_when_due(self, step: int, stage: dict) -> None:
+        """The held-out loss and the downstream tasks, when their intervals (or the end of training) say so."""
+        interval, total = self.cfg.tokens.val_check_interval, self.cfg.tokens.train_steps
+        if (interval and step % interval == 0) or step == total:
+            self.eval_loss = self.evaluate()
+            self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
+        if self.downstream and self.downstream.due(step, total):
+            start = time.perf_counter()
+            scores, _, errors = self.downstream.run()
+            self.downstream_scores.update(scores)
+            self.log_record({"step": step, **scores, "eval/seconds": time.perf_counter() - start})
+            for task, error in errors.items():
+                message = f"step {step}: downstream task {task} failed: {error}"
+                if self.cfg.eval.on_error == "stop":
+                    raise RuntimeError(f"{message} (eval.on_error=stop; the step's checkpoint is written)")
+                log.error("%s; training goes on (eval.on_error=stop ends the run instead)", message)
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
         tflops = self.flops_per_step / step_time / 1e12

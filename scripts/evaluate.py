@@ -7,7 +7,8 @@
 --tasks runs lm-evaluation-harness tasks on the checkpoint as training runs them in the loop
 (nanoexp/evaluation/): the checkpoint's config, with the overrides given after the options (a layout such as
 parallelism=dp1tp2pp1 or parallelism.dp=2, any eval.* key); it prints the scores as JSON and writes them
-(with --samples each document's responses too) to --out.
+(with --samples each document's responses too) to --out, by default eval_<step>.json beside the
+checkpoint folder.
 
 The text is encoded without special tokens; every token from the second on is predicted from the
 tokens before it in its window: windows of `tokens.sequence_length` predictions that overlap by
@@ -68,13 +69,15 @@ def main() -> None:
     parser.add_argument("--text-file", help="the loss and perplexity of this text")
     parser.add_argument("--tasks", help="comma-separated lm-eval task names (the shipped ones, or any the harness "
                         "knows; eval.include_path=<folder> for your own)")
-    parser.add_argument("--out", default="eval_scores.json", help="--tasks: where the scores go")
+    parser.add_argument("--out", help="--tasks: where the scores go (default: eval_<step>.json beside the checkpoint)")
     parser.add_argument("--samples", action="store_true", help="--tasks: also every document's responses")
     parser.add_argument("overrides", nargs="*", help="--tasks: parallelism=..., eval.limit=..., ...")
     args = parser.parse_intermixed_args()   # overrides may come before or after the options
     if bool(args.text_file) == bool(args.tasks):
         parser.error("give one of --text-file and --tasks")
     if args.tasks:
+        checkpoint = os.path.normpath(args.checkpoint)
+        args.out = args.out or os.path.join(os.path.dirname(checkpoint), f"eval_{os.path.basename(checkpoint)}.json")
         return evaluate_tasks(args)
     model, cfg = load_single_process(args.checkpoint)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)

@@ -25,13 +25,17 @@ def hosts_up() -> bool:
     return all(host in status for host in HOSTS)
 
 
-def require_hosts():
-    """Two fake hosts, brought up here when root can (and taken down by the caller); a skip with the reason
-    otherwise, and an error under CI=true, where the multi-host tests must run."""
+def require_hosts(bring_up: bool = False) -> bool:
+    """Two fake hosts: the ones already up, or, when asked (`bring_up`: pytest --fake-hosts, or CI=true), made here
+    as root, and then True: the caller takes them down. Otherwise a skip with the reason; under CI=true, where the
+    multi-host tests must run, an error. A plain `pytest` never changes the machine's network or /etc/hosts."""
     if hosts_up():
         return False
-    reason = None
-    if os.geteuid() != 0:
+    ci = os.environ.get("CI") == "true"
+    if not (bring_up or ci):
+        reason = ("the multi-host tests need two fake hosts: `pytest --fake-hosts` (root) makes them for the run "
+                  "and removes them after, or `bash scripts/fake_hosts.sh up 2` beforehand")
+    elif os.geteuid() != 0:
         reason = "the multi-host tests need root (network namespaces): run pytest as root"
     elif shutil.which("unshare") is None:
         reason = "the multi-host tests need unshare (util-linux)"
@@ -39,8 +43,9 @@ def require_hosts():
         result = fake_hosts("up", "2")
         if result.returncode == 0 and hosts_up():
             return True
+        fake_hosts("down")
         reason = f"scripts/fake_hosts.sh up 2 failed: {result.stderr.strip()[-500:]}"
-    if os.environ.get("CI") == "true":
+    if ci:
         pytest.fail(reason)
     pytest.skip(reason)
 

@@ -202,6 +202,48 @@ def test_a_bad_eval_config_is_named_before_any_work(overrides, message):
     assert message in start_error(compose_config(overrides))
 
 
+def test_more_shots_than_documents_is_named_before_any_work():
+    """The shipped tasks draw few-shot examples from their 500 test documents, leaving the current one out."""
+    assert "eval.num_fewshot=500: shakespeare_choice has 500 documents to draw 500 few-shot examples from" in \
+        start_error(compose_config(["eval.tasks=[shakespeare_choice]", "eval.num_fewshot=500"]))
+    assert "eval.num_fewshot" not in start_error(compose_config(["eval.tasks=[shakespeare_choice]",
+                                                                 "eval.num_fewshot=499", "tokens.train_steps=0"]))
+
+
+def failing_task_folder(tmp_path):
+    """A task of one's own whose scoring raises (after its forwards: the start-up checks cannot see it)."""
+    from nanoexp.evaluation.downstream import SHIPPED_TASKS
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "load.py").write_text((SHIPPED_TASKS / "load.py").read_text().replace(
+        "Path(__file__).resolve().parent", f"Path({str(SHIPPED_TASKS)!r})")
+        + "\n\ndef boom(doc, results):\n    raise RuntimeError('this scoring is broken')\n")
+    (folder / "broken.yaml").write_text((SHIPPED_TASKS / "shakespeare_choice.yaml").read_text().replace(
+        "task: shakespeare_choice", "task: broken_choice") + "process_results: !function load.boom\n")
+    return folder
+
+
+@pytest.mark.parametrize("on_error", ["continue", "stop"])
+def test_a_failing_task_loses_no_checkpoint(tmp_path, on_error):
+    """A task that raises in the loop: the step's checkpoint is already written; with eval.on_error=continue it is
+    logged with its task and step, the other task scores and training goes on; with stop the run ends saying so."""
+    run = FAST + ["tokens.train_steps=4", "tokens.val_check_interval=0", "eval.tasks=[broken_choice,shakespeare_choice]",
+                  "eval.interval=2", "eval.limit=4", "checkpoint.checkpoint_interval=2",
+                  f"eval.include_path={failing_task_folder(tmp_path)}", f"eval.on_error={on_error}"]
+    if on_error == "stop":
+        with pytest.raises(RuntimeError, match="step 2: downstream task broken_choice failed: RuntimeError: this "
+                                               "scoring is broken"):
+            train(tmp_path / "run", run)
+        assert (tmp_path / "run" / "checkpoints" / "latest.txt").read_text().strip() == "2"
+        return
+    records = train(tmp_path / "run", run)
+    assert [r["step"] for r in records if "eval/shakespeare_choice/acc" in r] == [2, 4]
+    assert not any("eval/broken_choice/acc" in r for r in records)
+    assert "step 2: downstream task broken_choice failed: RuntimeError: this scoring is broken" in \
+        (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "4", "latest.txt"]
+
+
 def test_without_the_harness_a_config_with_tasks_says_what_to_install(monkeypatch):
     import nanoexp.run
     monkeypatch.setattr(nanoexp.run, "harness_installed", lambda: False)

@@ -21,8 +21,8 @@ RENDEZVOUS = ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--max-
 
 
 @pytest.fixture(scope="module")
-def two_hosts():
-    made = require_hosts()
+def two_hosts(request):
+    made = require_hosts(bring_up=request.config.getoption("--fake-hosts"))
     yield
     if made:
         fake_hosts("down")
@@ -65,16 +65,13 @@ def test_torchrun_across_two_hosts_trains_like_one_process(two_hosts, reference,
 FAULT_RUN = ["tokens.train_steps=16", "tokens.val_check_interval=0", "checkpoint.checkpoint_interval=4",
              "optimizer.learning_rate_scheduler.lr_warmup_steps=2", "fault_injection.slow_step_s=0.3",
              "parallelism=dp2tp2pp1", "parallelism.collective_timeout_s=15"]
-# torchrun shares one TCPStore across its restarts unless told not to; restarted workers would read the dead ones'
-# addresses from it (nanoexp warns at start, see run.launcher_warnings).
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def start_fault_run(run_dir, port: int, restarts: int, rdzv_id: str) -> list:
     args = ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint={HOSTS[0]}:{port}",
             f"--rdzv_id={rdzv_id}", f"--max-restarts={restarts}", "train.py", *FAST, *FAULT_RUN,
             f"hydra.run.dir={run_dir}"]
-    return [torchrun_on_host(host, args, cwd=ROOT, env_extra=FRESH_STORE) for host in (0, 1)]
+    return [torchrun_on_host(host, args, cwd=ROOT) for host in (0, 1)]   # plain torchrun: its agent store shared
 
 
 def step_losses(run_dir) -> dict[int, float]:
@@ -91,8 +88,9 @@ def uninterrupted(two_hosts, tmp_path_factory):
 
 
 def test_a_killed_worker_restarts_the_world_which_resumes_exactly(uninterrupted, tmp_path):
-    """torchrun --max-restarts=1: SIGKILL of a worker on host 1 at step 7 restarts every host's workers, which
-    resume from checkpoint 4 and end with the uninterrupted run's losses, bit for bit (same layout)."""
+    """Plain torchrun --max-restarts=1: SIGKILL of a worker on host 1 at step 7 restarts every host's workers, which
+    meet in a store of their round's own (nanoexp.rendezvous), resume from checkpoint 4 and end with the
+    uninterrupted run's losses, bit for bit (same layout)."""
     run_dir = tmp_path / "run"
     agents = start_fault_run(run_dir, 29422, 1, "nanoexp-restart")
     wait_for_line(run_dir / "train.log", "step 7/16")
@@ -101,7 +99,7 @@ def test_a_killed_worker_restarts_the_world_which_resumes_exactly(uninterrupted,
     assert all(agent.returncode == 0 for agent in agents), outputs[0][-3000:] + outputs[1][-3000:]
     log = (run_dir / "train.log").read_text()
     assert "resuming from" in log and f"{run_dir}/checkpoints/4" in log
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in log   # set: no warning about torchrun's shared store
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in log   # no workaround to warn about: plain torchrun recovers
     assert step_losses(run_dir) == uninterrupted
 
 

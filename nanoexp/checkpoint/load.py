@@ -29,6 +29,9 @@ from nanoexp.parallel.zero import ZeroAdamW
 log = logging.getLogger("nanoexp")
 
 
+META_KEYS = ("step", "files", "index", "config", "layout", "consumed_samples", "global_batch_size")
+
+
 def file_crc32(path: str, chunk: int = 1 << 24) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -45,11 +48,19 @@ class CheckpointReader:
         meta_path = os.path.join(folder, "meta.json")
         if not os.path.isfile(meta_path):
             raise CheckpointError(f"{folder} is not a complete nanoexp checkpoint: {meta_path} is missing")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        if self.meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{meta_path}: format version {self.meta.get('format_version')}, "
-                                  f"this nanoexp reads version {FORMAT_VERSION}")
+        try:
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"damaged {meta_path}: not valid JSON ({error}); resume from another checkpoint "
+                                  "(write its step into latest.txt)") from None
+        if not isinstance(self.meta, dict) or self.meta.get("format_version") != FORMAT_VERSION:
+            version = self.meta.get("format_version") if isinstance(self.meta, dict) else None
+            raise CheckpointError(f"{meta_path}: format version {version}, this nanoexp reads version "
+                                  f"{FORMAT_VERSION}")
+        missing = [key for key in META_KEYS if key not in self.meta]
+        if missing:
+            raise CheckpointError(f"damaged {meta_path}: it lacks {', '.join(missing)}")
         self.pieces = defaultdict(list)   # (name, kind) -> [(file, key, entry)]
         for file, entries in self.meta["index"].items():
             for key, entry in entries.items():
@@ -77,6 +88,17 @@ class CheckpointReader:
             raise CheckpointError(f"unreadable shard {path}: {error}") from error
         self._handles[file] = handle
         return handle
+
+    def check_files(self) -> None:
+        """Every shard meta.json lists is there with its size (cheap: the CRC is checked when a shard is read)."""
+        for file, expected in self.meta["files"].items():
+            path = os.path.join(self.folder, file)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"missing shard {path}: written by rank {expected['rank']}, "
+                                      f"expected {expected['bytes']} bytes")
+            if os.path.getsize(path) != expected["bytes"]:
+                raise CheckpointError(f"truncated or mismatched shard {path}: {os.path.getsize(path)} bytes, "
+                                      f"expected {expected['bytes']}")
 
     def has(self, name: str, kind: str) -> bool:
         return (name, kind) in self.pieces
@@ -128,29 +150,59 @@ class CheckpointReader:
         return torch.cat(slices, dim=entry["split_dim"]) if len(slices) > 1 else slices[0]
 
 
-def check_compatible(reader: CheckpointReader, shape) -> None:
-    """Raise naming the first parameter (in model order) whose full shape differs or is missing."""
-    saved = reader.full_shapes()
+def check_compatible(reader: CheckpointReader, shape, model_cfg=None, strict: bool = True) -> tuple[set, list]:
+    """(the model's parameters the checkpoint cannot fill: missing or of another shape, the checkpoint's
+    parameters the model lacks). Strict: raise naming the first of either, and the model keys whose values
+    differ from the checkpoint's config."""
+    saved, expected = reader.full_shapes(), parameter_shapes(shape)
     tie = reader.meta["config"]["model"]["model_config"]["tie_word_embeddings"]
-    if tie != shape.tie_word_embeddings:
+    if strict and tie != shape.tie_word_embeddings:
         raise CheckpointError(f"{reader.folder} was saved with tie_word_embeddings={tie}, this model has "
                               f"{shape.tie_word_embeddings}: set model.model_config.tie_word_embeddings={tie}")
-    for name, expected in parameter_shapes(shape).items():
-        if saved.get(name) != expected:
-            found = "is missing" if name not in saved else f"has shape {saved[name]}"
-            raise CheckpointError(f"{reader.folder} does not fit this model: parameter {name} {found}, "
-                                  f"the model expects {expected} (different model_config?)")
+    unfit = {name: "is missing" if name not in saved else f"has shape {saved[name]}, the model expects {want}"
+             for name, want in expected.items() if saved.get(name) != want}
+    extra = [name for name in saved if name not in expected]
+    if strict and (unfit or extra):
+        name, problem = next(iter(unfit.items())) if unfit else (extra[0], "is not in this model")
+        raise CheckpointError(f"{reader.folder} does not fit this model: parameter {name} {problem}"
+                              f"{differing_keys(reader, model_cfg)}; checkpoint.load_strict=false loads only "
+                              "the parameters both have")
+    return set(unfit), extra
+
+
+def differing_keys(reader: CheckpointReader, model_cfg) -> str:
+    """ " (model.x is A in the checkpoint, B here, ...)": the model keys that differ from the checkpoint's."""
+    if model_cfg is None:
+        return ""
+    theirs = flat_keys(reader.meta["config"]["model"], "model.")
+    ours = flat_keys(OmegaConf.to_container(model_cfg, resolve=True), "model.")
+    differ = [f"{key} is {theirs.get(key)} in the checkpoint, {value} here" for key, value in ours.items()
+              if key in theirs and theirs[key] != value and not key.startswith("model.init_method")]
+    return f" ({'; '.join(differ)})" if differ else ""
+
+
+def flat_keys(tree: dict, prefix: str) -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 @torch.no_grad()
-def load_model(reader: CheckpointReader, model, ctx, optimizer=None) -> None:
-    """This rank's slice of every parameter; under ZeRO-3 (`optimizer` holds shards) into its pieces."""
+def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[str] = frozenset()) -> None:
+    """This rank's slice of every parameter but those named in `skip`; under ZeRO-3 (`optimizer` holds shards)
+    into its pieces."""
     zero = isinstance(optimizer, ZeroAdamW)
     held_as_shards = optimizer.grad_sync.held_as_shards() if zero else set()
     pieces = defaultdict(list)
     for piece in optimizer.pieces if held_as_shards else []:
         pieces[id(piece.param)].append(piece)
     for name, param in model.named_parameters():
+        if value_name(name, param) in skip:
+            continue
         local = shard_tensor(reader.full_tensor(value_name(name, param)), param, ctx)
         if id(param) not in held_as_shards:
             param.copy_(local)
@@ -159,15 +211,16 @@ def load_model(reader: CheckpointReader, model, ctx, optimizer=None) -> None:
 
 
 @torch.no_grad()
-def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
-    """Re-slice AdamW moments into `optimizer` (torch AdamW or ZeRO-1, any dp); False if none saved."""
+def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[str] = frozenset()) -> bool:
+    """Re-slice AdamW moments into `optimizer` (torch AdamW or ZeRO-1, any dp), but for the parameters in `skip`
+    (fresh state); False if none saved."""
     steps = reader.meta.get("optimizer_steps", 0)
     if steps == 0 or not reader.has(EMBEDDING, "exp_avg"):
         return False
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
 
     def local_state(p, kind):
-        return shard_tensor(reader.full_tensor(value_name(names[id(p)], p), kind), p, ctx).to(p.device)
+        return shard_tensor(reader.full_tensor(names[id(p)], kind), p, ctx).to(p.device)
 
     step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")
 
@@ -175,13 +228,13 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx) -> bool:
         return {**moments, "step": torch.tensor(float(steps), dtype=torch.float32, device=step_device or device)}
 
     if isinstance(optimizer, ZeroAdamW):   # this dp x cp rank's part of each parameter
-        for piece in optimizer.pieces:
+        for piece in (piece for piece in optimizer.pieces if names[id(piece.param)] not in skip):
             moments = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone()
                        for kind in STATE_KINDS}
             optimizer.state[piece.value] = adam_state(moments, piece.value.device)
         return True
     for group in optimizer.param_groups:
-        for p in group["params"]:
+        for p in (p for p in group["params"] if names[id(p)] not in skip):
             optimizer.state[p] = adam_state({kind: local_state(p, kind).contiguous() for kind in STATE_KINDS},
                                             p.device)   # fresh tensors
     return True

@@ -1,8 +1,8 @@
 """What the trainer calls: where checkpoints live, what to resume from, when to save.
 
-    checkpoints = CheckpointManager(cfg, ctx, run_dir)
+    checkpoints = CheckpointManager(cfg, ctx, run_dir)   # reads latest.txt once (rank 0, for every rank)
     resume = checkpoints.where_to_start()   # -> Resume(step, consumed_samples, lr_step_offset, ...), from meta.json
-    checkpoints.restore(model, optimizer)   # its weights, optimizer state and RNG
+    checkpoints.restore(model, optimizer)   # its weights, optimizer state and RNG, from the same checkpoint
     ... after each optimizer step:
     checkpoints.after_step(step, is_last, stop, model, optimizer, progress)   # saves when due or stopping
 
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
-from nanoexp.config import global_batch_size
+from nanoexp.config import ConfigError, global_batch_size
 from nanoexp.model.build import model_shape
+from nanoexp.model.llama import count_parameters
 
 log = logging.getLogger("nanoexp")
 
@@ -66,10 +69,43 @@ def inside(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
 
+def checkpoints_root(cfg, run_dir: str) -> str:
+    return cfg.checkpoint.checkpoints_path or os.path.join(run_dir, "checkpoints")
+
+
+def checkpoint_bytes(cfg) -> int:
+    """About one checkpoint's size: float32 weights and AdamW's two moments."""
+    return 3 * 4 * count_parameters(model_shape(cfg))
+
+
+def check_checkpoint_folder(cfg, run_dir: str) -> None:
+    """Before any work: the checkpoints folder is a folder (or can be made), writable, with room for one
+    checkpoint; a ConfigError naming checkpoint.checkpoints_path otherwise."""
+    root = checkpoints_root(cfg, run_dir)
+    key = f"checkpoint.checkpoints_path={root}"
+    existing = root
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}: {existing} is a file, not a folder: give a folder for the checkpoints")
+    probe = os.path.join(existing, f".nanoexp-write-test-{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise ConfigError(f"{key}: cannot write into {existing} ({error.strerror}): give a writable folder") from None
+    free, needed = shutil.disk_usage(existing).free, checkpoint_bytes(cfg)
+    if free < needed:
+        raise ConfigError(f"{key}: {free / 2**30:.2f} GiB free on its file system, one checkpoint of this model "
+                          f"takes about {needed / 2**30:.2f} GiB (float32 weights and AdamW state): free space or "
+                          "point checkpoint.checkpoints_path elsewhere")
+
+
 def check_resume(cfg, run_dir: str) -> None:
-    """Before any work: the checkpoint this run would resume from is complete and fits the model
-    (raises CheckpointError naming the first mismatching parameter), and the seed path is not one
-    of this run's own checkpoints."""
+    """Before any work: the checkpoint this run would resume from is whole (meta.json readable, every shard there
+    with its size) and fits the model (raises CheckpointError naming the file, or the first mismatching parameter
+    and the keys that differ), and the seed path is not one of this run's own checkpoints."""
     manager = CheckpointManager(cfg, None, run_dir)
     seed = cfg.checkpoint.resume_checkpoint_path
     if seed and inside(seed, manager.root):
@@ -78,15 +114,24 @@ def check_resume(cfg, run_dir: str) -> None:
             f"{manager.root}, which the run resumes from by itself (checkpoint.resume=auto follows its "
             f"latest.txt): to roll back, write the step into {os.path.join(manager.root, 'latest.txt')} "
             "and drop checkpoint.resume_checkpoint_path")
-    folder, _ = manager.resume_folder()
+    folder, _ = manager.start
     if folder is not None:
-        check_compatible(CheckpointReader(folder), model_shape(cfg))
+        reader = CheckpointReader(folder)
+        reader.check_files()
+        check_compatible(reader, model_shape(cfg), cfg.model, cfg.checkpoint.load_strict)
 
 
 class CheckpointManager:
     def __init__(self, cfg, ctx, run_dir: str):
         self.cfg, self.ctx = cfg, ctx
-        self.root = cfg.checkpoint.checkpoints_path or os.path.join(run_dir, "checkpoints")
+        self.root = checkpoints_root(cfg, run_dir)
+        # Where this run starts, and why: read once, by rank 0 for every rank, so that step, data position,
+        # weights and optimizer state all come from one checkpoint.
+        self.start = self.resume_folder()
+        if ctx is not None and ctx.world_size > 1:
+            box = [self.start]
+            dist.broadcast_object_list(box, src=0)
+            self.start = box[0]
         self.last_saved = None
         # Checkpoints of this folder after the step this run started from belong to an abandoned
         # timeline (a rollback, or resume=never): the first save moves them to abandoned/.
@@ -106,7 +151,7 @@ class CheckpointManager:
     def where_to_start(self) -> Resume:
         """The step and data position this run continues from, read from the checkpoint's meta.json
         alone (before any model exists: the data can be built first)."""
-        folder, _ = self.resume_folder()
+        folder, _ = self.start
         if folder is None:
             return Resume()
         meta, reload_lr = CheckpointReader(folder).meta, self.cfg.checkpoint.load_lr_scheduler
@@ -116,16 +161,20 @@ class CheckpointManager:
 
     def restore(self, model, optimizer) -> None:
         """Load the checkpoint to resume from (if any) into this rank's model and optimizer."""
-        folder, origin = self.resume_folder()
+        folder, origin = self.start
         if folder is None:
             log.info("%s: starting from step 1", origin)
             return
         c, ctx = self.cfg.checkpoint, self.ctx
         reader = CheckpointReader(folder)
-        check_compatible(reader, model.shape)
-        load_model(reader, model, ctx, optimizer)
+        unfit, extra = check_compatible(reader, model.shape, self.cfg.model, c.load_strict)
+        if unfit or extra:
+            log.warning("checkpoint.load_strict=false: %d parameters of the model keep their initial values (%s), "
+                        "%d of the checkpoint are dropped (%s)", len(unfit), ", ".join(sorted(unfit)) or "none",
+                        len(extra), ", ".join(extra) or "none")
+        load_model(reader, model, ctx, optimizer, skip=unfit)
         meta = reader.meta
-        loaded_optimizer = c.load_optimizer and load_optimizer(reader, model, optimizer, ctx)
+        loaded_optimizer = c.load_optimizer and load_optimizer(reader, model, optimizer, ctx, skip=unfit)
         same_layout = {"cp": 1, **meta["layout"]} == self.layout()   # checkpoints before cp have no "cp"
         if same_layout:
             load_rng(reader, ctx)
@@ -168,5 +217,4 @@ def optimizer_steps(optimizer) -> int:
     """How many updates the optimizer has applied (what AdamW's bias correction counts)."""
     if hasattr(optimizer, "num_steps"):
         return optimizer.num_steps
-    states = [s for s in optimizer.state.values() if "step" in s]
-    return int(states[0]["step"].item()) if states else 0
+    return max((int(s["step"].item()) for s in optimizer.state.values() if "step" in s), default=0)

@@ -125,12 +125,18 @@ def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, kee
     `abandon_after`: the step this run started from, on its first save: later checkpoints in `root`
     belong to an abandoned timeline and are moved to `<root>/abandoned/` (never deleted)."""
     final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
+    prepared = None
     if ctx.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
-        os.makedirs(tmp)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
+            os.makedirs(tmp)
+        except OSError as error:   # then every rank fails below, and all raise together
+            prepared = error
     if ctx.world_size > 1:
         dist.barrier()
     try:
+        if prepared:
+            raise prepared
         tensors, index = shard_contents(model, optimizer, ctx)
         rng_tensors, rng_json = rng_states(ctx)
         info = write_file(os.path.join(tmp, rank_file(ctx.rank)), {**tensors, **rng_tensors}, {"rng": rng_json})

@@ -73,6 +73,11 @@ def load_hf_dataset(name_or_paths: Union[str, Sequence[str]], split: str = "trai
         return ds.to_iterable_dataset() if streaming else ds
     if all(os.path.exists(s) or glob.glob(os.path.expanduser(s)) for s in sources):
         files = local_data_files(sources)
+        if files and all(os.path.getsize(f) == 0 for f in files):
+            raise ValueError(f"{', '.join(sources)}: no data: {'the file is' if len(files) == 1 else 'every file is'} "
+                             "empty (0 bytes)")
+        files = [f for f in files if os.path.getsize(f) > 0]   # an empty file holds no document (and the json
+        # and csv readers of datasets fail on one)
         builders = {_builder_of(f) for f in files}
         if not files or None in builders or len(builders) != 1:
             raise ValueError(f"{', '.join(sources)}: expected data files of one kind among "

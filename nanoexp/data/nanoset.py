@@ -50,6 +50,7 @@ class NanosetWriter:
         if existing and not overwrite:
             raise FileExistsError(f"{self.folder} already holds a Nanoset ({', '.join(existing)}); "
                                   "pass --overwrite to replace it")
+        self.made_folder = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         if (self.folder / METADATA_FILE).exists():   # an overwrite: unfinished until the new metadata lands
             (self.folder / METADATA_FILE).unlink()
@@ -59,7 +60,7 @@ class NanosetWriter:
                          **(extra_metadata or {})}
         self._eod = np.array([eod_id], dtype=self.dtype)
         self._file = open(self.folder / TOKENS_FILE, "wb")
-        self._ends: list[int] = []
+        self.ends: list[int] = []
         self.num_tokens = 0
 
     def add(self, documents: list[np.ndarray]) -> None:
@@ -69,7 +70,7 @@ class NanosetWriter:
         pieces = [p for doc in documents for p in (np.asarray(doc).astype(self.dtype, copy=False), self._eod)]
         self._file.write(np.concatenate(pieces).tobytes())
         ends = self.num_tokens + np.cumsum([len(doc) + 1 for doc in documents])
-        self._ends += ends.tolist()
+        self.ends += ends.tolist()
         self.num_tokens = int(ends[-1])
 
     def close(self) -> dict[str, Any]:
@@ -77,12 +78,20 @@ class NanosetWriter:
         if self._file.closed:
             return self.metadata
         self._file.close()
-        np.save(self.folder / INDEX_FILE, np.asarray(self._ends, dtype=np.int64))
-        self.metadata.update(num_tokens=self.num_tokens, num_documents=len(self._ends))
+        np.save(self.folder / INDEX_FILE, np.asarray(self.ends, dtype=np.int64))
+        self.metadata.update(num_tokens=self.num_tokens, num_documents=len(self.ends))
         tmp = self.folder / (METADATA_FILE + ".tmp")
         tmp.write_text(json.dumps(self.metadata, indent=2) + "\n")
         os.replace(tmp, self.folder / METADATA_FILE)
         return self.metadata
+
+    def discard(self) -> None:
+        """Remove what this writer wrote (and its folder, if it made it): a failed run leaves no half Nanoset."""
+        self._file.close()
+        for name in (TOKENS_FILE, INDEX_FILE, METADATA_FILE, METADATA_FILE + ".tmp"):
+            (self.folder / name).unlink(missing_ok=True)
+        if self.made_folder and not any(self.folder.iterdir()):
+            self.folder.rmdir()
 
     def __enter__(self) -> "NanosetWriter":
         return self

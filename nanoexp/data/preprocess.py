@@ -38,10 +38,11 @@ def preprocess(inputs: Sequence[str], output_folder: str, tokenizer_name: str = 
 
     tokenizer = build_tokenizer(tokenizer_name, allow_download=True)
     extra = {"sources": [str(i) for i in inputs], "text_key": text_key}
-    writer = NanosetWriter(output_folder, tokenizer.name, tokenizer.vocab_size, tokenizer.eod_id,
-                           overwrite=overwrite, extra_metadata=extra)   # refuses before any work
     source = ", ".join(map(str, inputs))
-    batches = read_texts(load_hf_dataset(list(inputs), split, streaming=True), text_key, source)
+    batches = read_texts(load_hf_dataset(list(inputs), split, streaming=True), text_key, source)   # refuses a
+    # missing or empty input before anything is written
+    writer = NanosetWriter(output_folder, tokenizer.name, tokenizer.vocab_size, tokenizer.eod_id,
+                           overwrite=overwrite, extra_metadata=extra)   # refuses an existing Nanoset
     start = time.perf_counter()
     bar = tqdm(unit="doc", desc="tokenizing", disable=not progress)
     pool = None
@@ -53,10 +54,15 @@ def preprocess(inputs: Sequence[str], output_folder: str, tokenizer_name: str = 
     else:
         encoded = (tokenizer.encode_batch(texts) for texts in batches)
     try:
-        with writer:
-            for docs in encoded:
-                writer.add(docs)
-                bar.update(len(docs))
+        for docs in encoded:
+            writer.add(docs)
+            bar.update(len(docs))
+        if writer.num_tokens == len(writer.ends):   # only end-of-document ids
+            raise ValueError(f"{source}: no text to tokenize ({len(writer.ends)} documents, all empty)")
+        writer.close()
+    except BaseException:
+        writer.discard()
+        raise
     finally:
         bar.close()
         if pool is not None:

@@ -5,7 +5,7 @@
     eval.interval       every this many steps, and at the end of training (0: only at the end)
     eval.limit          examples per task (null: all); eval.num_fewshot; eval.batch_size (rows per forward call)
 
-`DownstreamEval.run()` runs `lm_eval.simple_evaluate` on every rank with the `nanoexp` model (harness.py): each
+`DownstreamEval.run()` runs `lm_eval.simple_evaluate`, a task at a time, on every rank with the `nanoexp` model (harness.py): each
 rank asks for the same forwards, the scorer shares them out, and every rank gets the same scores; the trainer
 records rank 0's. The harness does not reseed Python's, NumPy's or torch's global generators here (training's
 own state stays as it was); its few-shot sampler has its own seed. Scores become flat metrics:
@@ -20,7 +20,11 @@ import importlib.util
 import io
 import logging
 import os
+import random
 from pathlib import Path
+
+import numpy as np
+import torch
 
 SHIPPED_TASKS = Path(__file__).resolve().parent / "tasks"
 INSTALL_HINT = "pip install -e '.[eval]' (EleutherAI's lm-eval)"
@@ -55,6 +59,36 @@ def unknown_tasks(names: list[str], user_path: str | None) -> list[str]:
     return [name for name in names if name not in known]
 
 
+def harness_tasks(names: list[str], user_path: str | None) -> dict:
+    """{name: the harness's task object} for `names`, groups opened into their tasks (loads their documents); a
+    task that cannot be built is a ConfigError naming it."""
+    from nanoexp.config import ConfigError
+    manager, tasks = task_manager(user_path, tuple(names)), {}
+    for name in names:
+        try:
+            tasks.update(manager.load([name])["tasks"])
+        except Exception as error:   # noqa: BLE001 - a task's own code: whatever it raises, name the task
+            raise ConfigError(f"eval.tasks: {name} cannot be built: {type(error).__name__}: {error}") from None
+    return tasks
+
+
+def fewshot_problems(names: list[str], user_path: str | None, num_fewshot: int | None) -> list[str]:
+    """Tasks that cannot draw their few-shot examples: more shots than documents to draw them from (one more
+    when they come from the evaluated split, which leaves the current document out)."""
+    problems = []
+    for name, task in harness_tasks(names, user_path).items():
+        config = getattr(task, "config", None)
+        shots = num_fewshot if num_fewshot is not None else (getattr(config, "num_fewshot", 0) or 0)
+        if shots == 0:
+            continue
+        pool = len(task.fewshot_docs() or [])
+        split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+        needed = shots + (split is not None and split == getattr(config, "test_split", None))
+        if needed > pool:
+            problems.append(f"{name} has {pool} documents to draw {shots} few-shot examples from")
+    return problems
+
+
 def flatten(results: dict) -> dict[str, float]:
     """The harness's results[task] ({"acc,none": 0.3, "acc_stderr,none": 0.02, "alias": ...}) as flat metrics."""
     flat = {}
@@ -82,28 +116,50 @@ class DownstreamEval:
         interval = int(self.cfg.interval)
         return step == last_step or (interval > 0 and step % interval == 0)
 
-    def run(self) -> dict[str, float]:
-        """Every task once: {"eval/<task>/<metric>": value, ...}, the same on every rank."""
-        return flatten(self.evaluate(log_samples=False)["results"])
+    def run(self, log_samples: bool = False) -> tuple[dict[str, float], dict[str, list], dict[str, str]]:
+        """Every task once, each on its own, the same on every rank: its scores {"eval/<task>/<metric>": value},
+        with `log_samples` each document's responses after the task's filters (for a multiple-choice document
+        the (log-likelihood, greedy) of each choice, for generation the text), and {task: error} for the tasks
+        that raised. The global random generators are left as they were."""
+        scores, samples, errors = {}, {}, {}
+        with generators_kept():
+            for task in self.cfg.tasks:
+                try:
+                    results = self.evaluate(log_samples, [task])
+                except Exception as error:   # noqa: BLE001 - one task's failure must not lose the others
+                    errors[task] = f"{type(error).__name__}: {error}"
+                    continue
+                scores.update(flatten(results["results"]))
+                for name, docs in results.get("samples", {}).items():
+                    samples[name] = [[sample["doc_id"], sample["filtered_resps"]] for sample in docs]
+        return scores, samples, errors
 
-    def run_with_samples(self) -> tuple[dict[str, float], dict[str, list]]:
-        """run()'s scores, and per task each document's responses after the task's filters (for a
-        multiple-choice document, the (log-likelihood, greedy) of each choice; for generation, the text)."""
-        results = self.evaluate(log_samples=True)
-        samples = {task: [[sample["doc_id"], sample["filtered_resps"]] for sample in docs]
-                   for task, docs in results["samples"].items()}
-        return flatten(results["results"]), samples
-
-    def evaluate(self, log_samples: bool) -> dict:
+    def evaluate(self, log_samples: bool, tasks: list[str]) -> dict:
         from lm_eval.evaluator import simple_evaluate
         # LOCAL_RANK=0: the harness returns results only where it is 0 (it takes any other for a tp rank of its
         # own); here every rank computes them. Its progress bars (one per task and request type, on stderr) are
         # dropped; its log, at ERROR here, and nanoexp's have handlers of their own.
         with environment(LOCAL_RANK="0"), contextlib.redirect_stderr(io.StringIO()):
-            return simple_evaluate(model=self.lm, tasks=list(self.cfg.tasks), num_fewshot=self.cfg.num_fewshot,
-                                   limit=self.cfg.limit, task_manager=self.manager, log_samples=log_samples,
+            return simple_evaluate(model=self.lm, tasks=tasks, num_fewshot=self.cfg.num_fewshot, limit=self.cfg.limit,
+                                   task_manager=self.manager, log_samples=log_samples,
                                    bootstrap_iters=int(self.cfg.bootstrap_iters), random_seed=None,
                                    numpy_random_seed=None, torch_random_seed=None, verbosity="ERROR")
+
+
+@contextlib.contextmanager
+def generators_kept():
+    """Python's, NumPy's and torch's global generators restored after the block: evaluating between two
+    checkpoints must not change what training draws next (a resumed run skips that evaluation)."""
+    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 @contextlib.contextmanager

@@ -73,7 +73,9 @@ def evaluation_worker(rank: int, world_size: int, device, cfg_dict: dict, folder
     scorer = ShardedScorer(model, ctx, engine, cfg.tokens.micro_batch_size, cfg.tokens.sequence_length, autocast,
                            tokenizer.eod_id)
     downstream = DownstreamEval(cfg.eval, scorer, tokenizer)
-    scores, responses = downstream.run_with_samples() if samples else (downstream.run(), None)
+    scores, responses, errors = downstream.run(log_samples=samples)
+    if errors:
+        raise RuntimeError("; ".join(f"task {task} failed: {error}" for task, error in errors.items()))
     if rank == 0:
         result = {"checkpoint": os.path.abspath(folder), "layout": ctx.layout.name, "scores": scores}
         if samples:

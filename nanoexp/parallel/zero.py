@@ -37,8 +37,8 @@ class ZeroAdamW:
     @property
     def num_steps(self) -> int:
         """Updates applied so far (AdamW's bias-correction step)."""
-        steps = [s["step"] for s in self.state.values() if "step" in s]
-        return int(steps[0].item()) if steps else 0
+        steps = [int(s["step"].item()) for s in self.state.values() if "step" in s]
+        return max(steps, default=0)   # the largest: a parameter loaded without state counts from 0
 
     @torch.no_grad()
     def step(self) -> None:

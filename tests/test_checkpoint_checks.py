@@ -1,0 +1,145 @@
+"""What is checked about checkpoints before any work, and how a resume picks its checkpoint: a checkpoint loads
+only into the model it came from (unless checkpoint.load_strict=false), a damaged one is named by its file, the
+checkpoints folder must be a writable folder with room for one, a failed save is a CheckpointError, and a resume
+reads latest.txt once."""
+import json
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+
+import nanoexp.checkpoint.manager as manager_module
+from nanoexp.checkpoint import CheckpointError, CheckpointManager, CheckpointReader
+from nanoexp.config import ConfigError
+from nanoexp.launch import setup_device
+from nanoexp.model.build import build_model
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.layout import Layout
+from tests.helpers import FAST, compose_config, read_metrics, train
+
+RUN = FAST + ["tokens.val_check_interval=0", "tokens.train_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("four_layers")
+    train(root, RUN)
+    return root / "checkpoints" / "2"
+
+
+@pytest.fixture(scope="module")
+def moe_with_a_shared_expert(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    train(root, RUN + ["model=moe_tiny"])
+    return root / "checkpoints" / "2"
+
+
+@pytest.mark.parametrize("change, message", [
+    (["model.model_config.num_hidden_layers=2"], "parameter model.layers.2.input_layernorm.weight is not in this "
+     "model (model.model_config.num_hidden_layers is 4 in the checkpoint, 2 here)"),
+    (["model.model_config.num_hidden_layers=6"], "parameter model.layers.4.input_layernorm.weight is missing "
+     "(model.model_config.num_hidden_layers is 4 in the checkpoint, 6 here)"),
+    (["model.model_config.intermediate_size=64"], "model.layers.0.mlp.gate_proj.weight has shape (128, 64), the "
+     "model expects (64, 64) (model.model_config.intermediate_size is 128 in the checkpoint, 64 here)"),
+])
+def test_a_checkpoint_of_another_shape_is_refused_at_start(four_layers, tmp_path, change, message):
+    with pytest.raises(ConfigError) as error:
+        train(tmp_path, RUN + change + [f"checkpoint.resume_checkpoint_path={four_layers}"])
+    assert message in str(error.value) and "checkpoint.load_strict=false" in str(error.value)
+    assert not (tmp_path / "metrics.jsonl").exists()   # refused before any step
+
+
+def test_a_moe_checkpoint_without_its_shared_expert_is_refused(moe_with_a_shared_expert, tmp_path):
+    with pytest.raises(ConfigError, match=r"shared_experts?\..* is not in this model \(model\.moe\.num_shared_experts "
+                                          r"is 1 in the checkpoint, 0 here\)"):
+        train(tmp_path, RUN + ["model=moe_tiny", "model.moe.num_shared_experts=0",
+                               f"checkpoint.resume_checkpoint_path={moe_with_a_shared_expert}"])
+
+
+def loaded_model(cfg, folder):
+    """One process's model with `folder` restored into it, as the trainer restores it."""
+    ctx = ParallelContext(Layout.from_config(cfg), setup_device(0, 1))
+    model = build_model(cfg, ctx)
+    optimizer = torch.optim.AdamW(model.parameters())
+    CheckpointManager(cfg, ctx, str(folder.parent.parent)).restore(model, optimizer)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_load_strict_false_loads_the_parameters_both_have(four_layers, tmp_path, layers):
+    """Fewer layers: the first two load, the checkpoint's others are dropped; more layers: the first four load,
+    the new ones keep their initial values (and start with fresh optimizer state). Then training goes on."""
+    overrides = RUN + [f"model.model_config.num_hidden_layers={layers}", "checkpoint.load_strict=false",
+                       f"checkpoint.resume_checkpoint_path={four_layers}"]
+    cfg = compose_config(overrides)
+    model, optimizer = loaded_model(cfg, four_layers)
+    fresh = build_model(cfg, ParallelContext(Layout.from_config(cfg), setup_device(0, 1)))
+    reader = CheckpointReader(str(four_layers))
+    for (name, param), (_, initial) in zip(model.named_parameters(), fresh.named_parameters()):
+        expected = reader.full_tensor(name) if reader.has(name, "param") else initial
+        assert torch.equal(param.detach(), expected), name
+        assert (param in optimizer.state) == reader.has(name, "param"), name
+    records = train(tmp_path, overrides + ["tokens.train_steps=3"])
+    assert [r["step"] for r in records if "loss" in r] == [3]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda folder: (folder / "meta.json").write_text((folder / "meta.json").read_text()[:200]),
+     "damaged {folder}/meta.json: not valid JSON"),
+    (lambda folder: (folder / "meta.json").write_text(json.dumps({"format_version": 1, "step": 2})),
+     "damaged {folder}/meta.json: it lacks files, index, config"),
+    (lambda folder: (folder / "rank_00000.safetensors").write_bytes(b"\0" * 10),
+     "truncated or mismatched shard {folder}/rank_00000.safetensors: 10 bytes"),
+    (lambda folder: (folder / "rank_00000.safetensors").unlink(), "missing shard {folder}/rank_00000.safetensors"),
+], ids=["truncated-meta", "meta-without-keys", "short-shard", "missing-shard"])
+def test_a_damaged_checkpoint_is_named_before_any_work(four_layers, tmp_path, damage, message):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(four_layers, folder)
+    damage(folder)
+    with pytest.raises(ConfigError, match="checkpoint: ") as error:
+        train(tmp_path / "run", RUN + [f"checkpoint.resume_checkpoint_path={folder}"])
+    assert message.format(folder=folder) in str(error.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_unusable_checkpoints_folder_is_named_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    for path, message in [(tmp_path / "a_file", "is a file, not a folder"),
+                          (tmp_path / "a_file" / "below", f"{tmp_path / 'a_file'} is a file, not a folder"),
+                          ("/proc/nanoexp-checkpoints", "cannot write into /proc")]:
+        with pytest.raises(ConfigError, match=f"checkpoint.checkpoints_path={path}: .*{message}"):
+            train(tmp_path / "run", RUN + [f"checkpoint.checkpoints_path={path}"])
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(manager_module.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    with pytest.raises(ConfigError, match=r"0\.00 GiB free on its file system, one checkpoint of this model takes "
+                                          r"about 0\.00 GiB"):
+        train(tmp_path / "run", RUN)   # 188,992 parameters x 12 bytes = 2.2 MB > 1 MB free
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_save_that_cannot_make_its_folder_is_a_checkpoint_error(tmp_path):
+    """The first save finds a file where its temporary folder goes: a CheckpointError naming the checkpoint, not a
+    raw traceback, and the run's summary says failed."""
+    (tmp_path / "checkpoints").mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".tmp-2").write_text("in the way")
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*checkpoints/2 .*FileExistsError"):
+        train(tmp_path, RUN)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_resume_reads_latest_txt_once(tmp_path):
+    """Step, data position and weights come from the checkpoint latest.txt named when the run started, even if the
+    file changes afterwards."""
+    train(tmp_path, RUN + ["tokens.train_steps=4", "checkpoint.checkpoint_interval=2"])
+    cfg = compose_config(RUN + ["tokens.train_steps=6"])
+    ctx = ParallelContext(Layout.from_config(cfg), setup_device(0, 1))
+    manager = CheckpointManager(cfg, ctx, str(tmp_path))
+    (tmp_path / "checkpoints" / "latest.txt").write_text("2\n")
+    assert manager.where_to_start().step == 4
+    model = build_model(cfg, ctx)
+    manager.restore(model, torch.optim.AdamW(model.parameters()))
+    reader = CheckpointReader(str(tmp_path / "checkpoints" / "4"))
+    assert torch.equal(model.model.norm.weight.detach(), reader.full_tensor("model.norm.weight"))
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
