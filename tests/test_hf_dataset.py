@@ -80,6 +80,8 @@ def test_bad_hf_data_is_named(jsonl_folder, tmp_path):
     assert f"{tmp_path}/nope: no such file or folder" in start_error(hf_cfg(tmp_path / "nope"))
     write_jsonl(tmp_path / "blank.jsonl", ["", ""])
     assert "the dataset is empty" in start_error(hf_cfg(tmp_path / "blank.jsonl"))
+    (tmp_path / "zero.jsonl").write_text("")   # datasets' own reader fails on it with a bare StopIteration
+    assert f"{tmp_path}/zero.jsonl: no data: the file is empty (0 bytes)" in start_error(hf_cfg(tmp_path / "zero.jsonl"))
     assert "data.hf_dataset_or_datasets is not set" in start_error(compose_config(FAST + ["data=hf"]))
 
 

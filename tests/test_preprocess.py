@@ -47,6 +47,20 @@ def test_cli_round_trip_refuses_then_overwrites(tmp_path, capsys):
     assert open_nanoset(out)[2]["num_documents"] == 25
 
 
+def test_an_empty_input_is_refused_and_leaves_no_folder(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    (tmp_path / "nothing").mkdir()
+    main = load_script().main
+    for source, said in [("empty.txt", "no data: the file is empty (0 bytes)"),
+                         ("blank.jsonl", "no text to tokenize (2 documents, all empty)"),
+                         ("nothing", "expected data files of one kind")]:
+        out = tmp_path / f"nanoset-{source}"
+        assert main(["--input", str(tmp_path / source), "--output-folder", str(out), "--no-progress"]) == 2
+        assert said in capsys.readouterr().err
+        assert not out.exists()
+
+
 def test_hf_tokenizer_parquet_and_txt_match_tokenizer_and_workers(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
