@@ -87,6 +87,7 @@ class ModelConfig:
     compile: bool = False
     ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)
     attention_mask: str = "causal"   # causal | document (packed documents attend within themselves, positions restart)
+    attention_kernel: str = "auto"   # auto | sdpa | flash (nanoexp/model/attention.py; auto: flash-attn where it runs)
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
 

@@ -92,7 +92,7 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
     parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]
-    parts += [f"pipeline {layout.engine}"] if layout.pp > 1 else []
+    parts += [f"pipeline {layout.schedule}"] if layout.pp > 1 else []
     parts += [f"tensor parallel {p.tp_mode}"] if layout.tp > 1 else []
     parts += [f"context parallel {layout.cp_mode}: {layout.local_tokens(t.sequence_length)} tokens per rank"
               ] if layout.cp > 1 else []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from nanoexp.trainer import TrainerHooks
+from nanoexp.runtime.trainer import TrainerHooks
 
 log = logging.getLogger("nanoexp")
 

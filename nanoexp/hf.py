@@ -23,8 +23,7 @@ from safetensors import safe_open
 
 from nanoexp.model.llama import LlamaShape, parameter_shapes
 from nanoexp.model.mup import ROUTER
-from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, value_name
-from nanoexp.parallel.tensor_parallel import shard_tensor
+from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, local_slice, placement, value_name
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -159,7 +158,7 @@ def hf_weight_files(folder: str) -> list[str]:
 
 
 @torch.no_grad()
-def load_hf_weights(model, folder: str, ctx) -> None:
+def load_hf_weights(model, folder: str) -> None:
     """Fill this rank's shard of `model` from a local HF Llama folder (any layout). Vocabulary rows
     beyond the HF vocabulary (nanoexp's padding) keep their initial values."""
     config = read_hf_config(folder)
@@ -178,13 +177,14 @@ def load_hf_weights(model, folder: str, ctx) -> None:
             if hf_tensor.shape[1] != param.shape[1]:
                 raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected "
                                  f"[<= {model.shape.vocab_size}, {param.shape[1]}]")
-            rows = hf_tensor[ctx.tp_rank * param.shape[0]:(ctx.tp_rank + 1) * param.shape[0]]
+            start = placement(param).part * param.shape[0]
+            rows = hf_tensor[start:start + param.shape[0]]
             param[:rows.shape[0]].copy_(rows)   # rows past the HF vocabulary (padding) keep their init
             continue
         full = parameter_shapes(model.shape)[source]
         if tuple(hf_tensor.shape) != full:
             raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected {full}")
-        param.copy_(shard_tensor(hf_tensor, param, ctx))
+        param.copy_(local_slice(hf_tensor, param))
 
 
 def write_byte_tokenizer(folder: str) -> None:

@@ -71,7 +71,7 @@ import torch
 from nanoexp.config import batch_accumulation
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
-from nanoexp.parallel import attention_blocks
+from nanoexp.parallel.context_parallel import blocks as attention_blocks
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import schedule
 
@@ -221,8 +221,8 @@ def moe_floats_per_token(shape: LlamaShape, ep: int) -> float:
 
 class Unit(NamedTuple):
     """One module's parameters on a rank (its tp slices): those ZeRO-2/3 shard over dp x cp, and those every
-    rank keeps whole (sequence-parallel norms, a tied embedding or its copy); under expert parallelism (which
-    refuses ZeRO-2/3) `experts` are counted apart, as ZeRO-1 shards their state over edp, not dp x cp."""
+    rank keeps whole (sequence-parallel norms, a tied embedding or its copy); under expert parallelism the routed
+    `experts` are counted apart: ZeRO shards them over edp, not dp x cp (kept whole under SP, as the norms)."""
     sharded: int
     whole: int
     experts: int = 0
@@ -267,7 +267,7 @@ def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tu
     m = batch_accumulation(cfg)
     held, most, heads, most_heads = set(), 0, 0, 0
     loss_chunk = len(chunks) - 1 if pp_rank == layout.pp - 1 else None
-    for step in schedule(layout.engine, layout.pp, layout.virtual_stages, m, pp_rank):
+    for step in schedule(layout.schedule, layout.pp, layout.virtual_stages, m, pp_rank):
         if step[0] == "F":
             held.add(step[1:])
             heads += step[1] == loss_chunk
@@ -325,14 +325,19 @@ def zero_stage(cfg, layout: Layout) -> int:
     return int(cfg.optimizer.zero_stage) if layout.dp_cp > 1 else 0
 
 
-def model_state(stage: int, held: list[Unit], d: int, edp: int | None = None) -> dict[str, float]:
+def model_state(stage: int, held: list[Unit], d: int, edp: int | None = None,
+                sequence_parallel: bool = False) -> dict[str, float]:
     """Persistent bytes (parameters, gradients, AdamW moments) and the update's temporaries, for ZeRO `stage`
     over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard is
-    ceil(sharded / d)."""
-    experts = sum(u.experts for u in held)
+    ceil(sharded / d). What a replica holds twice stays whole at every stage, its state sharded from stage 1."""
+    edp, experts = edp or d, sum(u.experts for u in held)
     full = sum(u.sharded + u.whole for u in held) + experts
-    shard = sum(-(-u.sharded // d) + u.whole for u in held)   # what ZeRO-2/3 keep per rank (no experts: refused)
-    updated = {0: full, 1: (full - experts) / d + experts / (edp or d)}.get(stage, shard)   # what AdamW steps
+    kept = sum(u.whole for u in held) + (experts if sequence_parallel else 0)
+    scattered = sum(-(-u.sharded // d) for u in held) + (0 if sequence_parallel else
+                                                          sum(-(-u.experts // edp) for u in held))
+    shard = scattered + kept   # what ZeRO-2/3 keep of the gradients (ZeRO-3: and of the parameters)
+    updated = {0: full, 1: (full - experts) / d + experts / edp}.get(   # what the optimizer steps
+        stage, scattered + sum(u.whole for u in held) / d + (experts / edp if sequence_parallel else 0))
     return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
             "optimizer": 8 * updated, "update_workspace": 4 * updated}
 
@@ -386,7 +391,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     layout = Layout.from_config(cfg)
     stage, held = zero_stage(cfg, layout), units(shape, layout, pp_rank)
     _, chunks = held_parameters(shape, layout, pp_rank)
-    return {**model_state(stage, held, layout.dp_cp, layout.edp),
+    return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}

@@ -1,5 +1,5 @@
-"""AdamW parameter groups (with µP's per-group learning rates), the learning-rate schedule, and clipping
-by the true global norm."""
+"""The optimizers (`OPTIMIZERS`), their parameter groups (with µP's per-group learning rates), the learning-rate
+schedule, and clipping by the true global norm."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from torch import nn
 from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization_of
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.placement import value_name
-from nanoexp.parallel.zero import ZeroAdamW
+from nanoexp.parallel.zero import ShardedOptimizer
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
@@ -26,20 +26,30 @@ def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Par
             for group, params in members.items() if params]
 
 
-def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
-    """torch AdamW (foreach or fused) over the model's parameters, or, with optimizer.zero_stage >= 1,
-    over this rank's shard of `grad_sync`'s buffers (ZeRO, zero.py)."""
-    o = cfg.optimizer
-    f = o.optimizer_factory
+def adamw(cfg) -> tuple[type, dict]:
+    """torch's AdamW (foreach, or fused with torch_adam_is_fused), with nanotron's keys."""
+    o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
     fused = bool(f.torch_adam_is_fused)
-    adamw = dict(lr=o.learning_rate_scheduler.learning_rate, betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
-                 fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW, dict(lr=o.learning_rate_scheduler.learning_rate, betas=(f.adam_beta1, f.adam_beta2),
+                                   eps=f.adam_eps, fused=fused or None, foreach=None if fused else True)
+
+
+# optimizer.optimizer_factory.name (lowercased) -> its torch class and options. ZeRO shards any of them whose
+# update is element-wise (zero.py).
+OPTIMIZERS = {"adamw": adamw}
+
+
+def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
+    """The configured optimizer over the model's parameter groups, or, with optimizer.zero_stage >= 1, over this
+    rank's shard of `grad_sync`'s buffers (ZeRO, zero.py)."""
+    o = cfg.optimizer
+    optimizer_class, options = OPTIMIZERS[o.optimizer_factory.name.lower()](cfg)
     groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
     if o.zero_stage >= 1:
         if grad_sync is None:
             raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
-        return ZeroAdamW(grad_sync, groups, **adamw)
-    return torch.optim.AdamW(groups, **adamw)
+        return ShardedOptimizer(grad_sync, groups, optimizer_class, **options)
+    return optimizer_class(groups, **options)
 
 
 def min_decay_lr(cfg) -> float:

@@ -123,7 +123,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak
     """What every rank runs: its context, its model shard, the loop."""
     from nanoexp.fault_injection import FaultInjection
     from nanoexp.parallel.context import ParallelContext
-    from nanoexp.trainer import Trainer
+    from nanoexp.runtime.trainer import Trainer
 
     setup_rank_logging(run_dir, rank)
     if device.type == "cpu" and cfg.logging.exact_cpu_memory:

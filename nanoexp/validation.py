@@ -12,7 +12,11 @@ from typing import Any, Callable, Optional
 from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, stage_data
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.model.moe import ROUTERS
-from nanoexp.parallel.layout import CP_ATTENTION, PIPELINE_ENGINES, TP_MODES, Layout
+from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
+from nanoexp.optim import OPTIMIZERS
+from nanoexp.parallel.context_parallel import CP_KERNELS
+from nanoexp.parallel.layout import TP_MODES, Layout
+from nanoexp.parallel.pipeline.schedules import SCHEDULES
 
 # Key prefixes, so that the rules below fit on a line.
 MODEL_CONFIG = "model.model_config."
@@ -60,6 +64,9 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
          f"{MODEL_CONFIG}vocab_size>={tokenizer_vocab_size}"),
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
         one_of(cfg, "model.attention_mask", ("causal", "document")),
+        one_of(cfg, "model.attention_kernel", tuple(ATTENTION_KERNELS)),
+        (cfg.model.attention_kernel != "flash" or flash_attn_func is not None, "model.attention_kernel=flash needs "
+         "flash-attn, which is not importable here: pip install -e '.[flash]' on a CUDA machine, or use auto"),
     ] + parametrization_rules(cfg) + moe_rules(cfg)
 
 
@@ -115,10 +122,10 @@ def batch_rules(cfg: Any) -> list[Rule]:
 def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
     layout, m, t, kv = Layout.from_config(cfg), cfg.model.model_config, cfg.tokens, num_kv_heads(cfg)
     p, v, micro, padded_vocab = layout, layout.virtual_stages, batch_accumulation(cfg), padded_vocab_size(cfg)
-    interleaved, layers = layout.engine == "interleaved_1f1b", f"{MODEL_CONFIG}num_hidden_layers={m.num_hidden_layers}"
+    layers = f"{MODEL_CONFIG}num_hidden_layers={m.num_hidden_layers}"
     # Fewer micro-batches than stages is allowed: the pipeline stays correct, only the bubble grows.
     return [
-        one_of(cfg, "parallelism.pp_engine", PIPELINE_ENGINES),
+        one_of(cfg, "parallelism.pp_engine", tuple(SCHEDULES)),
         one_of(cfg, "parallelism.tp_mode", TP_MODES),
         one_of(cfg, "parallelism.start_method", ("auto", "fork", "spawn")),
         *[(size % p.tp == 0, f"{MODEL_CONFIG}{name}={size} is not divisible by parallelism.tp={p.tp}")
@@ -133,17 +140,9 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         (world_size is None or layout.world_size == world_size, f"parallelism.dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*"
          f"{p.pp} = {layout.world_size} but the world size is {world_size}: make the product equal the number of "
          "processes"),
-        (not interleaved or p.pp >= 2,
-         f"parallelism.pp_engine=interleaved_1f1b needs parallelism.pp >= 2 (got {p.pp})"),
-        (not interleaved or v >= 2, f"parallelism.pp_virtual_stages={v}: interleaved_1f1b needs at least 2 chunks "
-         "per rank (with 1 use parallelism.pp_engine=1f1b)"),
-        (not interleaved or m.num_hidden_layers >= p.pp * v, f"{layers} is smaller than parallelism.pp * "
-         f"pp_virtual_stages = {p.pp * v}: every virtual stage needs at least one layer"),
-        (not interleaved or micro % p.pp == 0, f"micro-batches per step (tokens.batch_accumulation_per_replica = "
-         f"{micro}) is not a multiple of parallelism.pp={p.pp}: interleaved_1f1b sends micro-batches in groups "
-         "of pp; change tokens.global_batch_size or tokens.micro_batch_size"),
-        (interleaved or v == 1, f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine=interleaved_1f1b "
-         f"(got {layout.engine})"),
+        *[(False, problem) for problem in (SCHEDULES[layout.schedule].problems(layout.schedule, p.pp, v, micro,
+                                                                               m.num_hidden_layers)
+                                           if layout.schedule in SCHEDULES else [])],
     ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout)
 
 
@@ -159,7 +158,7 @@ def eval_rules(cfg: Any) -> list[Rule]:
 
 def expert_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
     """ep splits a mixture's experts over groups of dp x cp ranks (Layout.ep)."""
-    ep, experts, stage = layout.ep, cfg.model.moe.num_experts, cfg.optimizer.zero_stage
+    ep, experts = layout.ep, cfg.model.moe.num_experts
     if ep == 1:
         return []
     return [
@@ -169,8 +168,6 @@ def expert_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
          "parallelism splits the experts over dp x cp ranks; change parallelism.ep or parallelism.dp"),
         (experts == 0 or experts % ep == 0, f"model.moe.num_experts={experts} is not divisible by parallelism.ep={ep}:"
          " each ep rank holds num_experts / ep experts"),
-        (stage <= 1, f"optimizer.zero_stage={stage} with parallelism.ep={ep}: ZeRO-2 and 3 are not built for expert "
-         "parallelism yet; use optimizer.zero_stage=1 (which shards the experts' optimizer state too) or 0"),
     ]
 
 
@@ -178,7 +175,7 @@ def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
     """cp splits each sequence into 2·cp zig-zag chunks (two per cp rank); tp's sequence parallelism then splits
     a rank's s/cp tokens."""
     cp, tp, s = layout.cp, layout.tp, cfg.tokens.sequence_length
-    rules = [one_of(cfg, "parallelism.cp_mode", tuple(CP_ATTENTION))]
+    rules = [one_of(cfg, "parallelism.cp_mode", tuple(CP_KERNELS))]
     if cp == 1:
         return rules
     return rules + [
@@ -193,7 +190,7 @@ def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
 def optimizer_rules(cfg: Any) -> list[Rule]:
     lr, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
     return [
-        (cfg.optimizer.optimizer_factory.name.lower() == "adamw",
+        (cfg.optimizer.optimizer_factory.name.lower() in OPTIMIZERS,
          f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are adamW"),
         one_of(cfg, LR_SCHEDULER + "lr_decay_style", ("linear", "cosine", "constant")),
         one_of(cfg, LR_SCHEDULER + "lr_warmup_style", ("linear", "constant")),

@@ -62,7 +62,7 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.hf import hf_config, hf_name, mixtral_mismatch
 from nanoexp.memory import saved_activation_bytes
 from nanoexp.metrics import flops_per_token
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 from nanoexp.model.llama import count_active_parameters, count_parameters
 from nanoexp.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
@@ -87,7 +87,7 @@ def compose(overrides: list[str]):
 
 
 def build_trainer(cfg, run_dir: str):
-    from nanoexp.trainer import Trainer
+    from nanoexp.runtime.trainer import Trainer
     return Trainer(cfg, ParallelContext(Layout.from_config(cfg)), run_dir)
 
 
@@ -185,13 +185,12 @@ class PlainLoop:
 
 
 def nanoexp_activation_bytes(trainer, mb) -> int:
-    """The trainer measures what its first forward saves for backward itself (`saved_bytes`, with the same
+    """The step runner measures what its first forward saves for backward itself (`saved_bytes`, with the same
     counter as plain_activation_bytes); a counter around it would see nothing, as the innermost hooks win."""
-    trainer.saved_bytes = None
-    loss = trainer.forward_step(mb, None)
-    loss.backward()
+    trainer.runner.saved_bytes = None
+    trainer.compute_gradients([mb])
     trainer.grad_sync.zero_grad()
-    return trainer.saved_bytes
+    return trainer.runner.saved_bytes
 
 
 def plain_activation_bytes(plain, mb) -> int:

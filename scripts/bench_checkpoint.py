@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from nanoexp.checkpoint import CheckpointManager, CheckpointReader, Progress
 from nanoexp.checkpoint.load import load_model, load_optimizer
 from nanoexp.config import compose
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from nanoexp.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 

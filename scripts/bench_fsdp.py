@@ -7,7 +7,7 @@
 Each case is a fresh set of dp local workers (nanoexp's launcher: gloo and torch's threads split between the
 processes on CPU; one process per GPU with NCCL when CUDA is present). The cases alternate, `--repeats` times
 (fsdp2 dp2, nanoexp dp2, fsdp2 dp4, nanoexp dp4, ...), so background load hits both sides alike.
-  fsdp2    nanoexp's `LlamaForCausalLM` (nanoexp.model.build: the same seeded init) wrapped with `fully_shard` per
+  fsdp2    nanoexp's `LlamaForCausalLM` (nanoexp.runtime.build: the same seeded init) wrapped with `fully_shard` per
            decoder layer and then on the root, over a 1-D DeviceMesh of the dp ranks; torch AdamW with nanoexp's
            parameter groups and settings, `clip_grad_norm_` at optimizer.clip_grad, nanoexp's learning-rate
            schedule, the loss normalised as nanoexp does (token-loss sum / the global batch's target tokens x dp).
@@ -50,12 +50,12 @@ from nanoexp.data.stages import StagedBatches
 from nanoexp.launch import WorkerFailed, spawn_local, start_method
 from nanoexp.memory import peak_memory_mb, return_freed_memory, start_measuring
 from nanoexp.metrics import flops_per_token
-from nanoexp.model.build import build_model, model_shape
+from nanoexp.runtime.build import build_model, model_shape
 from nanoexp.optim import build_optimizer, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.peak import measure_cpu_peak
-from nanoexp.trainer import Trainer
+from nanoexp.runtime.trainer import Trainer
 from nanoexp.validation import validate
 
 IMPLEMENTATIONS = ("fsdp2", "nanoexp")

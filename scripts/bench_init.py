@@ -28,7 +28,7 @@ from nanoexp.memory import MB, peak_memory_mb, start_measuring  # noqa: E402
 
 def build(cfg):
     """This rank's model shard, as the trainer builds it."""
-    from nanoexp.model.build import build_model
+    from nanoexp.runtime.build import build_model
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.parallel.layout import Layout
     return build_model(cfg, ParallelContext(Layout.from_config(cfg)))

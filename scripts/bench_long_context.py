@@ -21,7 +21,7 @@ causal L x L block). Balance is max / min over the ranks.
 
 The same work is also timed, as CPU time rather than wall time: in this one process, on one thread, each
 rank's attention blocks of one layer and sample (forward and backward, with the tiled kernels of
-nanoexp/parallel/attention_blocks.py) run alone under time.thread_time, best of --repeats taken in turns,
+nanoexp/parallel/context_parallel/blocks.py) run alone under time.thread_time, best of --repeats taken in turns,
 so other jobs on the machine slow them less than they slow wall clocks.
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch
 from nanoexp.config import compose
 from nanoexp.memory import MB, estimate, total
 from nanoexp.peak import measure_cpu_peak
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 from nanoexp.parallel import attention_blocks
-from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
-from nanoexp.parallel.ring_attention import ring_blocks
+from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
+from nanoexp.parallel.context_parallel.ring import ring_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -32,7 +32,7 @@ import tempfile
 
 from nanoexp.config import compose
 from nanoexp.memory import MB, estimate, held_parameters, most_consecutive, total, units
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 from nanoexp.parallel.layout import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,13 +23,13 @@ A = micro_batch x s' x hidden activation bytes, N = the parameters this rank hol
       passes; 2m with zero3_reshard_after_forward=false) (`zero_passes`); plus the step loss, and on the loss stage the
       count of target tokens (4 bytes each, all-reduced); with cp > 1 all of this runs over the
       dp x cp group instead ("dp_cp", n = dp·cp: every cp rank holds full weights);
-  cp  ring attention (nanoexp/parallel/ring_attention.py, its plan nanoexp.verify.context_parallel.ring_plan), per attention layer the rank
+  cp  ring attention (nanoexp/parallel/context_parallel/ring.py, its plan nanoexp.verify.context_parallel.ring_plan), per attention layer the rank
       holds and per micro-batch: the K/V block, K and V stacked, KV = 2 x micro_batch x kv_heads/tp x
       s' x head_dim x activation bytes, sent cp-1 times forward; in backward KV again cp-1 times
       plus the float32 dK/dV accumulator (KV's size at 4 bytes a float) cp-1 hops home:
       cp_min = m x layers x (cp-1) x (2 KV + KV32), and the forward's share once more per layer
       recomputed under parallelism.recompute_layer. With parallelism.cp_mode=all_gather
-      (nanoexp/parallel/all_gather_attention.py) one all-gather of K/V forward sends (cp-1)/cp of the
+      (nanoexp/parallel/context_parallel/all_gather.py) one all-gather of K/V forward sends (cp-1)/cp of the
       gathered cp x KV, and one reduce-scatter of the float32 dK/dV backward (cp-1) x KV32; the backward
       reuses the saved K/V: cp_min = m x layers x (cp-1) x (KV + KV32), plus the forward's share again
       under recomputation;
@@ -161,7 +161,7 @@ def worker(rank, world_size, port, cfg, args, queue):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        from nanoexp.trainer import Trainer
+        from nanoexp.runtime.trainer import Trainer
         ctx = ParallelContext(Layout.from_config(cfg))
         with tempfile.TemporaryDirectory() as run_dir:
             trainer = Trainer(cfg, ctx, run_dir)

@@ -13,7 +13,7 @@ import os
 from nanoexp.checkpoint import CheckpointManager, Progress
 from nanoexp.config import compose
 from nanoexp.hf import read_hf_config
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from nanoexp.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.run import check_config

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.hf import bake_multipliers, hf_config, hf_name, mixtral_mismatch, parameter_shapes, write_tokenizer
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 
 
 def convert_to_hf(checkpoint: str, out: str) -> None:

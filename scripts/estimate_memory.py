@@ -25,7 +25,7 @@ import sys
 
 from nanoexp.config import compose, normalize
 from nanoexp.memory import MB, busiest_rank_estimate, estimate, runtime_baseline_mb, total
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 

@@ -49,7 +49,7 @@ from omegaconf import OmegaConf
 from nanoexp.config import (CONF_DIR, ConfigError, batch_accumulation, compose, normalize, num_kv_heads,
                             padded_vocab_size)
 from nanoexp.memory import CUDA_CONTEXT_MB, MB, busiest_rank_estimate, held_parameters, total
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 
@@ -220,7 +220,7 @@ def show_lrs(overrides: list[str]) -> int:
     """Print each optimizer parameter group that `python train.py <overrides>` trains with: its tensors,
     init std, learning rate (peak and end of decay) and weight decay, read from the model's full shapes
     with the optimizer's own grouping rule (nothing is built, so any model size answers at once)."""
-    from nanoexp.model.build import model_shape
+    from nanoexp.runtime.build import model_shape
     from nanoexp.model.llama import parameter_shapes
     from nanoexp.model.mup import GROUPS, describe, parametrization_of
     from nanoexp.optim import min_decay_lr

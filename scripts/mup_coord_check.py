@@ -26,7 +26,7 @@ import torch
 from nanoexp.config import compose
 from nanoexp.data import build_datasets
 from nanoexp.data.loader import TrainBatches
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from nanoexp.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
 

@@ -3,12 +3,15 @@
     python scripts/plot_downstream.py outputs/<date>/<time> [--out docs/evaluation_curve.png] [--title T]
 
 One panel per task, one line per metric, its stderr as a band; the chance level of the shipped multiple-choice
-task (25 %) dotted. Prints the values at each evaluation, and the seconds each evaluation took (`eval/seconds`)
+task (25 %) dotted. Each metric of a panel has its own line style and marker (the first a large hollow one, the
+next smaller and filled), so metrics that coincide (acc and acc_norm when the choices are equally long) stay
+visible, and the legend says where one equals an earlier one. Prints the values at each evaluation, and the seconds each evaluation took (`eval/seconds`)
 beside the mean training step time.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -33,6 +36,21 @@ def curves(records: list[dict]) -> dict[str, dict[str, list[tuple[int, float, fl
     return out
 
 
+# (marker, line style, marker size, hollow) per metric of a panel: a later metric's marker sits inside an earlier one's.
+STYLES = [("o", "-", 10, True), ("s", "--", 5, False), ("^", ":", 5, False), ("v", "-.", 5, False)]
+
+
+def coincidence(points: list[tuple[int, float, float]], earlier: dict[str, list[tuple[int, float, float]]]) -> str:
+    """' (= acc at every step)' or ' (= acc at steps 60, 120)' for the first earlier metric it equals somewhere."""
+    for name, other in earlier.items():
+        theirs = {step: value for step, value, _ in other}
+        same = [step for step, value, _ in points if step in theirs and abs(theirs[step] - value) < 1e-9]
+        if same:
+            where = "every step" if len(same) == len(points) else "step " + ", ".join(map(str, same))
+            return f" (= {name} at {where})"
+    return ""
+
+
 def plot(tasks: dict, out: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -40,14 +58,19 @@ def plot(tasks: dict, out: str, title: str) -> None:
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False)
     for ax, (task, metrics) in zip(axes[0], tasks.items()):
-        for metric, points in metrics.items():
+        drawn: dict = {}
+        for (metric, points), (marker, style, size, hollow) in zip(metrics.items(), itertools.cycle(STYLES)):
             steps, values, errors = zip(*points)
-            ax.plot(steps, values, marker="o", label=metric)
+            line, = ax.plot(steps, values, marker=marker, linestyle=style, markersize=size, markeredgewidth=1.5,
+                            label=metric + coincidence(points, drawn))
+            if hollow:
+                line.set_markerfacecolor("none")
             ax.fill_between(steps, [v - e for v, e in zip(values, errors)], [v + e for v, e in zip(values, errors)],
-                            alpha=0.2)
+                            alpha=0.2, color=line.get_color())
+            drawn[metric] = points
         if task in CHANCE:
             ax.axhline(CHANCE[task], linestyle=":", color="grey", label="chance")
-        ax.set(title=task, xlabel="step", ylim=(0, 1))
+        ax.set(title=task, xlabel="step", ylabel="score (fraction of documents, ± stderr band)", ylim=(0, 1))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title)

@@ -12,8 +12,9 @@ Promises:
   dashed; the legend shows only the overrides that differ) and `<out>/tokens_per_sec.png`.
 - When the jobs try more than one learning rate, prints the best learning rate (lowest eval loss) per
   parametrization and width, and writes `<out>/lr_transfer.png`: eval loss against learning rate (log-2
-  axis), one curve per width, one panel per parametrization (the µTransfer picture; jobs without an eval
-  loss, e.g. diverged, are crosses on the panel's top edge).
+  axis), one curve per width, one panel per parametrization (the µTransfer picture; every finite point inside
+  the axes, the best learning rate of each width a star, jobs without an eval loss, e.g. diverged, crosses on
+  the panel's top edge; the title names only the markers drawn).
 - `--rank-by eval/<task>/<metric>` (a downstream task's score, from the runs' summary.json; see
   docs/evaluation.md) orders the table by that score, best first, adds it as a column, and picks the best
   learning rate and draws lr_transfer.png by it (higher is better for a task's score); the default ranks by
@@ -122,6 +123,7 @@ def plot_lr_transfer(curves: dict, out: str, metric: str = "eval_loss") -> str:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
     colours = plt.get_cmap("plasma")
     widths = sorted({w for _, w in curves})
+    stars = crosses = 0
     for ax, parametrization in zip(axes[0], panels):
         for i, width in enumerate(widths):
             points = curves.get((parametrization, width), [])
@@ -130,19 +132,26 @@ def plot_lr_transfer(curves: dict, out: str, metric: str = "eval_loss") -> str:
             if done:
                 ax.plot(*zip(*done), marker="o", color=colour, label=f"width {width}")
                 value, lr = best(points, metric)
-                ax.plot(lr, value, marker="*", markersize=14, color=colour)
+                ax.plot(lr, value, marker="*", markersize=16, color=colour, markeredgecolor="black", linestyle="none",
+                        zorder=3)
+                stars += 1
             for lr in [lr for lr, loss in points if loss is None or not math.isfinite(loss)]:
                 ax.plot(lr, 1.0, marker="x", color=colour, transform=ax.get_xaxis_transform(), clip_on=False)
+                crosses += 1
         ax.set_xscale("log", base=2)
         ax.set(title=f"{parametrization}", xlabel="learning rate (log2; µP: the base width's)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[0][0].set_ylabel("eval loss (nats/token)" if metric == "eval_loss" else metric)
-    losses = [loss for points in curves.values() for _, loss in points if loss is not None and math.isfinite(loss)]
-    if losses and metric == "eval_loss":   # the region around the optima; far worse rates leave the panel upwards
-        axes[0][0].set_ylim(min(losses) - 0.02, min(max(losses), min(losses) + 0.6) + 0.02)
-    fig.suptitle(f"{'Eval loss' if metric == 'eval_loss' else metric} against learning rate per width "
-                 "(star: best; x: none)")
+    values = [v for points in curves.values() for _, v in points if v is not None and math.isfinite(v)]
+    if values:   # every finite point inside the panels (shared y axis)
+        pad = 0.05 * (max(values) - min(values)) or 0.02
+        axes[0][0].set_ylim(min(values) - pad, max(values) + pad)
+    # The title explains only the markers drawn.
+    keys = ([f"star: best ({'lowest' if lower_is_better(metric) else 'highest'}) per width"] if stars else []) + \
+        ([f"x at the top: no {'eval loss' if metric == 'eval_loss' else 'score'} (failed or diverged)"] if crosses else [])
+    fig.suptitle(f"{'Eval loss' if metric == 'eval_loss' else metric} against learning rate per width"
+                 + (f" ({'; '.join(keys)})" if keys else ""))
     fig.tight_layout()
     fig.savefig(os.path.join(out, "lr_transfer.png"), dpi=90)
     plt.close(fig)

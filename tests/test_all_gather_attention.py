@@ -1,4 +1,4 @@
-"""All-gather context-parallel attention (nanoexp/parallel/all_gather_attention.py) against full-sequence
+"""All-gather context-parallel attention (nanoexp/parallel/context_parallel/all_gather.py) against full-sequence
 causal attention, with the inputs, reference and tolerances of tests/test_ring_attention.py.
 
 It runs on cp forked gloo ranks; output and q/k/v gradients, gathered back to the full sequence, are compared
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoexp.parallel.all_gather_attention import gather_blocks
-from nanoexp.parallel.ring_attention import visibility
-from nanoexp.parallel.zigzag import rank_chunks
+from nanoexp.parallel.context_parallel.all_gather import gather_blocks
+from nanoexp.parallel.context_parallel.ring import visibility
+from nanoexp.parallel.context_parallel.zigzag import rank_chunks
 from tests.distributed import run_distributed
 from tests.test_ring_attention import (BATCH, CASES, HEAD_DIM, SEQ, _cp_worker, assert_bf16_as_close_as_sdpa,
                                        compare_to_reference, score_elements)

@@ -1,4 +1,4 @@
-"""Tiled block attention (nanoexp/parallel/attention_blocks.py) against SDPA on one process.
+"""Tiled block attention (nanoexp/parallel/context_parallel/blocks.py) against SDPA on one process.
 
 A block computed in tiles of any size, the last one short, must give the same output, log-sum-exp and
 q/k/v gradients as attention computed in one go: only the order of the sums differs.
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanoexp.parallel.attention_blocks as attention_blocks
-from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward, tile_pairs
+import nanoexp.parallel.context_parallel.blocks as attention_blocks
+from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward, tile_pairs
 
 # float64 so that the tiled sums and SDPA's agree to ~1e-15 (measured at most 1.8e-15); a tiling error is O(1)
 EXACT = dict(atol=1e-12, rtol=1e-10)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
-from nanoexp.trainer import Trainer
+from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train, train_losses
 from tests.test_parallel import INTERLEAVED, TIED

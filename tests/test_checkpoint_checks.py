@@ -14,7 +14,7 @@ import nanoexp.checkpoint.manager as manager_module
 from nanoexp.checkpoint import CheckpointError, CheckpointManager, CheckpointReader
 from nanoexp.config import ConfigError
 from nanoexp.launch import setup_device
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from tests.helpers import FAST, compose_config, read_metrics, train

@@ -17,7 +17,7 @@ from torch import nn
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.gradient_sync import GradientSync, all_reduce_grads
-from nanoexp.parallel.zero import ZeroAdamW
+from nanoexp.parallel.zero import ShardedOptimizer
 from tests.distributed import run_distributed
 
 TOL = 1e-6
@@ -118,7 +118,7 @@ def _buckets_worker(rank, world, shard=False):
                   for piece in sync.shard_pieces())
     else:
         err = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
-    return dict(err=err, num_buckets=len(sync.chunks[0].buckets), calls_before_last=calls_before_last,
+    return dict(err=err, num_buckets=len(sync.engines[0].accumulated), calls_before_last=calls_before_last,
                 in_backward=sum(in_backward for _, in_backward in recorder.launches),
                 calls_in_backward=calls_after_backward, launch_order=[bucket for bucket, _ in recorder.launches])
 
@@ -166,8 +166,9 @@ def test_single_process_is_free_and_grads_are_buffer_views():
     model = make_mlp()
     reference = copy.deepcopy(model)
     sync = GradientSync([list(model.parameters())], ParallelContext())
-    buckets = sync.chunks[0]
-    assert not buckets.enabled
+    engine = sync.engines[0]
+    assert not engine.enabled and len(engine.accumulated) == 1
+    buckets = engine.accumulated[0]
     sync.before_backward(0, last=True)
     forward_loss(model, *make_batch()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -236,7 +237,7 @@ def run_zero_vs_torch(ctx, steps=5):
     the shard pieces followed by the all-gather must equal torch's AdamW on the whole parameters."""
     ours, ref = make_params(), make_params()
     sync = GradientSync([ours], ctx, stage=1, bucket_cap_mb=0.0001)   # several buckets
-    opt = ZeroAdamW(sync, groups_of(ours), **ADAM)
+    opt = ShardedOptimizer(sync, groups_of(ours), torch.optim.AdamW, **ADAM)
     torch_opt = torch.optim.AdamW(groups_of(ref), foreach=False, **ADAM)
     for step in range(steps):
         lr = ADAM["lr"] * (1 - step / 10)  # what a scheduler would do
@@ -251,7 +252,7 @@ def run_zero_vs_torch(ctx, steps=5):
         torch_opt.zero_grad()
     err = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     state = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())
-    return dict(err=err, state=state, total=sum(p.numel() for p in ours), buckets=len(sync.chunks[0].buckets),
+    return dict(err=err, state=state, total=sum(p.numel() for p in ours), buckets=len(sync.engines[0].accumulated),
                 params=[plain(p.detach()) for p in ours], steps=opt.num_steps)
 
 

@@ -8,7 +8,6 @@ from nanoexp.data import ByteTokenizer, PackedDataset
 from nanoexp.data.loader import TrainBatches, document_positions, eval_batches
 from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
-from nanoexp.parallel.context import ParallelContext
 from tests.data_files import random_documents
 from tests.helpers import FAST, train, train_losses
 from tests.test_nanoset import write_nanoset
@@ -28,7 +27,7 @@ def test_documents_start_after_each_end_of_document_id():
 
 
 def model() -> LlamaForCausalLM:
-    m = LlamaForCausalLM(SHAPE, ParallelContext()).eval()
+    m = LlamaForCausalLM(SHAPE).eval()
     init_weights(m, std=0.08, seed=3)
     return m
 

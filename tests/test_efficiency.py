@@ -12,10 +12,10 @@ import torch
 import torch._inductor.config
 
 from nanoexp.metrics import flops_per_token, hardware_flops_per_token
-from nanoexp.model import llama
+from nanoexp.model.attention import SDPA, Causal
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.memory import saved_activation_bytes
-from nanoexp.model.build import build_model, model_shape
+from nanoexp.runtime.build import build_model, model_shape
 from tests.helpers import FAST, compose_config, train, train_losses
 
 STEPS = ["tokens.train_steps=3", "tokens.val_check_interval=0"]
@@ -66,10 +66,10 @@ def test_compile_same_losses(tmp_path, default_losses, monkeypatch):
 
 
 def test_attention_fallback_without_flash_attn():
-    """On CPU (or float32) causal_attention is SDPA; check it against explicit masked softmax."""
+    """On CPU (or float32) the default kernel is SDPA; check it against explicit masked softmax."""
     q, k, v = (torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     k, v = k[:, :2], v[:, :2]   # grouped-query: 2 KV heads for 4 query heads
-    out = llama.causal_attention(q, k, v)
+    out = SDPA()(q, k, v, None, Causal())
     kf, vf = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     scores = (q @ kf.transpose(-1, -2) / math.sqrt(8)).masked_fill(torch.ones(16, 16).triu(1).bool(), -math.inf)
     torch.testing.assert_close(out, scores.softmax(-1) @ vf, rtol=1e-5, atol=1e-6)   # float32 rounding

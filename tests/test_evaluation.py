@@ -22,7 +22,9 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import flatten
 from nanoexp.evaluation.offline import evaluate_checkpoint
 from nanoexp.evaluation.scorer import ShardedScorer
+from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.pipeline import PipelineEngine
+from nanoexp.runtime.step import StepRunner
 from tests.helpers import FAST, compose_config, read_metrics, start_error, train
 
 pytest.importorskip("lm_eval")
@@ -45,8 +47,10 @@ def checkpoint(tmp_path_factory):
 def harness_model(folder: str, batch_size: int = 3) -> tuple[NanoexpLM, object]:
     model, cfg = load_single_process(folder)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
-    scorer = ShardedScorer(model, model.ctx, PipelineEngine(model.ctx, "1f1b", 1), cfg.tokens.micro_batch_size,
-                           cfg.tokens.sequence_length, contextlib.nullcontext(), tokenizer.eod_id)
+    ctx = ParallelContext()
+    runner = StepRunner(model, ctx, PipelineEngine(ctx, "1f1b", 1), contextlib.nullcontext(),
+                        cfg.tokens.micro_batch_size, cfg.tokens.sequence_length)
+    scorer = ShardedScorer(runner, tokenizer.eod_id)
     return NanoexpLM(scorer, tokenizer, batch_size=batch_size), model
 
 
@@ -99,12 +103,39 @@ def test_generation_is_greedy_and_stops_at_until(checkpoint):
     assert cut == text.split(stop)[0]
 
 
-def test_in_the_loop_scores_reach_metrics_and_summary(checkpoint):
+def task_documents(task: str, limit: int) -> list[dict]:
+    """The first `limit` documents of a shipped task (those lm-eval's limit scores)."""
+    from nanoexp.evaluation.downstream import SHIPPED_TASKS
+    with open(SHIPPED_TASKS / f"{task}.jsonl") as f:
+        return [json.loads(line) for line in f][:limit]
+
+
+def test_in_the_loop_scores_reach_metrics_and_summary(checkpoint, one_process_scores):
+    """The scores of every evaluation reach metrics.jsonl, and those of step 20 are its checkpoint's, computed
+    another way: the choice task's accuracies from the model's own log-softmax, the exact matches from the
+    offline scoring's generations (which the test of the Hugging Face export holds to the harness's `hf`)."""
     records = [r for r in read_metrics(checkpoint) if "eval/seconds" in r]
     assert [r["step"] for r in records] == [10, 20]   # every eval.interval steps and at the end
-    for record in records:
-        assert 0 <= record["eval/shakespeare_choice/acc"] <= 1 and "eval/shakespeare_choice/acc_stderr" in record
-        assert 0 <= record["eval/shakespeare_complete/exact_match"] <= 1
+    limit = 8   # eval.limit of the run
+    for record in records:   # lm-eval's standard error of a mean of `limit` 0/1 scores p: sqrt(p (1 - p) / (n - 1))
+        for key in ("shakespeare_choice/acc", "shakespeare_choice/acc_norm", "shakespeare_complete/exact_match"):
+            p = record[f"eval/{key}"]
+            assert record[f"eval/{key}_stderr"] == pytest.approx(math.sqrt(p * (1 - p) / (limit - 1)), rel=1e-9), key
+    lm, model = harness_model(str(checkpoint / "checkpoints" / "20"))
+    correct, correct_norm = [], []
+    for doc in task_documents("shakespeare_choice", limit):
+        logprobs = []
+        for choice in doc["choices"]:   # zero-shot: the context, then the choice (it starts with its space)
+            head, tail = lm.encode_pair(doc["context"], choice)
+            logprobs.append(direct_logprobs(model, (head + tail)[-(lm.max_length + 1):])[-len(tail):].sum().item())
+        correct.append(int(np.argmax(logprobs)) == doc["label"])   # acc_norm: per character of the choice
+        correct_norm.append(int(np.argmax([lp / len(c) for lp, c in zip(logprobs, doc["choices"])])) == doc["label"])
+    generations = dict(one_process_scores["samples"]["shakespeare_complete"])   # eval.limit=12: the first 8 too
+    matches = [generations[i][0] == doc["target"] for i, doc in enumerate(task_documents("shakespeare_complete",
+                                                                                          limit))]
+    assert records[-1]["eval/shakespeare_choice/acc"] == pytest.approx(np.mean(correct), abs=1e-12)
+    assert records[-1]["eval/shakespeare_choice/acc_norm"] == pytest.approx(np.mean(correct_norm), abs=1e-12)
+    assert records[-1]["eval/shakespeare_complete/exact_match"] == pytest.approx(np.mean(matches), abs=1e-12)
     summary = json.loads((checkpoint / "summary.json").read_text())
     assert summary["eval/shakespeare_choice/acc"] == records[-1]["eval/shakespeare_choice/acc"]
     log = (checkpoint / "logs" / "rank_0.log").read_text()
@@ -188,8 +219,14 @@ def test_a_folder_of_ones_own_tasks(checkpoint, tmp_path):
     (folder / "mine.yaml").write_text((SHIPPED_TASKS / "shakespeare_choice.yaml").read_text().replace(
         "task: shakespeare_choice", "task: my_choice"))
     scores = evaluate_checkpoint(str(checkpoint / "checkpoints" / "20"), [
-        "eval.tasks=[my_choice]", f"eval.include_path={folder}", "eval.limit=4"], str(tmp_path / "s.json"))
-    assert 0 <= scores["scores"]["eval/my_choice/acc"] <= 1
+        "eval.tasks=[my_choice,shakespeare_choice]", f"eval.include_path={folder}", "eval.limit=4"],
+        str(tmp_path / "s.json"), samples=True)
+    # the same task under another name: the same log-likelihoods, document by document, and the same scores
+    assert scores["samples"]["my_choice"] == scores["samples"]["shakespeare_choice"]
+    mine = {key.replace("my_choice", "shakespeare_choice"): value for key, value in scores["scores"].items()
+            if key.startswith("eval/my_choice/")}
+    assert mine == {key: value for key, value in scores["scores"].items() if key.startswith("eval/shakespeare_choice/")}
+    assert len(mine) == 4   # acc, acc_norm and their standard errors
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -275,5 +312,7 @@ def test_the_sweep_report_ranks_by_a_tasks_score(tmp_path, capsys):
     assert by_loss.splitlines()[1].split()[0] == "1" and by_acc.splitlines()[1].split()[0] == "2"
     assert "0.003 (2^-8.38)" in by_loss and "0.01 (2^-6.64)" in by_acc   # the best learning rate follows
     assert os.path.exists(tmp_path / "sweep" / "lr_transfer.png")
-    header = open(tmp_path / "sweep" / "summary.csv").readline()
-    assert "eval/shakespeare_choice/acc" in header and math.isfinite(float(np.log2(1e-2)))
+    import csv
+    with open(tmp_path / "sweep" / "summary.csv") as f:   # every job's learning rate and score, ranked by the score
+        rows = [(row["job"], float(row["lr"]), float(row["eval/shakespeare_choice/acc"])) for row in csv.DictReader(f)]
+    assert rows == [("2", 1e-2, 0.45), ("0", 1e-3, 0.40), ("1", 3e-3, 0.35)]

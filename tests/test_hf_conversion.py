@@ -19,7 +19,7 @@ from nanoexp.hf import load_hf_weights
 from nanoexp.model.generation import KVCache, forward_with_cache, generate
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from scripts.convert_to_hf import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train
@@ -114,7 +114,7 @@ def _import_on_tp2(rank, world_size, hf_dir):
     cfg = compose_config(FAST + ["model.model_config.tie_word_embeddings=true", "parallelism=dp1tp2pp1"])
     ctx = ParallelContext(Layout(tp=2))
     model = build_model(cfg, ctx)
-    load_hf_weights(model, hf_dir, ctx)
+    load_hf_weights(model, hf_dir)
     return {n: p.detach() for n, p in model.named_parameters()}
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import nanoexp.model.init as init
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.placement import placement

@@ -10,7 +10,7 @@ def test_from_config_reads_the_parallelism_group():
                           "parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2",
                           "parallelism.cp_mode=all_gather"])
     layout = Layout.from_config(cfg)
-    assert layout == Layout(dp=1, cp=2, tp=2, pp=2, engine="interleaved_1f1b", virtual_stages=2,
+    assert layout == Layout(dp=1, cp=2, tp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2,
                             cp_mode="all_gather", sequence_parallel=True)
     assert (layout.world_size, layout.dp_cp, layout.name) == (8, 2, "dp1cp2tp2pp2")
     assert Layout(dp=2, tp=2, pp=2).name == "dp2tp2pp2"   # cp is named only when used
@@ -19,7 +19,7 @@ def test_from_config_reads_the_parallelism_group():
 def test_stage_layers_with_and_without_virtual_stages():
     assert [Layout(pp=2).stage_layers(5, r) for r in range(2)] == [[range(0, 3)], [range(3, 5)]]
     # 8 layers in pp·v = 4 virtual stages: chunk c of pp rank r is virtual stage c·pp + r
-    interleaved = Layout(pp=2, engine="interleaved_1f1b", virtual_stages=2)
+    interleaved = Layout(pp=2, schedule="interleaved_1f1b", virtual_stages=2)
     assert [interleaved.stage_layers(8, r) for r in range(2)] == [[range(0, 2), range(4, 6)],
                                                                    [range(2, 4), range(6, 8)]]
     with pytest.raises(ValueError, match="every stage needs at least one layer"):
@@ -61,7 +61,7 @@ def test_the_trainer_refuses_a_context_of_another_layout():
     import os
 
     from nanoexp.parallel.context import ParallelContext
-    from nanoexp.trainer import Trainer
+    from nanoexp.runtime.trainer import Trainer
     cfg = compose_config(["parallelism.tp_mode=reduce_scatter"])   # sequence parallel, one process
     with pytest.raises(ValueError, match="is not the config's"):
         Trainer(cfg, ParallelContext(), os.devnull)

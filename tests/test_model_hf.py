@@ -4,7 +4,6 @@ from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape, count_parameters
-from nanoexp.parallel.context import ParallelContext
 
 SHAPE = LlamaShape(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rope_theta=10000.0,
@@ -29,7 +28,7 @@ def hf_model(shape: LlamaShape) -> HFLlama:
 
 def test_hf_weights_give_hf_logits():
     hf = hf_model(SHAPE)
-    ours = LlamaForCausalLM(SHAPE, ParallelContext()).eval()
+    ours = LlamaForCausalLM(SHAPE).eval()
     ours.load_state_dict(hf.state_dict())   # names map one to one; strict by default
     ids = torch.randint(0, SHAPE.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -38,7 +37,7 @@ def test_hf_weights_give_hf_logits():
 
 
 def test_our_weights_give_same_logits_in_hf():
-    ours = LlamaForCausalLM(SHAPE, ParallelContext()).eval()
+    ours = LlamaForCausalLM(SHAPE).eval()
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
@@ -53,7 +52,7 @@ def test_our_weights_give_same_logits_in_hf():
 def test_tied_embeddings_match_hf():
     shape = LlamaShape(**{**SHAPE.__dict__, "tie_word_embeddings": True})
     hf = hf_model(shape)
-    ours = LlamaForCausalLM(shape, ParallelContext()).eval()
+    ours = LlamaForCausalLM(shape).eval()
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     missing, unexpected = ours.load_state_dict(state, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected   # the same tensor as the embedding

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from nanoexp.model.build import build_model
+from nanoexp.runtime.build import build_model
 from nanoexp.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
 from scripts import make_config, summarize_sweep

@@ -10,7 +10,7 @@ import torch
 
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
-from nanoexp.trainer import Trainer
+from nanoexp.runtime.trainer import Trainer
 from tests.helpers import FAST, compose_config
 
 

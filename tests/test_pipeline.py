@@ -232,7 +232,7 @@ def test_engine_refuses_a_schedule_it_cannot_run():
     ctx = ParallelContext()
     with pytest.raises(ValueError, match="unknown pipeline engine"):
         PipelineEngine(ctx, "gpipe")
-    with pytest.raises(ValueError, match="invalid pipeline shape for 1f1b"):   # chunks need the interleaved one
+    with pytest.raises(ValueError, match="needs parallelism.pp_engine=interleaved_1f1b"):   # chunks: interleaved
         PipelineEngine(ctx, "1f1b", num_chunks=2)
     with pytest.raises(ValueError, match="at least 2 pipeline ranks"):   # one rank has no ring to interleave
         PipelineEngine(ctx, "interleaved_1f1b", num_chunks=2)

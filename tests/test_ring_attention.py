@@ -1,4 +1,4 @@
-"""Ring attention (nanoexp/parallel/ring_attention.py) against full-sequence causal attention.
+"""Ring attention (nanoexp/parallel/context_parallel/ring.py) against full-sequence causal attention.
 
 The zig-zag split and its work balance are checked as plain Python; the ring runs on cp forked gloo ranks
 and its output and q/k/v gradients, gathered back to the full sequence, are compared with SDPA's
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import nanoexp.parallel.attention_blocks as attention_blocks
+import nanoexp.parallel.context_parallel.blocks as attention_blocks
 from nanoexp.data.loader import document_positions
-from nanoexp.model.llama import causal_attention, document_attention
-from nanoexp.parallel.all_gather_attention import all_gather_attention
-from nanoexp.parallel.ring_attention import ring_attention, ring_blocks, visibility
-from nanoexp.parallel.zigzag import document_starts, rank_chunks, zigzag_indices, zigzag_split
+from nanoexp.model.attention import SDPA, Causal, Documents
+from nanoexp.parallel.context_parallel.all_gather import all_gather_attention
+from nanoexp.parallel.context_parallel.ring import ring_attention, ring_blocks, visibility
+from nanoexp.parallel.context_parallel.zigzag import document_starts, rank_chunks, zigzag_indices, zigzag_split
 from nanoexp.verify.comm_counter import CommCounter
 from nanoexp.verify.context_parallel import ring_plan, zigzag_gather
 from nanoexp.verify.p2p_plan import PlanError, check
@@ -234,7 +234,7 @@ def test_cp1_is_causal_attention_without_communication(mode):
         inputs = [x.requires_grad_() for x in (q, k, v)]
         out = attention(*inputs, scale=scale)
         grads = torch.autograd.grad(out, inputs, grad_out)
-        expected_out = causal_attention(*inputs, scale=scale)
+        expected_out = SDPA()(*inputs, scale, Causal())
         expected_grads = torch.autograd.grad(expected_out, inputs, grad_out)
         torch.testing.assert_close(out, expected_out, **tolerance(dtype))
         for got, expected in zip(grads, expected_grads):
@@ -331,14 +331,14 @@ def _document_worker(rank, world_size, cp, heads, kv_heads, mode):
 @pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 4)])
 def test_document_masking_matches_one_process(cp, heads, kv_heads, mode):
     """Each query sees the keys of its own document up to itself (model.attention_mask=document), on cp
-    ranks whose documents cross chunk and rank boundaries, against document_attention on the whole sequence
+    ranks whose documents cross chunk and rank boundaries, against SDPA with the document mask on the whole sequence
     (float64: only the order of the sums differs, as above)."""
     results = dict(run_distributed(_document_worker, cp, cp, heads, kv_heads, mode))
     q, k, v, grad_out = make_inputs(heads, kv_heads, torch.float64)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     positions = packed_documents()
     documents = positions.eq(0).long().cumsum(1)   # a new document where its positions restart
-    expected = document_attention(q, k, v, documents, positions)
+    expected = SDPA()(q, k, v, None, Documents(documents, positions))
     expected.backward(grad_out)
     for i, want in enumerate((expected.detach(), q.grad, k.grad, v.grad)):
         got = zigzag_gather([torch.from_numpy(results[r][i]) for r in range(cp)], dim=2)

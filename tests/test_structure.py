@@ -84,7 +84,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert "nanoexp.trainer" in graph and "nanoexp.parallel.pipeline.engine" in graph
+    assert "nanoexp.runtime.trainer" in graph and "nanoexp.parallel.pipeline.engine" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -111,13 +111,31 @@ def test_only_the_parallel_context_creates_process_groups():
     assert [name for name, tree in trees.items() if name != "nanoexp.parallel.context" and calls(tree, "new_group")] == []
 
 
-@pytest.mark.parametrize("forbidden", ["nanoexp.launch", "nanoexp.run", "nanoexp.trainer", "nanoexp.console",
+def model_imports() -> dict[str, set[str]]:
+    """What each module of nanoexp.model imports (module names, and the names taken from them)."""
+    out = {}
+    for name, tree in modules().items():
+        if name.startswith("nanoexp.model"):
+            out[name] = ({alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                          for alias in node.names}
+                         | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module})
+    return out
+
+
+@pytest.mark.parametrize("forbidden", ["nanoexp.launch", "nanoexp.run", "nanoexp.runtime", "nanoexp.console",
                                        "nanoexp.metrics", "logging", "os"])
 def test_the_model_knows_its_layers_not_its_launcher(forbidden):
-    trees = modules()
-    for name, tree in trees.items():
-        if name.startswith("nanoexp.model.") and name not in ("nanoexp.model.build",):
-            names = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                     for alias in node.names} | {node.module for node in ast.walk(tree)
-                                                 if isinstance(node, ast.ImportFrom) and node.module}
-            assert forbidden not in names, f"{name} imports {forbidden}"
+    for name, names in model_imports().items():
+        assert not any(n == forbidden or n.startswith(forbidden + ".") for n in names), f"{name} imports {forbidden}"
+
+
+def test_the_model_holds_no_process_group():
+    """The model is plain (nanoexp/parallel/ applies the layout to it): no module of nanoexp.model communicates
+    or knows the rank grid. Of nanoexp.parallel it reads only the parameters' placement (a declaration)."""
+    for name, names in model_imports().items():
+        assert "torch.distributed" not in names and "ParallelContext" not in names and "Axis" not in names, name
+        parallel = {n for n in names if n.startswith("nanoexp.parallel")}
+        assert parallel <= {"nanoexp.parallel.placement"}, (name, parallel)
+    for name, tree in modules().items():
+        if name.startswith("nanoexp.model"):
+            assert calls(tree, "all_reduce") == calls(tree, "ctx") == 0, name

@@ -1,14 +1,13 @@
 """Tensor-parallel layers against their unsharded PyTorch references, on 2 and 4 gloo ranks.
 
 Every rank builds the same full reference module and inputs from one seed, copies its shard of
-the reference weights into the tp layer (``shard_tensor``), feeds it its share of the input and
+the reference weights into the tp layer (``local_slice``), feeds it its share of the input and
 checks its share of the outputs, input gradients and weight gradients.
 
 Tolerance: float32 on both sides and only the summation order differs (partial sums reduced
 across ranks), so errors are a few float32 ulps of the largest value: we allow
 ``TOL * max|expected|`` with TOL = 1e-6 (measured: up to ~3e-7).
 """
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,12 +15,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoexp.parallel.placement import placement
-from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.placement import local_slice, placement
+from nanoexp.parallel.context import Axis, ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-    gather_from_sequence_parallel, reduce_from_tp, scatter_to_sequence_parallel, shard_tensor,
+    gather_from_sequence_parallel, reduce_from_tp, scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy)
 from tests.distributed import run_distributed
 
@@ -36,14 +35,14 @@ def _close(actual, expected, what):
     assert err <= bound, f"{what}: max error {err:.2e} > {bound:.2e}"
 
 
-def _seq(pc):
+def _seq(axis):
     """This rank's chunk of a full [b, s, ...] tensor along the sequence."""
-    return lambda t: t.chunk(pc.tp, dim=1)[pc.tp_rank]
+    return lambda t: t.chunk(axis.size, dim=1)[axis.rank]
 
 
-def _last(pc):
+def _last(axis):
     """This rank's shard of a full tensor along the last (feature / vocab) dim."""
-    return lambda t: t.chunk(pc.tp, dim=-1)[pc.tp_rank]
+    return lambda t: t.chunk(axis.size, dim=-1)[axis.rank]
 
 
 def _whole(t):
@@ -59,11 +58,11 @@ class _MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def _check_layer(pc, ref, layer, x, in_local, out_local, what):
+def _check_layer(axis, ref, layer, x, in_local, out_local, what):
     """Output, input grad and weight grads of `layer` on in_local(x) vs `ref` on x."""
     for p, r in zip(layer.parameters(), ref.parameters(), strict=True):
         with torch.no_grad():
-            p.copy_(shard_tensor(r, p, pc))
+            p.copy_(local_slice(r.detach(), p))
     needs_grad = x.is_floating_point()
     x_ref = x.clone().requires_grad_(needs_grad)
     y_ref = ref(x_ref)
@@ -80,34 +79,34 @@ def _check_layer(pc, ref, layer, x, in_local, out_local, what):
         grad = p.grad
         if placement(p).sequence_parallel:  # partial per sequence chunk: sum over tp
             grad = grad.clone()
-            dist.all_reduce(grad, group=pc.tp_group)
-        _close(grad, shard_tensor(r.grad, p, pc), f"{what} {name} grad")
+            dist.all_reduce(grad, group=axis.group)
+        _close(grad, local_slice(r.grad, p), f"{what} {name} grad")
 
 
-def _check_all(pc):
-    seq, last = _seq(pc), _last(pc)
+def _check_all(axis):
+    seq, last = _seq(axis), _last(axis)
     for sp in (False, True):
         mode = "sp" if sp else "all-reduce"
         act = seq if sp else _whole  # layout of activations between blocks
         torch.manual_seed(0)
         x = torch.randn(B, S, H)
-        _check_layer(pc, nn.Linear(H, FF, bias=True),
-                     ColumnParallelLinear(H, FF, pc, bias=True, sequence_parallel=sp),
+        _check_layer(axis, nn.Linear(H, FF, bias=True),
+                     ColumnParallelLinear(H, FF, axis, bias=True, sequence_parallel=sp),
                      x, act, last, f"column {mode}")
-        _check_layer(pc, nn.Linear(FF, H, bias=True),
-                     RowParallelLinear(FF, H, pc, bias=True, sequence_parallel=sp),
+        _check_layer(axis, nn.Linear(FF, H, bias=True),
+                     RowParallelLinear(FF, H, axis, bias=True, sequence_parallel=sp),
                      torch.randn(B, S, FF), last, act, f"row {mode}")
-        _check_layer(pc, _MLP(nn.Linear(H, FF, bias=False), nn.Linear(FF, H, bias=False)),
-                     _MLP(ColumnParallelLinear(H, FF, pc, sequence_parallel=sp),
-                          RowParallelLinear(FF, H, pc, sequence_parallel=sp)),
+        _check_layer(axis, _MLP(nn.Linear(H, FF, bias=False), nn.Linear(FF, H, bias=False)),
+                     _MLP(ColumnParallelLinear(H, FF, axis, sequence_parallel=sp),
+                          RowParallelLinear(FF, H, axis, sequence_parallel=sp)),
                      x, act, act, f"mlp {mode}")
         ids = torch.randint(0, V, (B, S))
-        ids[0, :pc.tp] = torch.arange(pc.tp) * (V // pc.tp)  # at least one id in every shard
-        _check_layer(pc, nn.Embedding(V, H), VocabParallelEmbedding(V, H, pc, sequence_parallel=sp),
+        ids[0, :axis.size] = torch.arange(axis.size) * (V // axis.size)  # at least one id in every shard
+        _check_layer(axis, nn.Embedding(V, H), VocabParallelEmbedding(V, H, axis, sequence_parallel=sp),
                      ids, _whole, act, f"embedding {mode}")
 
         with pytest.raises(ValueError, match="sequence parallelism needs the sequence"):
-            RowParallelLinear(FF, H, pc, sequence_parallel=True)(torch.randn(B, S + 1, FF // pc.tp))
+            RowParallelLinear(FF, H, axis, sequence_parallel=True)(torch.randn(B, S + 1, FF // axis.size))
 
     # Cross-entropy: large logits test the max shift, -100 tests ignore_index.
     torch.manual_seed(1)
@@ -118,7 +117,7 @@ def _check_all(pc):
     ref_loss = F.cross_entropy(logits.view(-1, V), targets.view(-1), reduction="none").view(B, S)
     (ref_loss * weights).sum().backward()
     local = last(logits.detach()).clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets, pc)
+    loss = vocab_parallel_cross_entropy(local, targets, axis)
     (loss * weights).sum().backward()
     assert loss.dtype == torch.float32
     _close(loss, ref_loss, "cross-entropy loss")
@@ -126,23 +125,23 @@ def _check_all(pc):
 
     # scatter then gather is the identity, forward and backward.
     full = torch.randn(B, S, H, requires_grad=True)
-    chunk = scatter_to_sequence_parallel(full, pc)
+    chunk = scatter_to_sequence_parallel(full, axis)
     _close(chunk, seq(full.detach()), "scatter_to_sequence_parallel")
-    back = gather_from_sequence_parallel(chunk, pc)
+    back = gather_from_sequence_parallel(chunk, axis)
     g = torch.randn(B, S, H)
     (back * g).sum().backward()
     _close(back, full.detach(), "gather_from_sequence_parallel")
     _close(full.grad, g, "scatter/gather grad")
 
     # bf16 autocast: runs, communicates bf16, stays near float32 (bf16 has ~3 significant digits).
-    mlp = _MLP(ColumnParallelLinear(H, FF, pc, sequence_parallel=True),
-               RowParallelLinear(FF, H, pc, sequence_parallel=True))
+    mlp = _MLP(ColumnParallelLinear(H, FF, axis, sequence_parallel=True),
+               RowParallelLinear(FF, H, axis, sequence_parallel=True))
     for p in mlp.parameters():
         nn.init.normal_(p, std=0.1)
-    x = torch.randn(B, S // pc.tp, H, requires_grad=True)
+    x = torch.randn(B, S // axis.size, H, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = mlp(x)
-        lp = vocab_parallel_cross_entropy(local.detach().bfloat16().requires_grad_(), targets, pc)
+        lp = vocab_parallel_cross_entropy(local.detach().bfloat16().requires_grad_(), targets, axis)
     assert y.dtype == torch.bfloat16 and lp.dtype == torch.float32
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
@@ -152,7 +151,7 @@ def _check_all(pc):
 
 def _tp_worker(rank, world_size, layouts):
     for dp, tp in layouts:
-        _check_all(ParallelContext(Layout(dp=dp, tp=tp)))
+        _check_all(ParallelContext(Layout(dp=dp, tp=tp)).axis("tp"))
     return True
 
 
@@ -162,11 +161,11 @@ def test_tensor_parallel_matches_reference(world_size, layouts):
 
 
 def test_tp1_is_plain_pytorch():
-    pc = ParallelContext()
+    axis = Axis()
     torch.manual_seed(0)
     x = torch.randn(B, S, H)
-    col, row = ColumnParallelLinear(H, FF, pc, bias=True), RowParallelLinear(FF, H, pc, bias=True)
-    emb = VocabParallelEmbedding(V, H, pc)
+    col, row = ColumnParallelLinear(H, FF, axis, bias=True), RowParallelLinear(FF, H, axis, bias=True)
+    emb = VocabParallelEmbedding(V, H, axis)
     for p in [*col.parameters(), *row.parameters(), *emb.parameters()]:
         nn.init.normal_(p)
     assert torch.equal(col(x), F.linear(x, col.weight, col.bias))
@@ -176,16 +175,16 @@ def test_tp1_is_plain_pytorch():
     assert torch.equal(emb(ids), F.embedding(ids, emb.weight))
     logits, targets = torch.randn(B, S, V), torch.randint(0, V, (B, S))
     expected = F.cross_entropy(logits.view(-1, V), targets.view(-1), reduction="none").view(B, S)
-    assert torch.equal(vocab_parallel_cross_entropy(logits, targets, pc), expected)
+    assert torch.equal(vocab_parallel_cross_entropy(logits, targets, axis), expected)
     for fn in (copy_to_tp, reduce_from_tp, gather_from_sequence_parallel, scatter_to_sequence_parallel):
-        assert fn(x, pc) is x  # no communication, no copy
-    assert shard_tensor(x, 0, pc) is x and shard_tensor(x, col.weight, pc) is x
+        assert fn(x, axis) is x  # no communication, no copy
+    assert local_slice(x, col.weight) is x
     assert placement(col.weight).split_dim == 0 and placement(row.weight).split_dim == 1
     assert placement(row.bias).split_dim is None and placement(emb.weight).split_dim == 0
 
 
 def test_sizes_must_divide_tp():
-    fake_tp2 = SimpleNamespace(tp=2, tp_rank=0, tp_group=None)  # constructors only read these
+    fake_tp2 = Axis(group=None, size=2, rank=0)  # constructors communicate nothing
     with pytest.raises(ValueError, match="out_features"):
         ColumnParallelLinear(H, FF + 1, fake_tp2)
     with pytest.raises(ValueError, match="in_features"):

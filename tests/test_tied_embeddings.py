@@ -11,7 +11,7 @@ import torch
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
-from nanoexp.trainer import Trainer
+from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config
 from tests.test_parallel import TIED

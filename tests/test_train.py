@@ -7,7 +7,7 @@ import torch
 
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.run import check_config
-from nanoexp.trainer import Trainer
+from nanoexp.runtime.trainer import Trainer
 from tests.helpers import FAST, compose_config, train, train_losses
 
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "consumed_tokens", "peak_memory_mb",

@@ -18,13 +18,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from nanoexp.checkpoint.save import FORMAT_VERSION, STATE_KINDS, CheckpointError, rank_file
-from nanoexp.model.build import build_model
+from nanoexp.checkpoint.save import FORMAT_VERSION, CheckpointError, rank_file
+from nanoexp.runtime.build import build_model
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import EMBEDDING, value_name
-from nanoexp.parallel.tensor_parallel import shard_tensor
-from nanoexp.parallel.zero import ZeroAdamW
+from nanoexp.parallel.placement import EMBEDDING, local_slice, value_name
+from nanoexp.parallel.zero import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
 
@@ -195,7 +194,7 @@ def flat_keys(tree: dict, prefix: str) -> dict:
 def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[str] = frozenset()) -> None:
     """This rank's slice of every parameter but those named in `skip`; under ZeRO-3 (`optimizer` holds shards)
     into its pieces."""
-    zero = isinstance(optimizer, ZeroAdamW)
+    zero = isinstance(optimizer, ShardedOptimizer)
     held_as_shards = optimizer.grad_sync.held_as_shards() if zero else set()
     pieces = defaultdict(list)
     for piece in optimizer.pieces if held_as_shards else []:
@@ -203,7 +202,7 @@ def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[s
     for name, param in model.named_parameters():
         if value_name(name, param) in skip:
             continue
-        local = shard_tensor(reader.full_tensor(value_name(name, param)), param, ctx)
+        local = local_slice(reader.full_tensor(value_name(name, param)), param)
         if id(param) not in held_as_shards:
             param.copy_(local)
         for piece in pieces[id(param)] if id(param) in held_as_shards else []:
@@ -211,33 +210,43 @@ def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[s
 
 
 @torch.no_grad()
-def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[str] = frozenset()) -> bool:
-    """Re-slice AdamW moments into `optimizer` (torch AdamW or ZeRO-1, any dp), but for the parameters in `skip`
-    (fresh state); False if none saved."""
-    steps = reader.meta.get("optimizer_steps", 0)
-    if steps == 0 or not reader.has(EMBEDDING, "exp_avg"):
+def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[str] = frozenset(),
+                   name: str | None = None) -> bool:
+    """Re-slice the saved optimizer state into `optimizer` (a torch optimizer, or ZeRO's on any dp), every kind
+    the checkpoint holds per element, with "step" at the checkpoint's optimizer_steps (for optimizers that count
+    their steps in their state, as AdamW's bias correction does); the parameters in `skip`
+    start fresh. False if the checkpoint holds no state: none saved, or another optimizer's than `name`
+    (optimizer.optimizer_factory.name; None: the checkpoint's)."""
+    steps, kinds = reader.meta.get("optimizer_steps", 0), state_kinds(reader)
+    saved_by = reader.meta["config"]["optimizer"]["optimizer_factory"]["name"]
+    if not kinds or (name is not None and name.lower() != saved_by.lower()):
         return False
     names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
 
     def local_state(p, kind):
-        return shard_tensor(reader.full_tensor(names[id(p)], kind), p, ctx).to(p.device)
+        return local_slice(reader.full_tensor(names[id(p)], kind), p).to(p.device)
 
     step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")
 
-    def adam_state(moments: dict, device) -> dict:
-        return {**moments, "step": torch.tensor(float(steps), dtype=torch.float32, device=step_device or device)}
+    def with_step(state: dict, device) -> dict:
+        if not steps:
+            return state
+        return {**state, "step": torch.tensor(float(steps), dtype=torch.float32, device=step_device or device)}
 
-    if isinstance(optimizer, ZeroAdamW):   # this dp x cp rank's part of each parameter
+    if isinstance(optimizer, ShardedOptimizer):   # this rank's part of each parameter
         for piece in (piece for piece in optimizer.pieces if names[id(piece.param)] not in skip):
-            moments = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone()
-                       for kind in STATE_KINDS}
-            optimizer.state[piece.value] = adam_state(moments, piece.value.device)
+            state = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone() for kind in kinds}
+            optimizer.state[piece.value] = with_step(state, piece.value.device)
         return True
     for group in optimizer.param_groups:
         for p in (p for p in group["params"] if names[id(p)] not in skip):
-            optimizer.state[p] = adam_state({kind: local_state(p, kind).contiguous() for kind in STATE_KINDS},
-                                            p.device)   # fresh tensors
+            optimizer.state[p] = with_step({kind: local_state(p, kind).contiguous() for kind in kinds}, p.device)
     return True
+
+
+def state_kinds(reader: CheckpointReader) -> list[str]:
+    """The optimizer state a checkpoint holds per element, by key (the embedding always has it)."""
+    return sorted(kind for name, kind in reader.pieces if name == EMBEDDING and kind != "param")
 
 
 def load_rng(reader: CheckpointReader, ctx) -> None:

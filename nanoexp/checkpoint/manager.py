@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
 from nanoexp.config import ConfigError, global_batch_size
-from nanoexp.model.build import model_shape
+from nanoexp.runtime.build import model_shape
 from nanoexp.model.llama import count_parameters
 
 log = logging.getLogger("nanoexp")
@@ -174,7 +174,8 @@ class CheckpointManager:
                         len(extra), ", ".join(extra) or "none")
         load_model(reader, model, ctx, optimizer, skip=unfit)
         meta = reader.meta
-        loaded_optimizer = c.load_optimizer and load_optimizer(reader, model, optimizer, ctx, skip=unfit)
+        loaded_optimizer = c.load_optimizer and load_optimizer(reader, model, optimizer, ctx, skip=unfit,
+                                                               name=self.cfg.optimizer.optimizer_factory.name)
         same_layout = {"cp": 1, **meta["layout"]} == self.layout()   # checkpoints before cp have no "cp"
         if same_layout:
             load_rng(reader, ctx)

@@ -29,12 +29,11 @@ import torch.distributed as dist
 from safetensors.torch import save as serialize
 
 from nanoexp.parallel.placement import counted_here, placement
-from nanoexp.parallel.zero import ZeroAdamW
+from nanoexp.parallel.zero import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
 
 FORMAT_VERSION = 1
-STATE_KINDS = ("exp_avg", "exp_avg_sq")   # AdamW state per parameter ("param" is the weight itself)
 
 
 class CheckpointError(RuntimeError):
@@ -55,29 +54,34 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
                       "split_dim": placement(param).split_dim, "local_shape": list(param.shape),
                       "flat_range": flat_range or [0, param.numel()]}
 
-    zero = isinstance(optimizer, ZeroAdamW)
+    zero = isinstance(optimizer, ShardedOptimizer)
     names = {id(p): n for n, p in model.named_parameters()}
     held_as_shards = optimizer.grad_sync.held_as_shards() if zero else set()
     for name, p in model.named_parameters():   # of the replicas holding the same weights, the first writes
         if ctx.replica_rank(p) != 0 or not counted_here(p, ctx.tp_rank) or id(p) in held_as_shards:
             continue
         add(name, p, name, "param", p)
-        state = {} if zero else optimizer.state.get(p, {})
-        for kind in STATE_KINDS:
-            if kind in state:
-                add(f"{name}:{kind}", state[kind], name, kind, p)
+        for kind, value in ({} if zero else element_state(optimizer.state.get(p, {}), p)).items():
+            add(f"{name}:{kind}", value, name, kind, p)
     if zero:
-        # ZeRO's pieces: this dp x cp rank's part [start, end) of each parameter's flattened elements (a piece
-        # every rank holds whole is written by the first); under ZeRO-3 their values too.
+        # ZeRO's pieces: this rank's part [start, end) of each parameter's flattened elements; under ZeRO-3 their
+        # values too.
         for piece in optimizer.pieces:
-            if not counted_here(piece.param, ctx.tp_rank) or (piece.replicated and ctx.replica_rank(piece.param) != 0):
+            if not counted_here(piece.param, ctx.tp_rank):
                 continue
-            name, state = names[id(piece.param)], optimizer.state.get(piece.value, {})
-            kinds = (["param"] if id(piece.param) in held_as_shards else []) + [k for k in STATE_KINDS if k in state]
-            for kind in kinds:
-                value = piece.value if kind == "param" else state[kind]
+            name = names[id(piece.param)]
+            values = {"param": piece.value} if id(piece.param) in held_as_shards else {}
+            values.update(element_state(optimizer.state.get(piece.value, {}), piece.value))
+            for kind, value in values.items():
                 add(f"{name}:{kind}@{piece.start}", value, name, kind, piece.param, [piece.start, piece.end])
     return tensors, index
+
+
+def element_state(state: dict, param) -> dict:
+    """The optimizer state of `param` held per element (AdamW's exp_avg and exp_avg_sq, a momentum buffer, ...),
+    by key; scalars such as "step" are the meta's optimizer_steps."""
+    return {key: value for key, value in state.items()
+            if torch.is_tensor(value) and value.numel() == param.numel() and value.dim() > 0}
 
 
 def rng_states(ctx) -> tuple[dict, str]:

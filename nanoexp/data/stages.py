@@ -1,8 +1,7 @@
 """Data stages (curriculum, annealing): from a given optimizer step on, training reads another dataset or mixture.
 
 ``data_stages`` lists ``{name, start_training_step, data}``; each stage's ``data`` overrides the ``data`` group's
-fields (:func:`nanoexp.config.stage_data`). Without stages the ``data`` group is the one stage, read exactly as
-before stages existed (same seed, same positions).
+fields (:func:`nanoexp.config.stage_data`). Without stages the ``data`` group is the one stage.
 
 What makes a switch exact and resumable: stage ``k`` has its own sample order, fixed by its data seed (``seed`` of
 its ``data``, by default ``general.seed``) and ``k``, and its own position in it (its consumed samples, kept per stage in checkpoints). Its global batch at a

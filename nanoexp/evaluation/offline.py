@@ -8,11 +8,9 @@ generations), to a JSON file.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
-import torch
 from omegaconf import OmegaConf
 
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model
@@ -56,22 +54,17 @@ def evaluation_worker(rank: int, world_size: int, device, cfg_dict: dict, folder
     from nanoexp.data.tokenizer import build_tokenizer
     from nanoexp.evaluation.downstream import DownstreamEval
     from nanoexp.evaluation.scorer import ShardedScorer
-    from nanoexp.model.build import build_model
     from nanoexp.parallel.context import ParallelContext
-    from nanoexp.parallel.pipeline import PipelineEngine
+    from nanoexp.runtime.build import build_runtime
 
     cfg = OmegaConf.create(cfg_dict)
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
-    model = build_model(cfg, ctx)
+    runtime = build_runtime(cfg, ctx, training=False)
     reader = CheckpointReader(folder)
-    check_compatible(reader, model.shape)
-    load_model(reader, model, ctx)
-    engine = PipelineEngine(ctx, ctx.layout.engine, ctx.layout.virtual_stages)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.model.dtype == "bfloat16"
-                else contextlib.nullcontext())
+    check_compatible(reader, runtime.model.shape)
+    load_model(reader, runtime.model, ctx)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
-    scorer = ShardedScorer(model, ctx, engine, cfg.tokens.micro_batch_size, cfg.tokens.sequence_length, autocast,
-                           tokenizer.eod_id)
+    scorer = ShardedScorer(runtime.runner, tokenizer.eod_id)
     downstream = DownstreamEval(cfg.eval, scorer, tokenizer)
     scores, responses, errors = downstream.run(log_samples=samples)
     if errors:

@@ -24,8 +24,6 @@ import torch.distributed as dist
 
 from nanoexp.data.loader import IGNORE_INDEX
 from nanoexp.parallel.collectives import all_gather_into
-from nanoexp.parallel.tensor_parallel import vocab_parallel_cross_entropy
-from nanoexp.parallel.zigzag import zigzag_split
 
 SCORES = ("logprob", "mismatches", "argmax")
 
@@ -37,13 +35,11 @@ class Row:
 
 
 class ShardedScorer:
-    """Scores rows with this rank's shard of `model` (a trainer's model, its pipeline engine and autocast)."""
+    """Scores rows with a step runner's model shard (nanoexp/runtime/step.py), padding with `pad_id`."""
 
-    def __init__(self, model, ctx, engine, micro_batch_size: int, sequence_length: int, autocast, pad_id: int):
-        self.model, self.ctx, self.engine, self.autocast = model, ctx, engine, autocast
-        self.micro_batch_size, self.sequence_length, self.pad_id = micro_batch_size, sequence_length, pad_id
-        self.activation_shape = ctx.layout.activation_shape(micro_batch_size, sequence_length,
-                                                            model.shape.hidden_size)
+    def __init__(self, runner, pad_id: int):
+        self.runner, self.ctx, self.pad_id = runner, runner.ctx, pad_id
+        self.micro_batch_size, self.sequence_length = runner.micro_batch_size, runner.sequence_length
 
     @torch.no_grad()
     def score(self, rows: list[Row]) -> torch.Tensor:
@@ -51,14 +47,9 @@ class ShardedScorer:
         ctx = self.ctx
         per_rank, micro_batches = self.layout_rows(len(rows))
         mine = rows[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
-        batches = [self.micro_batch(mine[i:i + self.micro_batch_size])
+        batches = [self.runner.prepare(self.micro_batch(mine[i:i + self.micro_batch_size]))
                    for i in range(0, micro_batches * self.micro_batch_size, self.micro_batch_size)]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            out = self.engine.forward_only(self.forward, batches, self.activation_shape, torch.float32)
-        finally:
-            self.model.train(was_training)
+        out = self.runner.forward_only(batches, RowScores(self.runner.model, ctx))
         scores = (torch.cat(out) if out else
                   torch.zeros(micro_batches * self.micro_batch_size, len(SCORES), dtype=torch.float64,
                               device=ctx.device))
@@ -73,16 +64,12 @@ class ShardedScorer:
         return scores[:len(rows)].cpu()
 
     def layout_rows(self, count: int) -> tuple[int, int]:
-        """(rows each dp rank takes, micro-batches that makes, a multiple of pp for interleaved 1F1B)."""
+        """(rows each dp rank takes, micro-batches that makes: forward only, any schedule runs any number)."""
         per_rank = -(-count // self.ctx.dp)
-        micro_batches = max(1, -(-per_rank // self.micro_batch_size))
-        if self.ctx.layout.engine == "interleaved_1f1b":
-            micro_batches = -(-micro_batches // self.ctx.pp) * self.ctx.pp
-        return per_rank, micro_batches
+        return per_rank, max(1, -(-per_rank // self.micro_batch_size))
 
     def micro_batch(self, rows: list[Row]) -> dict:
-        """[micro_batch_size, sequence_length] ids and labels (padding: empty rows, ids past a row's end), this
-        cp rank's zig-zag part of them."""
+        """[micro_batch_size, sequence_length] ids and labels (padding: empty rows, ids past a row's end)."""
         shape = (self.micro_batch_size, self.sequence_length)
         ids, labels = torch.full(shape, self.pad_id), torch.full(shape, IGNORE_INDEX)
         for i, row in enumerate(rows):
@@ -91,24 +78,25 @@ class ShardedScorer:
                                  f"{self.sequence_length}")
             ids[i, :len(row.input_ids)] = torch.tensor(row.input_ids)
             labels[i, :len(row.labels)] = torch.tensor(row.labels)
-        batch = {"input_ids": ids.to(self.ctx.device), "labels": labels.to(self.ctx.device)}
-        if self.ctx.cp == 1:
-            return batch
-        return {key: zigzag_split(value, self.ctx.cp, self.ctx.cp_rank) for key, value in batch.items()}
-
-    def forward(self, micro_batch: dict, hidden_states, chunk: int = 0):
-        """The pipeline engine's forward step: hidden states between stages, row sums from the last."""
-        model = self.model
-        with self.autocast:
-            out = model(input_ids=micro_batch["input_ids"] if model.has_embedding(chunk) else None,
-                        hidden_states=hidden_states, chunk=chunk)
-        return row_scores(out.float(), micro_batch["labels"], self.ctx) if model.has_head(chunk) else out
+        return {"input_ids": ids, "labels": labels}
 
 
-def row_scores(logits: torch.Tensor, labels: torch.Tensor, ctx) -> torch.Tensor:
-    """[b, 3] float64 sums over this rank's scored positions of `logits` [b, s, V/tp] (module docstring)."""
+class RowScores:
+    """The loss stage's head for scoring: the logits' row sums (`row_scores`)."""
+    labels = False   # the model returns its logits
+
+    def __init__(self, model, ctx):
+        self.model, self.ctx = model, ctx
+
+    def __call__(self, logits, micro_batch):
+        return row_scores(logits.float(), micro_batch["labels"], self.model.cross_entropy, self.ctx)
+
+
+def row_scores(logits: torch.Tensor, labels: torch.Tensor, cross_entropy, ctx) -> torch.Tensor:
+    """[b, 3] float64 sums over this rank's scored positions of `logits` [b, s, V/tp] (module docstring);
+    `cross_entropy`: the model's loss of its logits (vocab-parallel under tp)."""
     scored = labels != IGNORE_INDEX
-    logprob = -vocab_parallel_cross_entropy(logits, labels, ctx)   # 0 where not scored
+    logprob = -cross_entropy(logits, labels)   # 0 where not scored
     local_max, local_argmax = logits.max(dim=-1)
     if ctx.tp > 1:   # the argmax over the vocabulary shards: the lowest index holding the largest value
         best = local_max.clone()

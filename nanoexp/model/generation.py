@@ -1,15 +1,15 @@
 """Autoregressive decoding with a KV cache, for one process holding the whole model (tp = pp = 1).
 
-It reuses the blocks of llama.py (norms, projections, rotary embeddings, MLP) and only replaces
-the attention step: keys and values of earlier positions are kept per layer, so each new token
-costs one position's work instead of re-running the whole prefix.
+It reuses the blocks of llama.py (norms, projections, rotary embeddings, attention kernel, MLP) and only
+changes the attention step: keys and values of earlier positions are kept per layer, so each new token costs
+one position's work instead of re-running the whole prefix.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from nanoexp.model.llama import LlamaForCausalLM, apply_rotary, rotary_tables
+from nanoexp.model.attention import Causal
+from nanoexp.model.llama import LlamaForCausalLM, apply_rotary
 
 
 class KVCache:
@@ -40,21 +40,24 @@ def _attend(attn, x, cos, sin, cache: KVCache, layer: str, start: int):
     v = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim).transpose(1, 2)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     k, v = cache.extend(layer, k, v)
-    # New query i sits at position start + i and sees keys 0 .. start + i.
-    mask = torch.arange(k.shape[2], device=x.device)[None, :] <= (start + torch.arange(s, device=x.device))[:, None]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale,
-                                         enable_gqa=attn.heads != attn.kv_heads)
+    out = attn.kernel(q, k, v, attn.scale, Causal(offset=start))   # new query i sits at position start + i
     return attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
+
+
+def is_whole(model: LlamaForCausalLM) -> bool:
+    """Whether `model` holds every layer and unsplit weights (one process's model)."""
+    return (model.model.embed_tokens is not None and model.lm_head is not None
+            and len(model.model.layers) == model.shape.num_hidden_layers
+            and all(getattr(p, "placement", None) is None or p.placement.parts == 1 for p in model.parameters()))
 
 
 @torch.no_grad()
 def forward_with_cache(model: LlamaForCausalLM, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [b, s, vocab] of the new tokens input_ids [b, s], which follow the cached positions."""
-    if model.ctx.tp != 1 or model.ctx.pp != 1:
+    if not is_whole(model):
         raise ValueError("KV-cache decoding runs on one process holding the whole model (tp = pp = 1)")
     start, s = cache.length, input_ids.shape[1]
-    cos, sin = rotary_tables(model.shape, start + s, input_ids.device)
-    cos, sin = cos[start:], sin[start:]
+    cos, sin = model.rotary(torch.arange(start, start + s, device=input_ids.device))
     x = model.model.embed_tokens(input_ids)
     for name, layer in model.model.layers.items():
         x = x + _attend(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, name, start)

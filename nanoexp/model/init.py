@@ -45,13 +45,12 @@ def fill_normal(out: torch.Tensor, dim: int, lo: int, full_size: int, std: float
 def init_weights(model, std: float, seed: int, parametrization: Parametrization = STANDARD) -> None:
     """Fill every parameter of this rank's shard: norm weights ones, matrices normal with std `std` (under µP
     scaled by their width), this rank's tensor-parallel slice of each drawn as the module docstring says."""
-    tp, tp_rank = model.ctx.tp, model.ctx.tp_rank
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        split_dim, source = placement(param).split_dim, value_name(name, param)
-        dim, parts, part = (0, 1, 0) if split_dim is None else (split_dim, tp, tp_rank)
+        where, source = placement(param), value_name(name, param)
+        dim, parts, part = (0, 1, 0) if where.split_dim is None else (where.split_dim, where.parts, where.part)
         size = param.shape[dim] * parts
         fill_normal(param, dim, part * param.shape[dim], size, parametrization.init_std(source, param.ndim, std),
                     seed, source)

@@ -2,12 +2,11 @@
 its experts), beside shared experts that every token goes through; the Switch/GShard load-balancing loss and
 the router z-loss keep the routing healthy.
 
-Layout. Experts are whole on every rank (not split by tp; expert parallelism is not built yet). Under tp's
-all_reduce mode every tp rank routes all the micro-batch's tokens and computes the same output; under sequence
-parallelism and context parallelism a rank routes only the tokens it holds, and the router's counts (tokens per
-expert) are summed over the ranks that split the micro-batch (tp under SP, cp), so every loss below is that of
-the whole micro-batch on every layout. Under SP the MoE weights see part of the sequence: their gradients are
-summed over tp, as the norms' are (placement `sequence_parallel`).
+Layout. The block is built whole and plain; parallel dimensions change two seams of it. Expert parallelism keeps
+a rank's share of the experts and replaces `route` (how rows reach their experts) by an exchange between ranks
+(nanoexp/parallel/expert_parallel.py). Where ranks split a micro-batch's tokens (cp, tp under sequence
+parallelism), each routes only the tokens it holds, and `MoeLosses.token_sums` add the router's counts over
+those ranks, so every loss below is that of the whole micro-batch on every layout.
 
 Losses. For a micro-batch of T tokens each MoE layer adds
     aux = E · Σ_e f_e · P_e     f_e: the share of the T·k assignments that went to expert e; P_e: the mean router
@@ -26,12 +25,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoexp.parallel.expert_parallel import ExpertRoute
-from nanoexp.parallel.placement import place
+from nanoexp.model.linear import Linear
 
 ROUTERS = ("softmax_topk", "softmax_topk_normalized")
 
@@ -80,27 +77,26 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, width: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.gate_proj = Linear(hidden, width)
+        self.up_proj = Linear(hidden, width)
+        self.down_proj = Linear(width, hidden)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoeLosses:
-    """What the model's MoE layers share: the weight of their losses in the step loss (`scale`, set by the
-    trainer: cp / micro-batches per replica, so that the dp x cp gradient average gives the mean over the global
-    batch's micro-batches), whether forwards are recorded (the trainer's training forwards; not a forward
-    recomputed inside backward), and the step's records for the metrics."""
+    """What the model's MoE layers share: the weight of their losses in the step loss (`scale`: cp / micro-batches
+    per replica, so that the dp x cp gradient average gives the mean over the global batch's micro-batches; set
+    by the step runner), whether forwards are recorded (training forwards; not a forward recomputed inside
+    backward), the step's records for the metrics, and `token_sums`: what adds a rank's router counts to those
+    of the other ranks holding part of the micro-batch (set by the parallel dimensions that split it)."""
 
-    def __init__(self, ctx, moe: MoeShape, moe_layers: list[int]):
-        self.ctx, self.moe, self.moe_layers = ctx, moe, moe_layers   # the model's MoE layers (all stages)
+    def __init__(self, moe: MoeShape, moe_layers: list[int]):
+        self.moe, self.moe_layers = moe, moe_layers   # the model's MoE layers (all stages)
         self.scale, self.recording = 1.0, False
         self.records: list[tuple] = []   # (layer, aux, z, assignments per expert, assignments dropped)
-        # The ranks that split one micro-batch's tokens: their router counts are summed.
-        self.token_groups = ([ctx.cp_group] if ctx.cp > 1 else []) + (
-            [ctx.tp_group] if ctx.tp > 1 and ctx.layout.sequence_parallel else [])
+        self.token_sums: list = []       # callables summing a counts tensor over ranks, in place
 
     def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
             dropped: int = 0):
@@ -113,8 +109,8 @@ class MoeLosses:
         with torch.no_grad():
             counts = torch.bincount(chosen.reshape(-1), minlength=moe.num_experts).to(probs.dtype)
             counts = torch.cat([counts, counts.new_tensor([float(logits.shape[0])])])   # + this rank's tokens
-            for group in self.token_groups:
-                dist.all_reduce(counts, group=group)
+            for token_sum in self.token_sums:
+                token_sum(counts)
         counts, tokens = counts[:-1], counts[-1]
         share = counts / (tokens * moe.top_k)   # f_e
         aux = moe.num_experts * (share * probs.sum(0) / tokens).sum()
@@ -133,32 +129,20 @@ class MoeLosses:
         finally:
             self.recording = False
 
-    @torch.no_grad()
-    def step_metrics(self, micro_batches: int) -> dict[str, float]:
-        """The step's records as metrics, identical on every rank (one all-reduce over all ranks):
-        `moe_aux_loss` and `moe_z_loss`, summed over the MoE layers and averaged over the global batch's
-        `micro_batches` (before their coefficients), per MoE layer n `moe_load_imbalance/layer_n`: the most
-        tokens an expert got over the mean (1: balanced), and with a capacity factor `moe_dropped_fraction`: the
-        share of the step's assignments beyond their expert's capacity. Clears the records."""
-        ctx, experts = self.ctx, self.moe.num_experts
-        values = torch.zeros(3 + len(self.moe_layers) * experts, device=ctx.device)
-        for layer, aux, z, counts, dropped in self.records:
-            if ctx.tp_rank == 0 or ctx.layout.sequence_parallel:   # parts of the micro-batch's tokens (all of
-                values[0] += aux                                       # them on every tp rank without SP)
-                values[1] += z
-            if ctx.tp_rank == 0 and ctx.cp_rank == 0:   # the counts are the micro-batch's on each of its ranks
-                start = 3 + self.moe_layers.index(layer) * experts
-                values[start:start + experts] += counts
-                values[2] += dropped
-        self.records.clear()
-        if ctx.world_size > 1:
-            dist.all_reduce(values)
-        loads = values[3:].view(len(self.moe_layers), experts)
-        imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
-        dropped = {} if self.moe.capacity_factor is None else {
-            "moe_dropped_fraction": values[2].item() / max(loads.sum().item(), 1.0)}
-        return {"moe_aux_loss": values[0].item() / micro_batches, "moe_z_loss": values[1].item() / micro_batches,
-                **{f"moe_load_imbalance/layer_{n}": x for n, x in zip(self.moe_layers, imbalance.tolist())}, **dropped}
+
+class LocalRoute:
+    """Rows sorted by expert to the experts, all on this rank: `counts[e]` rows for expert e."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.local_counts = counts.tolist()
+
+    def dispatch(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """One block of rows per expert (empty blocks included)."""
+        return list(rows.split(self.local_counts))
+
+    def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The experts' outputs back in the order of the rows."""
+        return torch.cat(outputs)
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -175,23 +159,17 @@ class _AddLossGradient(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring). Under expert
-    parallelism this rank holds experts [ep_rank x E/ep, (ep_rank + 1) x E/ep), named by their global index."""
+    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring). `experts` are those this
+    rank holds, named by their global index; `route(counts)` takes rows sorted by expert to them and back."""
 
-    def __init__(self, hidden: int, moe: MoeShape, losses: MoeLosses, layer: int, ctx):
+    def __init__(self, hidden: int, moe: MoeShape, losses: MoeLosses, layer: int):
         super().__init__()
         self.moe, self.losses, self.layer = moe, losses, layer
-        self.ep, self.ep_group = ctx.ep, ctx.ep_group
-        self.router = nn.Linear(hidden, moe.num_experts, bias=False)
-        local = moe.num_experts // ctx.ep
-        self.experts = nn.ModuleDict({str(e): Expert(hidden, moe.intermediate_size)
-                                      for e in range(ctx.ep_rank * local, (ctx.ep_rank + 1) * local)})
+        self.router = Linear(hidden, moe.num_experts)
+        self.experts = nn.ModuleDict({str(e): Expert(hidden, moe.intermediate_size) for e in range(moe.num_experts)})
         self.shared_experts = (Expert(hidden, moe.intermediate_size * moe.num_shared_experts)
                                if moe.num_shared_experts else None)
-        for param in self.parameters():   # under SP each tp rank routes part of the sequence
-            place(param, sequence_parallel=ctx.layout.sequence_parallel)
-        for param in self.experts.parameters() if ctx.ep > 1 else ():
-            place(param, expert=True)
+        self.route = LocalRoute
 
     def forward(self, x):
         shape, tokens = x.shape, x.reshape(-1, x.shape[-1])            # [T, h]
@@ -206,7 +184,7 @@ class MoE(nn.Module):
         token, slot, counts, dropped = self.assignments(chosen)
         # Every expert runs, on the rows routed to it (possibly none): every rank then gets a gradient, zeros or
         # not, for each of its experts, in the same order (ZeRO-3 relies on it).
-        route = ExpertRoute(counts, self.ep, self.ep_group)
+        route = self.route(counts)
         outputs = [expert(rows) for expert, rows in zip(self.experts.values(), route.dispatch(tokens[token]))]
         routed = route.combine(outputs) * weights[token, slot, None]
         out = torch.zeros_like(tokens).index_add(0, token, routed.to(tokens.dtype))

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nanoexp.parallel.placement import EMBEDDING, LM_HEAD
+from nanoexp.model.llama import EMBEDDING, LM_HEAD
 
 ROUTER = ".mlp.router.weight"   # a MoE layer's router: an output layer under µP
 

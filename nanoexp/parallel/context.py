@@ -6,27 +6,38 @@ context-parallel ring next to them:
 
     global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
-With cp = 1 this is the (pp, dp, tp) grid of every layout before cp, rank for rank. Every cp rank
-holds the full weights of its stage and part of each sample's tokens, so gradients are averaged
-(and ZeRO-1 shards) over dp x cp (`dp_cp_group`), which is the dp group when cp = 1.
+Every cp rank holds the full weights of its stage and part of each sample's tokens, so gradients are averaged
+(and ZeRO shards) over dp x cp (`dp_cp_group`), which is the dp group when cp = 1.
 
 Expert parallelism (ep > 1) cuts each dp x cp group into groups of ep consecutive ranks (`ep_group`: they
 exchange tokens and each holds num_experts / ep experts); the ranks at the same place in every ep group hold
 the same experts (`edp_group`, dp x cp / ep of them: the experts' gradients are summed there).
 
-Everything else asks this object for its group, rank or neighbour; nothing else creates
-process groups. With one process no group is created and every collective is skipped.
+Everything else asks this object for its group, rank or neighbour (a parallel layer holds only its
+dimension's `Axis`); nothing else creates process groups. With one process no group is created and every
+collective is skipped.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from itertools import product
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.placement import placement
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One dimension of the rank grid as this rank sees it: its process group (None with one rank), its size and
+    this rank's place in it. What a parallel layer holds instead of the whole context."""
+    group: Any = None
+    size: int = 1
+    rank: int = 0
 
 
 class ParallelContext:
@@ -54,40 +65,39 @@ class ParallelContext:
         if self.world_size > 1:
             self._build_groups()
 
-    # -- grid helpers ------------------------------------------------------------------
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
-        """The rank at this grid position (cp_rank None: this rank's own cp rank)."""
-        return self.layout.rank_at(pp_rank, dp_rank, self.cp_rank if cp_rank is None else cp_rank, tp_rank)
+    def axis(self, name: str) -> Axis:
+        """The group, size and rank of dimension `name`: "tp", "cp", "ep", "dp", "pp"."""
+        return Axis(getattr(self, f"{name}_group"), getattr(self, name), getattr(self, f"{name}_rank"))
 
     def _build_groups(self):
-        # Every rank must call new_group for every group, in the same order. The groups of the
-        # 3D layouts come first and in their old order; the cp ones only exist when cp > 1.
+        # Every rank must call new_group for every group, in the same order; the cp and ep groups exist
+        # only when cp > 1 and ep > 1.
         P, D, C, T = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
-        rank, keep = self.global_rank, self._maybe_keep
+        rank, keep = self.layout.rank_at, self._maybe_keep
         for p, d, c in product(P, D, C):
-            keep("tp_group", [rank(p, d, t, c) for t in T])
+            keep("tp_group", [rank(p, d, c, t) for t in T])
         for p, c, t in product(P, C, T):
-            keep("dp_group", [rank(p, d, t, c) for d in D])
+            keep("dp_group", [rank(p, d, c, t) for d in D])
         for d, c, t in product(D, C, T):
-            keep("pp_group", [rank(p, d, t, c) for p in P])
+            keep("pp_group", [rank(p, d, c, t) for p in P])
         # Model-parallel group (tp x pp of one replica and cp rank): where a gradient norm or a
         # loss is summed, since every parameter lives exactly once in it.
         for d, c in product(D, C):
-            keep("model_parallel_group", [rank(p, d, t, c) for p in P for t in T])
+            keep("model_parallel_group", [rank(p, d, c, t) for p in P for t in T])
         # Tied embeddings: the copies' gradients meet here (Layout.tied_stages).
         for d, c, t in product(D, C, T):
-            keep("embedding_group", [rank(p, d, t, c) for p in self.layout.tied_stages])
+            keep("embedding_group", [rank(p, d, c, t) for p in self.layout.tied_stages])
         if self.cp == 1:
             self.dp_cp_group = self.dp_group
         else:
             for p, d, t in product(P, D, T):
-                keep("cp_group", [rank(p, d, t, c) for c in C])
+                keep("cp_group", [rank(p, d, c, t) for c in C])
             for p, t in product(P, T):
-                keep("dp_cp_group", [rank(p, d, t, c) for d in D for c in C])
+                keep("dp_cp_group", [rank(p, d, c, t) for d in D for c in C])
         if self.ep == 1:
             return
         for p, t in product(P, T):
-            dp_cp = [rank(p, d, t, c) for d in D for c in C]   # in dp_cp_rank order
+            dp_cp = [rank(p, d, c, t) for d in D for c in C]   # in dp_cp_rank order
             for start in range(0, self.dp_cp, self.ep):
                 keep("ep_group", dp_cp[start:start + self.ep])
             for ep_rank in range(self.ep) if self.edp > 1 else ():

@@ -1,5 +1,6 @@
-"""Expert parallelism's token exchange: each routed token's hidden state goes to the ep rank that holds its
-expert, and the expert's output comes back, by `all_to_all_single` over the ep group (ParallelContext).
+"""Expert parallelism: each rank of an ep group holds num_experts / ep of a mixture's experts, and each routed
+token's hidden state goes to the ep rank that holds its expert and comes back, by `all_to_all_single` over the
+ep group. `apply_expert_parallel` makes a plain model so.
 
 A MoE layer sorts its (token, expert) assignments by expert and calls `ExpertRoute(counts, ...)` with how many
 rows go to each of the E experts. The route first exchanges those counts (one all-to-all of E integers: each
@@ -9,13 +10,18 @@ through both directions: the backward of a send is the reverse exchange of the g
 swapped.
 
 Every rank of the ep group must make the same calls in the same order, which it does: the ranks run the same
-layers on the same schedule, and a rank with no row for a peer still takes part (with a split of 0). With
-ep = 1 no communication happens: the rows are only cut into one block per expert.
+layers on the same schedule, and a rank with no row for a peer still takes part (with a split of 0).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from nanoexp.parallel.context import Axis
+from nanoexp.parallel.placement import place
 
 
 class _AllToAll(torch.autograd.Function):
@@ -43,9 +49,6 @@ class ExpertRoute:
 
     def __init__(self, counts: torch.Tensor, ep: int, group):
         self.ep, self.group = ep, group
-        if ep == 1:
-            self.local_counts = counts.tolist()
-            return
         experts_per_rank = counts.numel() // ep
         received = torch.empty_like(counts)   # [source rank, local expert], flattened
         dist.all_to_all_single(received, counts, group=group)
@@ -66,14 +69,28 @@ class ExpertRoute:
 
     def dispatch(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The rows each of this rank's experts computes, one block per local expert (empty blocks included)."""
-        if self.ep > 1:
-            rows = _AllToAll.apply(rows, self.receive_splits, self.send_splits, self.group)[self.order]
+        rows = _AllToAll.apply(rows, self.receive_splits, self.send_splits, self.group)[self.order]
         return list(rows.split(self.local_counts))
 
     def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
         """The experts' outputs (blocks as `dispatch` gave them) back to the ranks and rows they came from."""
         rows = torch.cat(outputs)
-        if self.ep == 1:
-            return rows
         by_source = torch.empty_like(rows).index_copy(0, self.order, rows)
         return _AllToAll.apply(by_source, self.send_splits, self.receive_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, axis: Axis) -> nn.Module:
+    """Each MoE block of `model` keeps experts [rank x E/ep, (rank + 1) x E/ep), named by their global index (their
+    gradients are summed over the edp ranks holding the same ones: placement `expert`), and exchanges its rows with
+    the other ranks of the ep group."""
+    for module in model.modules():
+        if type(module).__name__ != "MoE":
+            continue
+        local = module.moe.num_experts // axis.size
+        mine = {str(e) for e in range(axis.rank * local, (axis.rank + 1) * local)}
+        for name in [name for name in module.experts if name not in mine]:
+            del module.experts[name]
+        for param in module.experts.parameters():
+            place(param, expert=True)
+        module.route = functools.partial(ExpertRoute, ep=axis.size, group=axis.group)
+    return model

@@ -18,14 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanoexp.parallel.all_gather_attention import all_gather_attention
-from nanoexp.parallel.pipeline.schedules import SCHEDULES, virtual_stage
-from nanoexp.parallel.ring_attention import ring_attention
+from nanoexp.parallel.pipeline.schedules import virtual_stage
 
-PIPELINE_ENGINES = tuple(SCHEDULES)   # parallelism.pp_engine
 TP_MODES = ("all_reduce", "reduce_scatter")   # parallelism.tp_mode; reduce_scatter is sequence parallelism
-# parallelism.cp_mode -> how a rank's zig-zag chunks attend to the whole sequence (same interface)
-CP_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
 
 
 @dataclass(frozen=True)
@@ -34,7 +29,7 @@ class Layout:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    engine: str = "1f1b"              # parallelism.pp_engine
+    schedule: str = "1f1b"            # parallelism.pp_engine
     virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b only)
     cp_mode: str = "ring"
     sequence_parallel: bool = False   # tp_mode=reduce_scatter: activations between blocks split over tp
@@ -44,7 +39,7 @@ class Layout:
     def from_config(cls, cfg: Any) -> "Layout":
         """The layout of a (normalised) config."""
         p = cfg.parallelism
-        return cls(dp=int(p.dp), cp=int(p.get("cp", 1)), tp=int(p.tp), pp=int(p.pp), engine=str(p.pp_engine),
+        return cls(dp=int(p.dp), cp=int(p.get("cp", 1)), tp=int(p.tp), pp=int(p.pp), schedule=str(p.pp_engine),
                    virtual_stages=int(p.pp_virtual_stages), cp_mode=str(p.get("cp_mode", "ring")),
                    sequence_parallel=p.tp_mode == "reduce_scatter", ep=int(p.get("ep", 1)))
 
@@ -113,11 +108,6 @@ class Layout:
         parallelism."""
         tokens = self.local_tokens(sequence_length) // (self.tp if self.sequence_parallel else 1)
         return micro_batch_size, tokens, hidden_size
-
-    @property
-    def cp_attention(self):
-        """The attention of cp_mode, which a rank's zig-zag chunks use when cp > 1."""
-        return CP_ATTENTION[self.cp_mode]
 
     # -- tied embeddings ---------------------------------------------------------------------
     def lm_head_weight(self, pp_rank: int, tied: bool) -> str | None:

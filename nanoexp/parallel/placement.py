@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-EMBEDDING = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
+from nanoexp.model.llama import EMBEDDING, LM_HEAD  # noqa: F401 - re-exported: where the parameters are named
 
 
 @dataclass(frozen=True)
 class Placement:
-    split_dim: int | None = None      # the dimension split over the tp ranks (None: each holds all of it)
+    split_dim: int | None = None      # the dimension tensor parallelism splits (None: each tp rank holds all of it)
+    parts: int = 1                    # how many slices split_dim is cut into (tp) ...
+    part: int = 0                     # ... and which of them this rank holds (tp_rank)
     sequence_parallel: bool = False   # each tp rank's gradient covers its part of the sequence: summed over tp
     tied_across_stages: bool = False  # one end of an embedding tied over the first and last stage: grads summed
     tied_copy: bool = False           # the last stage's end: the embedding's values, stored and counted there
@@ -44,6 +45,18 @@ def counted_here(param, tp_rank: int) -> bool:
     copy nowhere (its twin, the embedding, holds the same values and summed gradient)."""
     p = placement(param)
     return not p.tied_copy and (p.split_dim is not None or tp_rank == 0)
+
+
+def local_slice(full, param):
+    """This rank's slice of the full tensor `full` of `param` (its part along split_dim), contiguous; may share
+    storage with `full`."""
+    p = placement(param)
+    if p.split_dim is None or p.parts == 1:
+        return full
+    size = full.shape[p.split_dim]
+    if size % p.parts:
+        raise ValueError(f"dimension {p.split_dim} of a {tuple(full.shape)} tensor is not divisible by {p.parts}")
+    return full.narrow(p.split_dim, p.part * (size // p.parts), size // p.parts).contiguous()
 
 
 def value_name(name: str, param) -> str:

@@ -1,90 +1,90 @@
-"""Tensor parallelism: sharded Linear / Embedding layers and a vocab-parallel cross-entropy.
+"""Tensor parallelism: sharded linear and embedding layers, a vocab-parallel cross-entropy, and `apply_tensor_parallel`,
+which puts them into a plain model by a plan (which layer is split how).
 
-A tensor-parallel (tp) group of ranks splits each large weight; the layers below declare which
-dimension they split (``placement.place(param, split_dim=...)``; none: replicated on every tp rank).
-Initialisation and checkpoint loading build full tensors and cut them with ``shard_tensor``,
-so the layers only allocate (``torch.empty``).
+A tensor-parallel (tp) group of ranks splits each large weight; the layers below declare which dimension they
+split and which part a rank holds (``placement.place``), which is all that initialisation, checkpoints and
+Hugging Face weights need to cut full tensors.
 
 Two activation layouts between layers:
   * all-reduce mode: activations are replicated on every tp rank, ``[b, s, h]``;
   * sequence-parallel (SP) mode: each tp rank holds a contiguous chunk of the sequence,
     ``[b, s // tp, h]`` (rank r holds positions r*s/tp .. (r+1)*s/tp).
 
-Every communication is one of the small autograd functions below, each paired with its
-conjugate in backward (identity <-> all-reduce, all-gather <-> reduce-scatter, split <->
-all-gather). With ``ctx.tp == 1`` nothing communicates and nothing is copied: the layers are
-exactly ``F.linear`` / ``F.embedding`` / ``F.cross_entropy``.
-
-Collectives run on the tp group, in the dtype they receive (bf16 under autocast), and always
-on contiguous tensors: gloo silently mis-reduces non-contiguous views.
+Every communication is one of the small autograd functions below, each paired with its conjugate in backward
+(identity <-> all-reduce, all-gather <-> reduce-scatter, split <-> all-gather). Collectives run on the tp group
+(`axis`: group, size, this rank), in the dtype they receive (bf16 under autocast), and always on contiguous
+tensors: gloo silently mis-reduces non-contiguous views.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import place, placement
+from nanoexp.model.linear import Linear
+from nanoexp.parallel.context import Axis
+from nanoexp.parallel.placement import place
 
 
 # -- raw collectives on the tp group (contiguous in, new contiguous tensor out) ---------------
-def _all_reduce(x: torch.Tensor, pc: ParallelContext, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
     # A fresh buffer: never reduce a view (gloo) and never modify an autograd input in place.
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=op, group=pc.tp_group)
+    dist.all_reduce(out, op=op, group=axis.group)
     return out
 
 
-def _check_seq(x: torch.Tensor, pc: ParallelContext):
-    if x.shape[1] % pc.tp != 0:
+def _check_seq(x: torch.Tensor, axis: Axis):
+    if x.shape[1] % axis.size != 0:
         raise ValueError(f"sequence parallelism needs the sequence ({x.shape[1]}) divisible by the "
-                         f"tensor-parallel size ({pc.tp})")
+                         f"tensor-parallel size ({axis.size})")
 
 
-def _all_gather_seq(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def _all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """[b, s/tp, ...] chunks from every rank -> [b, s, ...] in rank order."""
     x = x.contiguous()
-    chunks = [torch.empty_like(x) for _ in range(pc.tp)]
-    dist.all_gather(chunks, x, group=pc.tp_group)
+    chunks = [torch.empty_like(x) for _ in range(axis.size)]
+    dist.all_gather(chunks, x, group=axis.group)
     return torch.cat(chunks, dim=1)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def _reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """[b, s, ...] partial sums on every rank -> this rank's [b, s/tp, ...] chunk of the sum."""
-    _check_seq(x, pc)
-    chunks = [c.contiguous() for c in x.chunk(pc.tp, dim=1)]
-    out = torch.empty_like(chunks[pc.tp_rank])
-    dist.reduce_scatter(out, chunks, group=pc.tp_group)
+    _check_seq(x, axis)
+    chunks = [c.contiguous() for c in x.chunk(axis.size, dim=1)]
+    out = torch.empty_like(chunks[axis.rank])
+    dist.reduce_scatter(out, chunks, group=axis.group)
     return out
 
 
-def _split_seq(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def _split_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """[b, s, ...] replicated -> this rank's [b, s/tp, ...] chunk (no communication)."""
-    _check_seq(x, pc)
-    return x.chunk(pc.tp, dim=1)[pc.tp_rank].contiguous()
+    _check_seq(x, axis)
+    return x.chunk(axis.size, dim=1)[axis.rank].contiguous()
 
 
 # -- autograd functions: a forward collective and its conjugate in backward -------------------
-# (`ctx` is autograd's context by PyTorch convention; the ParallelContext is `pc`.)
+# (`ctx` is autograd's context by PyTorch convention; the tp group is `axis`.)
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward; backward sums the input gradient (each rank used x for its shard)."""
     @staticmethod
-    def forward(ctx, x, pc):
-        ctx.pc = pc
+    def forward(ctx, x, axis):
+        ctx.axis = axis
         return x.view_as(x)  # a view, so autograd records this node without copying
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.pc), None
+        return _all_reduce(grad, ctx.axis), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward (sum of partial results); identity backward."""
     @staticmethod
-    def forward(ctx, x, pc):
-        return _all_reduce(x, pc)
+    def forward(ctx, x, axis):
+        return _all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,81 +95,81 @@ class _GatherSeqReduceScatterGrad(torch.autograd.Function):
     """SP input of a column-parallel layer: gather the sequence; every rank's gradient w.r.t.
     the full sequence is partial (it covers only its output shard), so reduce-scatter it."""
     @staticmethod
-    def forward(ctx, x, pc):
-        ctx.pc = pc
-        return _all_gather_seq(x, pc)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _all_gather_seq(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.pc), None
+        return _reduce_scatter_seq(grad, ctx.axis), None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     """SP output of a row-parallel layer: sum partials and keep this rank's sequence chunk."""
     @staticmethod
-    def forward(ctx, x, pc):
-        ctx.pc = pc
-        return _reduce_scatter_seq(x, pc)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _reduce_scatter_seq(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.pc), None
+        return _all_gather_seq(grad, ctx.axis), None
 
 
 class _GatherSeq(torch.autograd.Function):
     """Gather the sequence for a computation replicated on every rank: backward keeps the chunk."""
     @staticmethod
-    def forward(ctx, x, pc):
-        ctx.pc = pc
-        return _all_gather_seq(x, pc)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _all_gather_seq(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_seq(grad, ctx.pc), None
+        return _split_seq(grad, ctx.axis), None
 
 
 class _ScatterSeq(torch.autograd.Function):
     """Enter SP from a replicated tensor: keep this rank's chunk; backward gathers the chunks."""
     @staticmethod
-    def forward(ctx, x, pc):
-        ctx.pc = pc
-        return _split_seq(x, pc)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _split_seq(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.pc), None
+        return _all_gather_seq(grad, ctx.axis), None
 
 
-def copy_to_tp(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient in backward (returns x itself if tp == 1)."""
-    return x if pc.tp == 1 else _CopyToTP.apply(x, pc)
+    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
 
 
-def reduce_from_tp(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """All-reduce (sum) forward, identity backward (returns x itself if tp == 1)."""
-    return x if pc.tp == 1 else _ReduceFromTP.apply(x, pc)
+    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
 
 
-def gather_from_sequence_parallel(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def gather_from_sequence_parallel(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """[b, s/tp, ...] -> [b, s, ...]; backward keeps this rank's chunk of the gradient.
     Use it before a computation that every tp rank repeats identically."""
-    return x if pc.tp == 1 else _GatherSeq.apply(x, pc)
+    return x if axis.size == 1 else _GatherSeq.apply(x, axis)
 
 
-def scatter_to_sequence_parallel(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+def scatter_to_sequence_parallel(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """[b, s, ...] replicated -> this rank's [b, s/tp, ...]; backward all-gathers the gradient.
     Raises ValueError if s is not divisible by tp."""
-    return x if pc.tp == 1 else _ScatterSeq.apply(x, pc)
+    return x if axis.size == 1 else _ScatterSeq.apply(x, axis)
 
 
-def column_input(x: torch.Tensor, pc: ParallelContext, sequence_parallel: bool) -> torch.Tensor:
+def column_input(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
     """The input every column-parallel layer needs: replicated (backward: all-reduce of the
     gradient) or, under sequence parallelism, the whole sequence gathered (backward:
     reduce-scatter). Layers that read the same input (q, k, v; gate, up) share one call, so a
     block communicates once per input instead of once per layer."""
-    if pc.tp == 1:
+    if axis.size == 1:
         return x
-    return _GatherSeqReduceScatterGrad.apply(x, pc) if sequence_parallel else _CopyToTP.apply(x, pc)
+    return _GatherSeqReduceScatterGrad.apply(x, axis) if sequence_parallel else _CopyToTP.apply(x, axis)
 
 
 # -- layers ----------------------------------------------------------------------------------
@@ -179,68 +179,66 @@ def _divide(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
-def _param(*shape: int, split_dim: int | None) -> nn.Parameter:
+def _param(*shape: int, split_dim: int | None, axis: Axis) -> nn.Parameter:
     # Filled later by the model's init, from full tensors.
-    return place(nn.Parameter(torch.empty(*shape)), split_dim=split_dim)
+    parts = dict(parts=axis.size, part=axis.rank) if split_dim is not None else {}
+    return place(nn.Parameter(torch.empty(*shape)), split_dim=split_dim, **parts)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Linear):
     """y = x W^T (+ b) with W split by output rows: each rank returns its [b, s, out/tp] slice.
 
-    Input: [b, s, in] replicated (all-reduce mode) or [b, s/tp, in] (sequence_parallel=True).
-    The weight is [out/tp, in], split on dim 0; a bias is sharded the same way.
+    Input: [b, s, in] replicated (all-reduce mode) or [b, s/tp, in] (sequence_parallel=True), made ready for the
+    product by `column_input` here, or before (`gather_input=False`: a ColumnInput shared by the layers that read
+    the same input). The weight is [out/tp, in], split on dim 0; a bias is sharded the same way.
     """
 
-    def __init__(self, in_features, out_features, ctx, *, bias=False, sequence_parallel=False):
-        super().__init__()
-        self.ctx, self.sequence_parallel = ctx, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local_out = _divide(out_features, ctx.tp, "out_features")
-        self.weight = _param(local_out, in_features, split_dim=0)
-        self.bias = _param(local_out, split_dim=0) if bias else None
-
-    def forward(self, x, input_is_ready: bool = False):
-        """input_is_ready: x already went through column_input (shared by several layers)."""
-        if not input_is_ready:
-            x = column_input(x, self.ctx, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self):
-        return (f"in={self.in_features}, out={self.out_features} (split over tp={self.ctx.tp}), "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
-
-
-class RowParallelLinear(nn.Module):
-    """y = x W^T (+ b) with W split by input columns: each rank multiplies its [b, s, in/tp]
-    slice of x and the partial results are summed over tp.
-
-    Output: [b, s, out] replicated (all-reduce mode) or [b, s/tp, out] (sequence_parallel=True).
-    The weight is [out, in/tp], split on dim 1; a bias is replicated, added once after the sum.
-    In SP mode each rank's bias gradient covers only its sequence chunk, so the bias is placed
-    ``sequence_parallel`` (its grad must be summed over tp).
-    """
-
-    def __init__(self, in_features, out_features, ctx, *, bias=False, sequence_parallel=False):
-        super().__init__()
-        self.ctx, self.sequence_parallel = ctx, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, _divide(in_features, ctx.tp, "in_features"), split_dim=1)
-        self.bias = _param(out_features, split_dim=None) if bias else None
-        if self.bias is not None and sequence_parallel and ctx.tp > 1:
-            place(self.bias, sequence_parallel=True)
+    def __init__(self, in_features, out_features, axis: Axis, *, bias=False, sequence_parallel=False,
+                 gather_input=True):
+        super().__init__(in_features, _divide(out_features, axis.size, "out_features"))
+        self.axis, self.sequence_parallel, self.gather_input = axis, sequence_parallel, gather_input
+        self.out_features = out_features
+        self.weight = _param(*self.weight.shape, split_dim=0, axis=axis)
+        self.bias = _param(self.weight.shape[0], split_dim=0, axis=axis) if bias else None
 
     def forward(self, x):
-        if self.ctx.tp == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)  # partial sum: the bias must be added once, after the sum
-        if self.sequence_parallel:
-            y = _ReduceScatterSeq.apply(y, self.ctx)
-        else:
-            y = _ReduceFromTP.apply(y, self.ctx)
+        if self.gather_input:
+            x = column_input(x, self.axis, self.sequence_parallel)
+        y = self.matmul(x, self.weight, self)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
-        return (f"in={self.in_features} (split over tp={self.ctx.tp}), out={self.out_features}, "
+        return (f"in={self.in_features}, out={self.out_features} (split over tp={self.axis.size}), "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(Linear):
+    """y = x W^T (+ b) with W split by input columns: each rank multiplies its [b, s, in/tp] slice of x and the
+    partial results are summed over tp.
+
+    Output: [b, s, out] replicated (all-reduce mode) or [b, s/tp, out] (sequence_parallel=True). The weight is
+    [out, in/tp], split on dim 1; a bias is replicated, added once after the sum. In SP mode each rank's bias
+    gradient covers only its sequence chunk, so the bias is placed ``sequence_parallel`` (its grad is summed
+    over tp).
+    """
+
+    def __init__(self, in_features, out_features, axis: Axis, *, bias=False, sequence_parallel=False):
+        super().__init__(_divide(in_features, axis.size, "in_features"), out_features)
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.in_features = in_features
+        self.weight = _param(*self.weight.shape, split_dim=1, axis=axis)
+        self.bias = _param(out_features, split_dim=None, axis=axis) if bias else None
+        if self.bias is not None and sequence_parallel and axis.size > 1:
+            place(self.bias, sequence_parallel=True)
+
+    def forward(self, x):
+        y = self.matmul(x, self.weight, self)   # partial sum: the bias must be added once, after the sum
+        if self.axis.size > 1:
+            y = _ReduceScatterSeq.apply(y, self.axis) if self.sequence_parallel else _ReduceFromTP.apply(y, self.axis)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return (f"in={self.in_features} (split over tp={self.axis.size}), out={self.out_features}, "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
 
@@ -251,16 +249,16 @@ class VocabParallelEmbedding(nn.Module):
     ids [b, s] (replicated) -> [b, s, H] replicated, or [b, s/tp, H] with sequence_parallel.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, ctx, *, sequence_parallel=False):
+    def __init__(self, num_embeddings, embedding_dim, axis: Axis, *, sequence_parallel=False):
         super().__init__()
-        self.ctx, self.sequence_parallel = ctx, sequence_parallel
+        self.axis, self.sequence_parallel = axis, sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.local_vocab = _divide(num_embeddings, ctx.tp, "vocab_size")
-        self.vocab_start = ctx.tp_rank * self.local_vocab
-        self.weight = _param(self.local_vocab, embedding_dim, split_dim=0)
+        self.local_vocab = _divide(num_embeddings, axis.size, "vocab_size")
+        self.vocab_start = axis.rank * self.local_vocab
+        self.weight = _param(self.local_vocab, embedding_dim, split_dim=0, axis=axis)
 
     def forward(self, ids):
-        if self.ctx.tp == 1:
+        if self.axis.size == 1:
             return F.embedding(ids, self.weight)
         local_ids = ids - self.vocab_start
         foreign = (local_ids < 0) | (local_ids >= self.local_vocab)
@@ -268,12 +266,23 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local_ids.masked_fill(foreign, 0), self.weight)
         out.masked_fill_(foreign.unsqueeze(-1), 0.0)  # in place: embedding backward keeps no output
         if self.sequence_parallel:
-            return _ReduceScatterSeq.apply(out, self.ctx)
-        return _ReduceFromTP.apply(out, self.ctx)
+            return _ReduceScatterSeq.apply(out, self.axis)
+        return _ReduceFromTP.apply(out, self.axis)
 
     def extra_repr(self):
-        return (f"{self.num_embeddings}, {self.embedding_dim} (vocab split over tp={self.ctx.tp}), "
+        return (f"{self.num_embeddings}, {self.embedding_dim} (vocab split over tp={self.axis.size}), "
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnInput(nn.Module):
+    """`column_input` as a module: the one communication of the column-parallel layers that read one input."""
+
+    def __init__(self, axis: Axis, sequence_parallel: bool):
+        super().__init__()
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+
+    def forward(self, x):
+        return column_input(x, self.axis, self.sequence_parallel)
 
 
 # -- vocab-parallel cross-entropy ------------------------------------------------------------
@@ -285,20 +294,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, pc, ignore_index):
+    def forward(ctx, logits, targets, axis, ignore_index):
         local_vocab = logits.shape[-1]
         with torch.autocast(logits.device.type, enabled=False):  # float32 math, whatever autocast says
             x = logits.float()
             # Subtract the global max so exp() cannot overflow.
-            x = x - _all_reduce(x.amax(dim=-1), pc, dist.ReduceOp.MAX).unsqueeze(-1)
-            local_t = targets - pc.tp_rank * local_vocab
+            x = x - _all_reduce(x.amax(dim=-1), axis, dist.ReduceOp.MAX).unsqueeze(-1)
+            local_t = targets - axis.rank * local_vocab
             ignored = targets == ignore_index
             mine = (local_t >= 0) & (local_t < local_vocab) & ~ignored
             local_t = local_t.masked_fill(~mine, 0)
             target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-            target_logit = _all_reduce(target_logit, pc)
+            target_logit = _all_reduce(target_logit, axis)
             softmax = x.exp_()  # x is our own buffer: reuse it
-            sum_exp = _all_reduce(softmax.sum(dim=-1), pc)
+            sum_exp = _all_reduce(softmax.sum(dim=-1), axis)
             loss = sum_exp.log() - target_logit
             softmax.div_(sum_exp.unsqueeze(-1))
         loss = loss.masked_fill(ignored, 0.0)
@@ -316,7 +325,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ctx: ParallelContext,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis,
                                  ignore_index: int = -100) -> torch.Tensor:
     """Per-token cross-entropy, float32, shape of ``targets``, from this rank's vocab shard.
 
@@ -324,23 +333,70 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ct
     targets: [...] global token ids; ``ignore_index`` tokens get loss 0 and no gradient.
     No rank ever holds full-vocab logits. With tp == 1 this is F.cross_entropy(reduction='none').
     """
-    if ctx.tp == 1:
+    if axis.size == 1:
         flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction="none", ignore_index=ignore_index)
         return flat.view(targets.shape)
-    return _VocabParallelCrossEntropy.apply(logits, targets, ctx, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, targets, axis, ignore_index)
 
 
-# -- sharding helper for init and checkpoint loading -----------------------------------------
-def shard_tensor(full: torch.Tensor, param_or_dim, ctx: ParallelContext) -> torch.Tensor:
-    """This rank's slice of ``full`` along the split dimension, contiguous.
+class VocabParallelCrossEntropy(nn.Module):
+    """The model's loss when the LM head's output is split by vocabulary."""
 
-    ``param_or_dim`` is a parameter (its placement's ``split_dim`` is used), an int dimension, or
-    None (replicated: ``full`` itself is returned). The result may share storage with ``full``;
-    copy it into the parameter rather than keeping it.
-    """
-    dim = placement(param_or_dim).split_dim if isinstance(param_or_dim, torch.Tensor) else param_or_dim
-    if dim is None or ctx.tp == 1:
-        return full
-    _divide(full.shape[dim], ctx.tp, f"dimension {dim} of a {tuple(full.shape)} tensor")
-    return full.chunk(ctx.tp, dim=dim)[ctx.tp_rank].contiguous()
+    def __init__(self, axis: Axis):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, self.axis)
+
+
+# -- the plan: which layer of the plain model becomes which -----------------------------------------
+# (attribute, style) per module class: "column" and "row" linears, the "vocab" embedding; the blocks read their
+# input once through their "input" slot
+PLAN = {"Attention": {"qkv_input": "input", "q_proj": "column", "k_proj": "column", "v_proj": "column",
+                      "o_proj": "row"},
+        "MLP": {"mlp_input": "input", "gate_proj": "column", "up_proj": "column", "down_proj": "row"},
+        "LlamaBody": {"embed_tokens": "vocab"},
+        "LlamaForCausalLM": {"lm_head": "head"}}
+
+
+def apply_tensor_parallel(model: nn.Module, axis: Axis, sequence_parallel: bool) -> nn.Module:
+    """Replace the plan's layers of a plain Llama (on the meta device) by their tp versions, in place, and declare
+    what tp changes about the rest: norms and MoE blocks see part of the sequence under SP (their gradients are
+    summed over tp), a MoE block's router counts are summed over tp. With tp = 1 the layers compute what the
+    plain ones do, and still declare their split dimension: initialisation draws along it on every layout."""
+    tied = model.shape.tie_word_embeddings
+    for module in list(model.modules()):
+        for name, style in PLAN.get(type(module).__name__, {}).items():
+            setattr(module, name, _parallel_version(getattr(module, name), style, axis, sequence_parallel))
+        if type(module).__name__ == "Attention":
+            module.heads = _divide(module.heads, axis.size, "num_attention_heads")
+            module.kv_heads = _divide(module.kv_heads, axis.size, "num_key_value_heads")
+    if tied:   # the LM head is the embedding
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.cross_entropy = VocabParallelCrossEntropy(axis) if axis.size > 1 else model.cross_entropy
+    if sequence_parallel:
+        for module in model.modules():
+            if type(module).__name__ in ("RMSNorm", "MoE"):
+                for param in module.parameters():
+                    place(param, sequence_parallel=True)
+        if model.moe_losses is not None and axis.size > 1:
+            model.moe_losses.token_sums.append(functools.partial(all_reduce_, group=axis.group))
+    return model
+
+
+def _parallel_version(layer: nn.Module, style: str, axis: Axis, sequence_parallel: bool) -> nn.Module:
+    h = sequence_parallel
+    if style == "input":
+        return ColumnInput(axis, h) if axis.size > 1 else layer
+    if style == "vocab":
+        return VocabParallelEmbedding(layer.num_embeddings, layer.embedding_dim, axis, sequence_parallel=h)
+    if style == "row":
+        return RowParallelLinear(layer.in_features, layer.out_features, axis, sequence_parallel=h)
+    return ColumnParallelLinear(layer.in_features, layer.out_features, axis, sequence_parallel=h,
+                                gather_input=style == "head")
+
+
+def all_reduce_(tensor: torch.Tensor, group) -> None:
+    dist.all_reduce(tensor, group=group)

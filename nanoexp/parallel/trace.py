@@ -45,7 +45,7 @@ class PipelineTrace:
         layout = ctx.layout
         meta = {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "cp_rank": ctx.cp_rank,
                 "tp_rank": ctx.tp_rank, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp,
-                "virtual_stages": layout.virtual_stages, "engine": layout.engine}
+                "virtual_stages": layout.virtual_stages, "engine": layout.schedule}
         return cls(os.path.join(run_dir, TRACE_DIR, f"rank_{ctx.rank}.jsonl"), meta)
 
     def bind(self, **fields) -> "PipelineTrace":

@@ -1,12 +1,10 @@
-"""ZeRO: AdamW whose optimizer state is sharded across the ranks that hold the same weights (dp x cp).
+"""ZeRO's optimizer: any torch optimizer whose update is element-wise (AdamW, Adam, SGD, ...) over this rank's
+shard of the sharding engine's buffers (sharding.py): its state exists for 1/(dp·cp) of the parameters.
 
-The parameters and gradients live in the flat buffers of GradientSync (gradient_sync.py): after backward a
-reduce-scatter has left on each rank the averaged gradient of its 1/(dp·cp) of every bucket (ZeRO-1) or unit
-(ZeRO-2/3, sharded_buffers.py). This optimizer is torch's AdamW over those shard pieces (views of the buffers,
-so Adam's elementwise math is exactly AdamW's on the whole model), keeping exp_avg / exp_avg_sq for 1/(dp·cp)
-of the parameters: 8N/(dp·cp) bytes instead of 8N. After the update GradientSync all-gathers the parameters
-(ZeRO-1/2; ZeRO-3 gathers each layer when it next runs). Per step at stage 1 and 2: one reduce-scatter and one
-all-gather, the bytes of one all-reduce.
+After backward a reduce-scatter has left on each rank the averaged gradient of its shard of every unit; the
+shard's pieces are views of the buffers, one per parameter part, so each joins its parameter's group (learning
+rate, weight decay) and the optimizer's element-wise math is exactly its math on the whole model. After the update
+the engine all-gathers the parameters (ZeRO-1/2; ZeRO-3 gathers each layer when it next runs).
 """
 from __future__ import annotations
 
@@ -15,15 +13,15 @@ import torch
 from nanoexp.parallel.gradient_sync import GradientSync
 
 
-class ZeroAdamW:
-    """torch.optim.AdamW over this rank's shard of `grad_sync`'s buffers.
+class ShardedOptimizer:
+    """`optimizer_class(groups, **options)` over this rank's shard of `grad_sync`'s buffers.
 
-    `param_groups(params)` gives torch-style groups of model parameters (with their lr, weight
-    decay, ...); each shard piece joins the group of its parameter, so `param_groups` here are
-    torch's (set `g["lr"]` before `step()`). `pieces` are the ShardPieces in state order: what
-    checkpoints save and load, with `state[piece.value]` holding that piece's AdamW moments."""
+    `groups` are torch-style groups of model parameters (with their lr, weight decay, ...); each shard piece
+    joins the group of its parameter, so `param_groups` here are torch's (set `g["lr"]` before `step()`).
+    `pieces` are the ShardPieces in state order: what checkpoints save and load, `state[piece.value]` holding
+    that piece's state by key."""
 
-    def __init__(self, grad_sync: GradientSync, groups: list[dict], **adamw):
+    def __init__(self, grad_sync: GradientSync, groups: list[dict], optimizer_class=torch.optim.AdamW, **options):
         self.grad_sync = grad_sync
         self.pieces = grad_sync.shard_pieces()
         piece_groups = [{**g, "params": []} for g in groups]
@@ -31,14 +29,14 @@ class ZeroAdamW:
         for piece in self.pieces:
             piece.value.grad = piece.grad   # the optimizer reads the averaged shard from here
             group_of[id(piece.param)]["params"].append(piece.value)
-        self.inner = torch.optim.AdamW([g for g in piece_groups if g["params"]], **adamw)
+        self.inner = optimizer_class([g for g in piece_groups if g["params"]], **options)
         self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
 
     @property
     def num_steps(self) -> int:
-        """Updates applied so far (AdamW's bias-correction step)."""
+        """Updates applied so far (the largest "step" in the state: a piece loaded without state counts from 0)."""
         steps = [int(s["step"].item()) for s in self.state.values() if "step" in s]
-        return max(steps, default=0)   # the largest: a parameter loaded without state counts from 0
+        return max(steps, default=0)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoexp.parallel.zigzag import zigzag_indices
+from nanoexp.parallel.context_parallel.zigzag import zigzag_indices
 
 
 def zigzag_gather(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:

@@ -17,16 +17,16 @@ from nanoexp.parallel.trace import NO_TRACE
 
 
 class PipelineEngine:
-    """Runs one optimizer step's micro-batches through this rank's pipeline stage by the schedule of
-    `engine` (afab, 1f1b, interleaved_1f1b: the trainer passes Layout.engine) with `num_chunks` chunks of
+    """Runs one optimizer step's micro-batches through this rank's pipeline stage by the schedule named
+    `schedule` (afab, 1f1b, interleaved_1f1b: Layout.schedule) with `num_chunks` chunks of
     layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b); chunk `num_chunks - 1` of the
     last stage computes the loss. It keeps the per-micro-batch forward and backward steps and their
     bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch
     chunks whose activations were held at once), the trace."""
 
-    def __init__(self, ctx, engine: str, num_chunks: int = 1, trace=NO_TRACE):
-        check_shape(engine, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
-        self.ctx, self.engine, self.num_chunks, self.trace = ctx, engine, num_chunks, trace
+    def __init__(self, ctx, schedule: str, num_chunks: int = 1, trace=NO_TRACE):
+        check_shape(schedule, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
+        self.ctx, self.schedule, self.num_chunks, self.trace = ctx, schedule, num_chunks, trace
         self.max_in_flight = 0
 
     def run(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype,
@@ -74,7 +74,7 @@ class PipelineEngine:
         # that are still to be sent, and (input, output) of each forward until its backward.
         inbox, outbox, stash = {}, {}, {}
         try:
-            for step in schedule(self.engine, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
+            for step in schedule(self.schedule, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
                 if step[0] == "P2P":
                     self._exchange(step[1], inbox, outbox, keep_graph=not forward_only)
                     continue
@@ -105,7 +105,7 @@ class PipelineEngine:
         ctx, ops, labels, received, sent = self.ctx, [], [], [], []
         for msg in batch:
             verb, op = msg[0], msg[1:]
-            rank = ctx.global_rank(peer(msg, ctx.pp, ctx.pp_rank), ctx.dp_rank, ctx.tp_rank)
+            rank = ctx.layout.rank_at(peer(msg, ctx.pp, ctx.pp_rank), ctx.dp_rank, ctx.cp_rank, ctx.tp_rank)
             if verb == "send":
                 tensor = outbox.pop(op)
                 sent.append((tensor, op))

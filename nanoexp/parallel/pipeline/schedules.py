@@ -1,4 +1,4 @@
-"""Each pipeline engine's schedule for one optimizer step, as data: what one pp rank computes, in which order,
+"""The pipeline schedules (`parallelism.pp_engine`) of one optimizer step, as data: what one pp rank computes, in which order,
 and which messages it posts together.
 
 A schedule is a list of steps that the engine (engine.py) executes in order:
@@ -12,15 +12,18 @@ A schedule is a list of steps that the engine (engine.py) executes in order:
 Why data: the tests run on gloo, whose sends are buffered, but NCCL runs the point-to-point operations between
 two ranks in order on one stream, ignores tags, and completes a large send only once its receive is posted. An
 order that gloo forgives can hang there. Because the schedule is data, nanoexp.verify.p2p_plan replays it under
-NCCL's rules for every engine and shape, and the engine posts exactly what was checked.
+NCCL's rules for every schedule and shape, and the engine posts exactly what was checked.
 
-Every engine has the same shape: warm-up forwards, steady (forward, backward) pairs, cool-down backwards
+Every schedule has the same shape: warm-up forwards, steady (forward, backward) pairs, cool-down backwards
 (`phases`). Forwards walk the micro-batches in groups of pp, chunk 0 then chunk 1 ... for each group; backwards
-walk the same way with the chunks reversed; with one chunk per rank both are micro-batch order. Engines differ in
+walk the same way with the chunks reversed; with one chunk per rank both are micro-batch order. Schedules differ in
 the length of the warm-up and in how they batch messages (`SCHEDULES`). Between two compute groups the sends of
-the group before and the receives of the group after are one batch where the engine merges them, else two.
+the group before and the receives of the group after are one batch where the schedule merges them, else two.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 Step = tuple   # ("F" | "B", chunk, micro_batch) or ("P2P", messages)
 
@@ -68,48 +71,79 @@ def interleaved_one_forward_one_backward(pp: int, v: int, m: int, pp_rank: int) 
     Megatron-LM", section 2.2.2, whose schedule this is). Rank r runs 2·(pp-r-1) + (v-1)·pp warm-up forwards;
     each steady (forward, backward) pair is one compute group, and between two groups one batch carries the
     sends of the group before and the receives of the group after, as Megatron-LM's interleaved schedule
-    does. Needs m to be a multiple of pp. Posting one message at a time, as this engine once did, deadlocks
-    under NCCL (tests/test_p2p_plan.py shows it)."""
+    does. Needs m to be a multiple of pp. Posting one message at a time deadlocks under NCCL
+    (tests/test_p2p_plan.py shows it)."""
     warmup, pairs, cooldown = phases(min(2 * (pp - pp_rank - 1) + (v - 1) * pp, m * v), pp, v, m)
     groups = [[op] for op in warmup] + [list(pair) for pair in pairs] + [[op] for op in cooldown]
     return groups, [True] * len(groups)
 
 
-# parallelism.pp_engine -> (pp, v, m, pp_rank) -> (compute groups, merged[g]: one batch between groups g, g + 1)
-SCHEDULES = {"afab": all_forward_all_backward, "1f1b": one_forward_one_backward,
-             "interleaved_1f1b": interleaved_one_forward_one_backward}
+@dataclass(frozen=True)
+class Schedule:
+    """One parallelism.pp_engine: its plan, (pp, v, m, pp_rank) -> (compute groups, merged[g]: one batch between
+    groups g and g + 1), and the shapes it runs (its rules, stated here only)."""
+    plan: Callable
+    chunks: str = "one"            # chunks of layers per rank: "one" (v = 1) or "several" (v >= 2)
+    micro_batches_per_pp: bool = False   # the micro-batches of a step must be a multiple of pp
+
+    def problems(self, name: str, pp: int, v: int, m: int | None = None, layers: int | None = None) -> list[str]:
+        """Why this schedule cannot run pp ranks with v chunks each, m micro-batches a step (None: not checked) and
+        `layers` layers (None: not checked: a config is checked with them, and then one chunk per rank is refused
+        where another schedule runs it), in the keys that set them; [] when it can."""
+        if self.chunks == "one":
+            return [] if v == 1 else [f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine="
+                                      f"interleaved_1f1b (got {name})"]
+        problems = []
+        if pp < 2:
+            problems.append(f"parallelism.pp_engine={name} needs parallelism.pp >= 2 (got {pp}): at least 2 "
+                            "pipeline ranks interleave their chunks")
+        if v < 2 and layers is not None:
+            problems.append(f"parallelism.pp_virtual_stages={v}: {name} needs at least 2 chunks per rank (with 1 "
+                            "use parallelism.pp_engine=1f1b)")
+        if layers is not None and layers < pp * v:
+            problems.append(f"model.model_config.num_hidden_layers={layers} is smaller than parallelism.pp * "
+                            f"pp_virtual_stages = {pp * v}: every virtual stage needs at least one layer")
+        if self.micro_batches_per_pp and m is not None and pp >= 2 and m % pp:
+            problems.append(f"micro-batches per step (tokens.batch_accumulation_per_replica = {m}) is not a "
+                            f"multiple of parallelism.pp={pp}: {name} sends micro-batches in groups of pp; change "
+                            "tokens.global_batch_size or tokens.micro_batch_size")
+        return problems
 
 
-def check_shape(engine: str, pp: int, v: int, m: int | None = None, forward_only: bool = False) -> None:
-    """Raise ValueError when `engine` cannot run pp ranks with v chunks each (and m micro-batches, unless None)."""
-    if engine not in SCHEDULES:
-        raise ValueError(f"unknown pipeline engine {engine!r}; expected one of {tuple(SCHEDULES)}")
-    if pp < 1 or v < 1 or (m is not None and m < 1) or (v != 1 and engine != "interleaved_1f1b"):
-        raise ValueError(f"invalid pipeline shape for {engine}: pp={pp}, v={v}, m={m}")
-    if engine == "interleaved_1f1b" and pp < 2:
-        raise ValueError(f"interleaved 1F1B needs at least 2 pipeline ranks (got {pp})")
-    if engine == "interleaved_1f1b" and m is not None and not forward_only and m % pp:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({m}) to be a multiple "
-                         f"of the pipeline size ({pp})")
+SCHEDULES = {"afab": Schedule(all_forward_all_backward), "1f1b": Schedule(one_forward_one_backward),
+             "interleaved_1f1b": Schedule(interleaved_one_forward_one_backward, chunks="several",
+                                          micro_batches_per_pp=True)}
 
 
-def schedule(engine: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
-    """Every step pp rank `pp_rank` runs in one optimizer step of `engine` with v chunks per rank and m
+def check_shape(name: str, pp: int, v: int, m: int | None = None, forward_only: bool = False) -> None:
+    """Raise ValueError when schedule `name` cannot run pp ranks with v chunks each (and m micro-batches, unless
+    None)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline engine {name!r}; expected one of {tuple(SCHEDULES)}")
+    if pp < 1 or v < 1 or (m is not None and m < 1):
+        raise ValueError(f"invalid pipeline shape for {name}: pp={pp}, v={v}, m={m}")
+    problems = SCHEDULES[name].problems(name, pp, v, None if forward_only else m)
+    if problems:
+        raise ValueError(problems[0])
+
+
+def schedule(name: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
+    """Every step pp rank `pp_rank` runs in one optimizer step of schedule `name` with v chunks per rank and m
     micro-batches. Each received tensor comes in a batch before the op that needs it, each sent tensor leaves
     in a batch after the op that made it, sends come before receives within a batch, and a message exists
     only where its neighbouring virtual stage does. forward_only: evaluation, every micro-batch through every
-    chunk, one message per batch. Raises ValueError on a shape the engine cannot run."""
-    check_shape(engine, pp, v, m, forward_only)
+    chunk, one message per batch. Raises ValueError on a shape the schedule cannot run."""
+    check_shape(name, pp, v, m, forward_only)
     if forward_only:
         groups = [[("F", chunk, mb)] for mb in range(m) for chunk in range(v)]
         return _with_batches(groups, [False] * len(groups), pp, v, pp_rank)
-    groups, merged = SCHEDULES[engine](pp, v, m, pp_rank)
+    groups, merged = SCHEDULES[name].plan(pp, v, m, pp_rank)
     return _with_batches(groups, merged, pp, v, pp_rank)
 
 
-def compute_order(engine: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
+def compute_order(name: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
     """The compute steps of `schedule`, without its messages."""
-    return [step for step in schedule(engine, pp, v, m, pp_rank, forward_only) if step[0] != "P2P"]
+    return [step for step in schedule(name, pp, v, m, pp_rank, forward_only) if step[0] != "P2P"]
 
 
 def _with_batches(groups, merged, pp, v, pp_rank) -> list[Step]:

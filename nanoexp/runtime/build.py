@@ -1,20 +1,32 @@
-"""Building this rank's shard of the model from the config: its shape, its pipeline stage's layers (or chunks
-of them, Layout.stage_layers), its tensor-parallel slices, initial weights (seeded, or a Hugging Face model's).
+"""Putting a run together on one rank: the model's shape from the config, this rank's shard of the model (the
+plain model, the layout's parallel dimensions applied to it, initial weights), and with it the gradient
+synchronisation, the optimizer, the pipeline engine and the precision (`build_runtime`), the same for training
+and for evaluating a checkpoint.
 
-The modules are built on the meta device (no memory), then only this rank's shards are materialised on its
-device and filled: no rank ever allocates or draws a full tensor it does not keep (init.py)."""
+The modules are built and transformed on the meta device (no memory), then only this rank's shards are
+materialised on its device and filled: no rank ever allocates or draws a full tensor it does not keep
+(nanoexp/model/init.py)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from nanoexp.config import num_kv_heads, padded_vocab_size
+from nanoexp.config import batch_accumulation, num_kv_heads, padded_vocab_size
 from nanoexp.hf import load_hf_weights
 from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
 from nanoexp.model.moe import MoeShape
 from nanoexp.model.mup import parametrization_of
+from nanoexp.numerics.precision import autocast
+from nanoexp.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
+from nanoexp.parallel.gradient_sync import GradientSync
+from nanoexp.parallel.parallelize import parallelize
+from nanoexp.parallel.pipeline import PipelineEngine
+from nanoexp.parallel.trace import NO_TRACE
+from nanoexp.runtime.step import StepRunner
 
 
 def moe_shape(cfg) -> MoeShape | None:
@@ -38,7 +50,8 @@ def model_shape(cfg) -> LlamaShape:
                       max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
                       rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings,
                       attention_scale=mup.attention_scale(m.hidden_size // m.num_attention_heads),
-                      logit_multiplier=mup.logit_multiplier, moe=moe_shape(cfg))
+                      logit_multiplier=mup.logit_multiplier, moe=moe_shape(cfg),
+                      attention_kernel=cfg.model.get("attention_kernel", "auto"))
 
 
 def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
@@ -47,12 +60,12 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     training; one process's to read a checkpoint of any layout). model.compile compiles each decoder block."""
     shape = model_shape(cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(shape, ctx, ctx.layout.stage_layers(shape.num_hidden_layers, ctx.pp_rank),
-                                 recompute_layer=cfg.parallelism.recompute_layer)
+        model = parallelize(LlamaForCausalLM(shape), ctx)
+    model.recompute_layer = cfg.parallelism.recompute_layer
     materialize(model, ctx.device)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
-        load_hf_weights(model, cfg.model.init_method.path, ctx)
+        load_hf_weights(model, cfg.model.init_method.path)
     if cfg.model.compile:
         for layer in model.model.layers.values():
             layer.compile()
@@ -69,3 +82,30 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
                 made[id(param)].__dict__.update(param.__dict__)   # its placement
             setattr(module, name, made[id(param)])
+
+
+@dataclass
+class Runtime:
+    """What one rank trains or evaluates with."""
+    model: nn.Module
+    runner: StepRunner
+    grad_sync: GradientSync | None = None   # None: evaluation only
+    optimizer: object = None
+
+
+def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRACE) -> Runtime:
+    """This rank's model shard and step runner, and for training its gradient sync (flat buffers, one set of
+    buckets per chunk: a chunk's gradients are final after its own last backward) and optimizer."""
+    model = build_model(cfg, ctx)
+    engine = PipelineEngine(ctx, ctx.layout.schedule, ctx.layout.virtual_stages, trace)
+    t = cfg.tokens
+    runner = StepRunner(model, ctx, engine, autocast(cfg, ctx.device), t.micro_batch_size, t.sequence_length)
+    if not training:
+        return Runtime(model, runner)
+    if model.moe_losses:   # its losses weigh 1/micro-batches, x cp against the dp x cp average (moe.py)
+        model.moe_losses.scale = ctx.cp / batch_accumulation(cfg)
+    o = cfg.optimizer
+    bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
+    grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
+                             o.zero3_reshard_after_forward, trace)
+    return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync))

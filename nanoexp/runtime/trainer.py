@@ -6,8 +6,6 @@ Test-only faults (and, later, other extensions) enter through `TrainerHooks`, ne
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import math
 import socket
@@ -23,19 +21,18 @@ from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
-from nanoexp.memory import peak_memory_mb, saved_activation_bytes, start_measuring
+from nanoexp.memory import peak_memory_mb, start_measuring
 from nanoexp.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
-from nanoexp.model.build import build_model, model_shape
+from nanoexp.runtime.build import build_runtime, model_shape
 from nanoexp.model.llama import count_parameters
-from nanoexp.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from nanoexp.optim import clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
-from nanoexp.parallel.zigzag import zigzag_split
 from nanoexp.peak import Peak
 from nanoexp.profiling import StepProfiler
+from nanoexp.runtime.moe_metrics import moe_step_metrics
+from nanoexp.runtime.step import TokenLossSum
 from nanoexp.signals import received_signal_name, stop_agreed
 from nanoexp.summary import memory_fields, write_summary
 
@@ -73,18 +70,13 @@ class Trainer:
         self.build_model_and_optimizer()
         self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         t = cfg.tokens
-        self.activation_shape = ctx.layout.activation_shape(t.micro_batch_size, t.sequence_length,
-                                                            self.shape.hidden_size)
-        self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
-                         if cfg.model.dtype == "bfloat16" else contextlib.nullcontext())
         self.tokens_per_step = self.global_batch * t.sequence_length
         self.flops_per_step = flops_per_token(self.shape, t.sequence_length) * self.tokens_per_step
         self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards
             self.shape, t.sequence_length, cfg.parallelism.recompute_layer)
         self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
         self.peak, self.peak_refuted = peak or Peak(None, "not measured"), False
-        self.loss_denominator = 1.0   # see replica_target_tokens
-        self.saved_bytes, self.memory = None, {}   # see memory_breakdown
+        self.memory = {}   # see memory_breakdown
         self.writer = MetricsWriter(run_dir, cfg) if self.is_writer else None
         self.downstream = self.downstream_eval() if cfg.eval.tasks else None
         self.downstream_scores: dict[str, float] = {}
@@ -93,98 +85,31 @@ class Trainer:
         """The eval group's harness tasks, on this model as it is sharded (nanoexp/evaluation/)."""
         from nanoexp.evaluation.downstream import DownstreamEval
         from nanoexp.evaluation.scorer import ShardedScorer
-        t = self.cfg.tokens
         tokenizer = build_tokenizer(self.cfg.tokenizer.tokenizer_name_or_path)
-        scorer = ShardedScorer(self.model, self.ctx, self.engine, t.micro_batch_size, t.sequence_length,
-                               self.autocast, tokenizer.eod_id)
-        return DownstreamEval(self.cfg.eval, scorer, tokenizer)
+        return DownstreamEval(self.cfg.eval, ShardedScorer(self.runner, tokenizer.eod_id), tokenizer)
 
     def build_model_and_optimizer(self) -> None:
-        """This rank's model shard, its gradient sync (flat buffers, one set of buckets per chunk: a chunk's
-        gradients are final after its own last backward), the optimizer, the checkpoint's state if resuming,
-        and the pipeline engine."""
+        """This rank's runtime (nanoexp/runtime/build.py), and the checkpoint's state if resuming."""
         cfg, ctx = self.cfg, self.ctx
         self.shape = model_shape(cfg)
-        self.model = build_model(cfg, ctx)
-        self.params = list(self.model.parameters())
         self.trace = PipelineTrace.for_run(self.run_dir, ctx) if cfg.logging.pipeline_trace else NO_TRACE
-        bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
-        o = cfg.optimizer
-        self.grad_sync = GradientSync(self.model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
-                                      o.zero3_reshard_after_forward, self.trace)
-        self.optimizer = build_optimizer(cfg, self.model, self.grad_sync)
+        runtime = build_runtime(cfg, ctx, trace=self.trace)
+        self.model, self.runner, self.grad_sync, self.optimizer = (runtime.model, runtime.runner, runtime.grad_sync,
+                                                                   runtime.optimizer)
+        self.params = list(self.model.parameters())
         self.checkpoints.restore(self.model, self.optimizer)
-        self.engine = PipelineEngine(ctx, ctx.layout.engine, ctx.layout.virtual_stages, self.trace)
-        if self.model.moe_losses:   # its losses weigh 1/micro-batches, x cp against the dp x cp average (moe.py)
-            self.model.moe_losses.scale = ctx.cp / self.accumulation
         self.moe_metrics = {}
 
     # -- one optimizer step -------------------------------------------------------------
-    def forward_step(self, micro_batch, hidden_states, chunk=0, loss_denominator=None):
-        """One micro-batch through this stage (its chunk `chunk` with virtual stages); the last
-        stage returns its share of the step loss: the sum of its token losses / `loss_denominator`
-        (default: this step's, see replica_target_tokens)."""
-        ctx, first, last = self.ctx, self.model.has_embedding(chunk), self.model.has_head(chunk)
-        # model.attention_mask=document: every stage needs the micro-batch's documents
-        documents = {key: micro_batch[key].to(ctx.device) for key in ("position_ids", "document_ids")
-                     if key in micro_batch}
-        # The run's first forward also measures what autograd keeps of one micro-batch for backward.
-        measure = saved_activation_bytes(self.params) if self.saved_bytes is None else contextlib.nullcontext()
-        moe = self.model.moe_losses.training_forward() if self.model.moe_losses else contextlib.nullcontext()
-        with self.autocast, measure as saved, moe:
-            out = self.model(input_ids=micro_batch["input_ids"].to(ctx.device) if first else None,
-                             hidden_states=hidden_states,
-                             labels=micro_batch["labels"].to(ctx.device) if last else None, chunk=chunk, **documents)
-        if saved is not None and torch.is_grad_enabled():
-            self.saved_bytes = saved.bytes
-        return out.sum() / (loss_denominator or self.loss_denominator) if last else out
-
-    def training_forward(self, micro_batch, hidden_states, chunk=0):
-        """forward_step of a training micro-batch; the loss passes through the hooks."""
-        out = self.forward_step(micro_batch, hidden_states, chunk)
-        return self.hooks.training_loss(self.step, out) if self.model.has_head(chunk) else out
-
-    def context_part(self, micro_batch: dict) -> dict:
-        """This cp rank's zig-zag part of every sample's tokens (the whole micro-batch when cp = 1);
-        the model puts them at their positions (LlamaForCausalLM.rotary)."""
-        ctx = self.ctx
-        if ctx.cp == 1:
-            return micro_batch
-        return {key: zigzag_split(value, ctx.cp, ctx.cp_rank) for key, value in micro_batch.items()}
-
-    def replica_target_tokens(self, micro_batches: list[dict]) -> float:
-        """The real (not IGNORE_INDEX) target tokens of the global batch / (dp * cp), counted in
-        this rank's (cp part of its) micro-batches. Each micro-batch's loss is its token-loss sum
-        over this, so the dp x cp average of the ranks' losses (and gradients) is the mean over
-        every real target token of the global batch, whatever the layout. Only the loss stage
-        needs it (one dp x cp all-reduce of a scalar there)."""
-        if not self.ctx.is_last_stage:
-            return 1.0
-        count = torch.tensor(float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)))
-        if self.ctx.dp_cp > 1:
-            count = count.to(self.ctx.device)
-            dist.all_reduce(count, group=self.ctx.dp_cp_group)
-        return max(count.item(), 1.0) / self.ctx.dp_cp
-
-    def replica_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp x cp."""
-        if self.ctx.pp > 1:
-            dist.all_reduce(values, group=self.ctx.pp_group)
-        if self.ctx.dp_cp > 1:
-            dist.all_reduce(values, group=self.ctx.dp_cp_group)
-        return values
-
     def step_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean token loss of the global batch, identical on every rank."""
         loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
-        return (self.replica_sum(loss) / self.ctx.dp_cp).item()
+        return (self.runner.replica_sum(loss) / self.ctx.dp_cp).item()
 
     def compute_gradients(self, micro_batches: list[dict]) -> float:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""
-        micro_batches = [self.context_part(mb) for mb in micro_batches]
-        self.loss_denominator = self.replica_target_tokens(micro_batches)
-        losses = self.engine.run(self.training_forward, micro_batches, self.activation_shape, torch.float32,
-                                 grad_sync=self.grad_sync)
+        micro_batches = [self.runner.prepare(mb) for mb in micro_batches]
+        losses = self.runner.train(micro_batches, self.grad_sync, lambda loss: self.hooks.training_loss(self.step, loss))
         self.grad_sync.finish()
         self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
         return self.step_loss(losses)
@@ -193,7 +118,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss = self.compute_gradients(micro_batches)
         if self.model.moe_losses:
-            self.moe_metrics = self.model.moe_losses.step_metrics(self.ctx.dp * self.accumulation)
+            self.moe_metrics = moe_step_metrics(self.model.moe_losses, self.ctx, self.ctx.dp * self.accumulation)
         grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
                                    self.ctx.device)
         # Loss and norm are identical on every rank, so every rank takes the same branch.
@@ -213,18 +138,15 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over every real target token of the held-out batches (forward only through
         the pipeline; padding rows of the last batch count nowhere)."""
-        self.model.eval()
         t = self.cfg.tokens
         batches = eval_batches(self.batches.val_set, self.global_batch, t.micro_batch_size, t.limit_val_batches,
                                self.ctx.dp_rank, self.ctx.dp, t.sequence_length, self.batches.eod_id)
-        batches = [self.context_part(mb) for mb in batches]
-        forward_step = functools.partial(self.forward_step, loss_denominator=1.0)   # token-loss sums
-        sums = self.engine.forward_only(forward_step, batches, self.activation_shape, torch.float32)
-        self.model.train()
+        batches = [self.runner.prepare(mb) for mb in batches]
+        sums = self.runner.forward_only(batches, TokenLossSum())
         count = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batches) if sums else 0
         totals = torch.tensor([float(sum(s.item() for s in sums)), float(count)], dtype=torch.float64,
                               device=self.ctx.device)
-        total, tokens = self.replica_sum(totals).tolist()
+        total, tokens = self.runner.replica_sum(totals).tolist()
         return total / tokens
 
     # -- the loop ------------------------------------------------------------------------
@@ -345,7 +267,7 @@ class Trainer:
         of one micro-batch (measured on the first forward) times those the engine held at once."""
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         parameter_bytes, gradient_bytes = self.grad_sync.buffer_bytes()
-        per_micro_batch, in_flight = (self.saved_bytes or 0) / 2**20, self.engine.max_in_flight
+        per_micro_batch, in_flight = (self.runner.saved_bytes or 0) / 2**20, self.runner.engine.max_in_flight
         memory = {"parameters_mb": parameter_bytes / 2**20, "gradients_mb": gradient_bytes / 2**20,
                   "optimizer_mb": sum(t.numel() * t.element_size() for t in state) / 2**20,
                   "activations_mb": per_micro_batch * in_flight, "activations_per_micro_batch_mb": per_micro_batch,

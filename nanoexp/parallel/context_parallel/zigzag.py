@@ -3,7 +3,7 @@
 The sequence is cut into 2·cp chunks; cp rank r holds chunks r and 2·cp−1−r ("head-tail"), so a rank with an
 early, cheap chunk of causal attention also holds a late, expensive one and every rank does the same work. The
 trainer gives each cp rank its part of every micro-batch (`zigzag_split`), the model puts those tokens at their
-positions (`zigzag_indices`), and the context-parallel attentions (ring_attention.py, all_gather_attention.py)
+positions (`zigzag_indices`), and the context-parallel attentions (ring.py, all_gather.py)
 meet the other ranks' chunks.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Exact attention of one block of queries against one block of keys, in tiles, with log-sum-exp statistics.
 
-Ring attention (ring_attention.py) cuts a sequence into chunks and attends chunk against chunk; a whole
+Ring attention (ring.py) cuts a sequence into chunks and attends chunk against chunk; a whole
 chunk × chunk block of scores would grow as (s/cp)², so each block is computed in TILE × TILE tiles, as
 flash attention does: a tile's scores exist only while it is folded into the running output (forward) or
 into the gradients (backward). A block is either full (every query sees every key) or causal, the

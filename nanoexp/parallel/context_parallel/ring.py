@@ -5,7 +5,7 @@ the K/V blocks travel round the ring (to the next rank, from the previous one), 
 to the block of rank (r − t) mod cp. Chunk pairs are fully visible (key chunk before query chunk), causal on
 the diagonal (the same chunk), or invisible (key chunk after): a rank computes only the visible ones, which is
 the same work on every rank (`ring_blocks`). The partial outputs are merged with the log-sum-exp rule; each block
-is computed in tiles (attention_blocks.py), so no rank holds more than one tile's scores.
+is computed in tiles (blocks.py), so no rank holds more than one tile's scores.
 
 The backward recomputes each block's probabilities from the saved log-sum-exp (as flash attention does). K/V
 go round the ring again, and with them one float accumulator of dK/dV per block, which reaches its owner
@@ -23,8 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
-from nanoexp.parallel.zigzag import chunk_start, rank_chunks
+from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
+from nanoexp.parallel.context_parallel.zigzag import chunk_start, rank_chunks
 
 
 # -- which blocks a rank computes -------------------------------------------------------------

@@ -2,14 +2,14 @@
 
 Llama 3 ("The Llama 3 Herd of Models", Dubey et al. 2024, section 3.3.2) trains long contexts this way
 instead of with a ring: every cp rank all-gathers the keys and values of the whole sequence, then attends
-with its own queries only. Two arguments make it worth having next to ring_attention.py: with grouped-query
+with its own queries only. Two arguments make it worth having next to ring.py: with grouped-query
 attention K/V are small next to Q (kv_heads / heads of its size), so gathering them all costs little memory;
 and one large collective is simpler to run and to tune than cp − 1 point-to-point steps that must overlap
 with compute to hide their latency, at the price of communication that overlaps with less.
 
 The layout is the ring's zig-zag split (zigzag.py): rank r holds queries and K/V of chunks
 r and 2·cp − 1 − r. After the gather a rank computes exactly the blocks ring_blocks lists for it (the same
-visibility rules, so the same balanced work), each in tiles (attention_blocks.py), merged by log-sum-exp.
+visibility rules, so the same balanced work), each in tiles (blocks.py), merged by log-sum-exp.
 Document masking hides, tile by tile, the keys before each query's document start, as the ring does.
 
 Forward: ONE all-gather of K and V stacked ([2, b, kv_heads, s/cp, d] per rank into [cp, 2, ...]); the
@@ -26,10 +26,10 @@ import math
 
 import torch
 
-from nanoexp.parallel.attention_blocks import attend_block, attend_block_backward
+from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
 from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
-from nanoexp.parallel.ring_attention import ring_blocks
-from nanoexp.parallel.zigzag import chunk_start
+from nanoexp.parallel.context_parallel.ring import ring_blocks
+from nanoexp.parallel.context_parallel.zigzag import chunk_start
 
 
 def gather_blocks(cp: int, cp_rank: int) -> dict[int, list[tuple[int, int, bool]]]:

@@ -1,0 +1,418 @@
+"""ZeRO 0-3: one engine that keeps a chunk's parameters in flat buffers and averages their gradients over the
+ranks holding the same weights (dp x cp; for routed experts, the edp ranks holding the same experts).
+
+Parameters sit in units: flat float32 buffers that their `.data` views, padded to a multiple of the group when
+sharded; a unit is what one collective moves. Rank r owns the r-th 1/d of each sharded unit, its shard, and the
+optimizer updates only that (`shard_pieces`: ordinary tensors, views of the buffers). The stage decides how a
+unit's gradients travel (docs/zero.md has the design and the measurements):
+
+  "accumulate" units (stages 0 and 1, and at stages 2 and 3 the parameters a replica holds twice, which are
+      summed over another group too): `.grad` views a whole flat buffer where autograd accumulates the step's
+      micro-batches; during the last backward each unit is all-reduced (stage 0) or reduce-scattered (stages 1-3)
+      as soon as its gradients are final, in unit order.
+  "every_backward" units (stages 2 and 3): after every backward the unit's fresh gradients are copied into one
+      flat tensor, reduce-scattered and freed, this rank's sum added into its gradient shard: no rank holds the
+      whole model's gradients. Stage 3 also frees each unit's whole parameters outside its module's forward and
+      backward, gathering them just before (with `prefetch` units ahead).
+After the optimizer step the updated shards are all-gathered, but those of stage 3's every_backward units, which
+are updated in place and gathered when next used.
+
+Every collective is posted in the same order on every rank of the group, as NCCL requires: accumulate units in
+unit order, every_backward units in backward order, at stage 3 tied to the modules' order, never to when a
+gradient arrives, which may differ between ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
+from nanoexp.parallel.trace import NO_TRACE
+
+
+@dataclass
+class ShardPiece:
+    """The part [start, end) of a parameter's flattened elements in this rank's shard, with the views of the
+    buffers holding its values and its averaged gradient."""
+    param: nn.Parameter
+    start: int
+    end: int
+    value: torch.Tensor
+    grad: torch.Tensor
+
+
+class Unit:
+    """Parameters moved by one collective. `values` is the padded flat buffer the parameters view; `shard` this
+    rank's part of it (its own tensor when the whole is freed outside use); `grads` the whole gradients
+    (accumulate units only); `shard_grad` this rank's averaged gradient."""
+
+    def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter], size: int, rank: int,
+                 sharded: bool, accumulate: bool, deferred: bool = False, alone: bool = False):
+        self.index, self.module, self.params = index, module, params
+        self.sharded, self.accumulate, self.deferred, self.alone = sharded, accumulate, deferred, alone
+        numel = sum(p.numel() for p in params)
+        self.padded = -(-numel // size) * size if sharded else numel
+        self.shard_lo, self.shard_size = (rank * (self.padded // size), self.padded // size) if sharded else (0, numel)
+        self.offsets, offset = {}, 0
+        for p in params:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
+        self.values = self.shard = self.grads = self.shard_grad = None
+        self.num_ready, self.handle = 0, None
+        self.gather_work, self.gathered, self.pending_backwards = None, True, 0   # stage 3
+
+    def build(self, device, own_shard: bool) -> None:
+        """Move the parameters into `values` (their .data becomes a view of it); an accumulate unit's gradients
+        into `grads`."""
+        self.values = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        for p in self.params:
+            self.values[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.view(self.values, p)
+        self.shard = self.values[self.shard_lo:self.shard_lo + self.shard_size]
+        if own_shard:
+            self.shard = self.shard.clone()
+        if self.accumulate:
+            self.grads = torch.zeros_like(self.values)
+            self.shard_grad = self.grads[self.shard_lo:self.shard_lo + self.shard_size]
+
+    def view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        return flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()].view_as(p)
+
+    def pieces(self) -> list[ShardPiece]:
+        """The parts of its parameters in this rank's shard, in buffer order."""
+        out, lo, hi = [], self.shard_lo, self.shard_lo + self.shard_size
+        for p in self.params:
+            offset = self.offsets[id(p)]
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                out.append(ShardPiece(p, a - offset, b - offset, self.shard[a - lo:b - lo],
+                                      self.shard_grad[a - lo:b - lo]))
+        return out
+
+
+@dataclass(frozen=True)
+class Stage:
+    """optimizer.zero_stage: what each rank keeps of the optimizer state, the gradients and the parameters."""
+    number: int
+
+    @property
+    def shards_state(self) -> bool:
+        return self.number >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.number >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.number == 3
+
+
+class Sharding:
+    """One chunk's parameters over one group (`group`, `size` ranks, this one `rank`), at `stage`.
+
+    `units`: (module, its parameters) in forward order (a plain list of parameters is one unit without a
+    module: enough below stage 3). `kept_whole`: parameters that stay whole and accumulate at any stage (held
+    twice in a replica: summed over another group first); `deferred`: parameters whose reduction starts only in
+    `finish()` (after a tp sum); `alone`: parameters all-reduced whole in a unit of their own even when sharded.
+    Gradients are summed over the group and divided by `average_over` (default: the group's size).
+
+    The step: `before_backward(last)` / `after_backward()` around each backward through the chunk, `finish()`
+    after the last, the optimizer on `shard_pieces()`, `gather_parameters()`, `zero_grad()`.
+    """
+
+    def __init__(self, units, group, size: int, rank: int, stage: int, bucket_cap_mb: float = 25.0,
+                 kept_whole=(), deferred=(), alone=(), prefetch: int = 1, reshard_after_forward: bool = True,
+                 trace=NO_TRACE, average_over: int | None = None):
+        self.group, self.size, self.rank = group, size, rank
+        self.enabled = group is not None and size > 1
+        self.stage = Stage(stage if self.enabled else min(stage, 1))   # one rank: nothing to reduce or gather
+        self.prefetch, self.reshard_after_forward, self.trace = prefetch, reshard_after_forward, trace
+        self.average_over = average_over or size
+        units = [(module, [p for p in params if p.requires_grad]) for module, params in units]
+        self.accumulated = self._plan_accumulated(units, kept_whole, deferred, alone, bucket_cap_mb)
+        self.scattered = self._plan_scattered(units, kept_whole, bucket_cap_mb)
+        device = next((p.device for _, params in units for p in params), torch.device("cpu"))
+        for unit in self.accumulated + self.scattered:
+            unit.build(device, own_shard=self.stage.shards_parameters and not unit.accumulate)
+        self.shard_grads = torch.zeros(sum(u.shard_size for u in self.scattered), dtype=torch.float32, device=device)
+        offset = 0
+        for unit in self.scattered:
+            unit.shard_grad = self.shard_grads[offset:offset + unit.shard_size]
+            offset += unit.shard_size
+        self.unit_of = {id(p): unit for unit in self.accumulated + self.scattered for p in unit.params}
+        self.params = [p for unit in self.accumulated + self.scattered for p in unit.params]
+        for p in self.params:
+            if self.enabled or not self.unit_of[id(p)].accumulate:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.stage.shards_parameters:
+            for unit in self.scattered:
+                self._free(unit)
+                unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._before_forward(unit))
+                unit.module.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
+        self._ready, self.in_backward, self.in_flight = None, False, []   # _ready: the last backward's gradients in
+        self.zero_grad()
+
+    # -- planning -------------------------------------------------------------------------------------
+    def _plan_accumulated(self, units, kept_whole, deferred, alone, cap_mb) -> list[Unit]:
+        """Accumulate units of about cap_mb, in reverse order (backward makes the last layers' gradients first,
+        so the first unit fills earliest), deferred ones last; an `alone` parameter gets a unit of its own where
+        the order reaches it. Stages 0-1: every parameter; stages 2-3: those kept whole."""
+        kept = {id(p) for p in kept_whole}
+        params = list({id(p): p for _, unit in units for p in unit
+                       if not self.stage.shards_gradients or id(p) in kept}.values())
+        deferred_ids, alone_ids, out = {id(p) for p in deferred}, {id(p) for p in alone}, []
+        sharded = self.stage.shards_state
+        for later in (False, True):
+            current = []
+            for p in (p for p in reversed(params) if (id(p) in deferred_ids) == later):
+                if id(p) in alone_ids or (current and bucket_full(current, p, cap_mb)):
+                    if current:
+                        out.append(Unit(len(out), None, current, self.size, self.rank, sharded, True, later))
+                    current = []
+                if id(p) in alone_ids:
+                    out.append(Unit(len(out), None, [p], self.size, self.rank, sharded, True, later, alone=True))
+                else:
+                    current.append(p)
+            if current:
+                out.append(Unit(len(out), None, current, self.size, self.rank, sharded, True, later))
+        return out
+
+    def _plan_scattered(self, units, kept_whole, cap_mb) -> list[Unit]:
+        """Stage 3: one unit per module that runs as one block (the embedding, a layer, the norm, the head);
+        stage 2, where nothing is gathered: consecutive parameters in buckets of about cap_mb."""
+        if not self.stage.shards_gradients:
+            return []
+        kept = {id(p) for p in kept_whole}
+        units = [(module, [p for p in params if id(p) not in kept]) for module, params in units]
+        if self.stage.number == 2:
+            units = [(None, bucket) for bucket in size_buckets([p for _, params in units for p in params], cap_mb)]
+        units = [(module, params) for module, params in units if params]
+        return [Unit(i, module, params, self.size, self.rank, True, False) for i, (module, params) in enumerate(units)]
+
+    # -- gradients ------------------------------------------------------------------------------------
+    def before_backward(self, last: bool) -> None:
+        """Call right before each backward through the chunk; `last`: its last of the step (from then on each
+        accumulate unit starts its reduction as soon as its gradients are final)."""
+        if self.scattered:
+            for unit in self.scattered:
+                unit.num_ready = 0
+            self._next_scattered, self.in_backward = len(self.scattered) - 1, True
+        if last and self.enabled:
+            for unit in self.accumulated:
+                unit.num_ready, unit.handle = 0, None
+            self._ready, self._next_accumulated = set(), 0
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[id(p)]
+        if unit.accumulate:
+            if self._ready is None:   # not the last backward: gradients accumulate
+                return
+            if id(p) in self._ready:   # its unit may already be on the wire: a second gradient would be lost
+                raise RuntimeError("a parameter received two gradients in the last backward of the step")
+            self._ready.add(id(p))
+            unit.num_ready += 1
+            self._launch_accumulated(from_hook=True)
+            return
+        if not self.in_backward:
+            raise RuntimeError("a sharded parameter got a gradient outside the pipeline's backward")
+        if unit.index > self._next_scattered:   # stage 3 reduced it when the module before it began its backward
+            raise RuntimeError(f"a gradient of unit {unit.index} came after its reduce-scatter: a parameter used "
+                               "outside its module cannot be sharded by ZeRO-3")
+        unit.num_ready += 1
+        if not self.stage.shards_parameters:   # stage 3 launches by module order (_before_backward_of)
+            self._launch_scattered(flush=False)
+
+    def _launch_accumulated(self, from_hook: bool) -> None:
+        """Start the reductions of complete accumulate units, strictly in unit order; hooks never start a
+        deferred one."""
+        while self._next_accumulated < len(self.accumulated):
+            unit = self.accumulated[self._next_accumulated]
+            if unit.num_ready < len(unit.params) or (from_hook and unit.deferred):
+                return
+            if unit.sharded and not unit.alone:
+                unit.handle = reduce_scatter_into(unit.shard_grad, unit.grads, self.group, async_op=True)
+            else:
+                unit.handle = dist.all_reduce(unit.grads, group=self.group, async_op=True)
+            self.trace.mark("allreduce_launch", bucket=unit.index, in_backward=from_hook)
+            self._next_accumulated += 1
+
+    @torch.no_grad()
+    def _launch_scattered(self, flush: bool, stop: int = 0) -> None:
+        """Reduce-scatter complete every_backward units in backward order, down to unit `stop` (all of them with
+        `flush`: a gradient that never came counts as zeros); one in flight at a time."""
+        while self._next_scattered >= stop:
+            unit = self.scattered[self._next_scattered]
+            if not flush and unit.num_ready < len(unit.params):
+                return
+            self._after_backward_of(unit)   # its backward is done: its parameters can go before its gradients
+            while self.in_flight:   # one in flight: its copies (gloo's too) live until it lands
+                self._land(*self.in_flight.pop())
+            flat = torch.zeros(unit.padded, dtype=torch.float32, device=self.shard_grads.device)
+            for p in unit.params:
+                if p.grad is not None:
+                    unit.view(flat, p).copy_(p.grad)
+                    p.grad = None
+            summed = torch.empty_like(unit.shard_grad)
+            work = reduce_scatter_into(summed, flat, self.group, async_op=True)
+            self.trace.mark("reduce_scatter_launch", unit=unit.index)
+            self.in_flight.append((unit, work, summed, flat))
+            self._next_scattered -= 1
+
+    def _land(self, unit: Unit, work, summed: torch.Tensor, flat: torch.Tensor) -> None:
+        with self.trace.span("reduce_scatter_wait", unit=unit.index):
+            work.wait()
+        unit.shard_grad.add_(summed)
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Call right after each backward through the chunk: the rest of the every_backward units go, and their
+        reduce-scatters are added into the gradient shards."""
+        if not self.scattered:
+            return
+        self._launch_scattered(flush=True)
+        while self.in_flight:
+            self._land(*self.in_flight.pop())
+        self.in_backward = False
+
+    @torch.no_grad()
+    def finish_accumulated(self) -> None:
+        """The step's backwards are done: start the accumulate units not started yet (deferred ones, gradients
+        that never arrived), wait for all, and average."""
+        if not self.accumulated:
+            return
+        if not self.enabled:
+            if self.average_over > 1:
+                for unit in self.accumulated:
+                    unit.grads.div_(self.average_over)
+            return
+        if self._ready is None:
+            raise RuntimeError("finish() without a last backward: no gradients were collected")
+        for unit in self.accumulated:
+            unit.num_ready = len(unit.params)
+        self._launch_accumulated(from_hook=False)
+        for unit in self.accumulated:
+            with self.trace.span("allreduce_wait", bucket=unit.index):
+                unit.handle.wait()
+            (unit.grads if unit.alone else unit.shard_grad).div_(self.average_over)
+            unit.handle = None
+        self._ready = None
+
+    @torch.no_grad()
+    def finish_scattered(self) -> None:
+        """The step's backwards are done: average the summed gradient shards."""
+        self.shard_grads.div_(self.average_over)
+
+    def zero_grad(self) -> None:
+        """Zero every gradient in place: an accumulate unit's `.grad` views of its buffer (re-attached if
+        replaced), a sharded unit's gradient shard."""
+        for unit in self.accumulated:
+            unit.grads.zero_()
+            for p in unit.params:
+                if p.grad is None or p.grad.data_ptr() != unit.view(unit.grads, p).data_ptr():
+                    p.grad = unit.view(unit.grads, p)
+        self.shard_grads.zero_()
+        for unit in self.scattered:
+            for p in unit.params:
+                p.grad = None
+
+    # -- parameters -----------------------------------------------------------------------------------
+    def gather_parameters(self, units: list[Unit]) -> list:
+        """After the update of the shards: post the all-gather of each unit's updated shard into its whole
+        buffer (stage 3's every_backward units are gathered when next used); returns the works to wait on."""
+        if not self.enabled:
+            return []
+        return [all_gather_into(unit.values, unit.shard, self.group, async_op=True) for unit in units
+                if unit.sharded and not (self.stage.shards_parameters and not unit.accumulate)]
+
+    def _gather(self, unit: Unit) -> None:
+        """Post the all-gather of `unit` (nothing if it is whole or on its way)."""
+        if unit.gathered or unit.gather_work is not None:
+            return
+        unit.values.untyped_storage().resize_(unit.padded * unit.values.element_size())
+        unit.gather_work = all_gather_into(unit.values, unit.shard, self.group, async_op=True)
+        self.trace.mark("gather_launch", unit=unit.index)
+
+    def _wait_gathered(self, unit: Unit) -> None:
+        self._gather(unit)
+        if unit.gather_work is not None:
+            with self.trace.span("gather_wait", unit=unit.index):
+                unit.gather_work.wait()
+            unit.gather_work, unit.gathered = None, True
+
+    def _free(self, unit: Unit) -> None:
+        if unit.gather_work is not None:   # a prefetch nobody used: let it land first
+            self._wait_gathered(unit)
+        unit.values.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _use(self, unit: Unit, step: int) -> None:
+        """Make `unit` whole now, and post the gathers of the `prefetch` units that run next (`step`: +1 in
+        forward, -1 in backward)."""
+        self._wait_gathered(unit)
+        for k in range(1, self.prefetch + 1):
+            if 0 <= unit.index + step * k < len(self.scattered):
+                self._gather(self.scattered[unit.index + step * k])
+
+    def _before_forward(self, unit: Unit) -> None:
+        if self.in_backward:   # a recomputed forward (activation checkpointing): already whole
+            self._wait_gathered(unit)
+        else:
+            self._use(unit, +1)
+
+    def _after_forward(self, unit: Unit, out) -> None:
+        if self.in_backward:
+            return
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            unit.pending_backwards += 1
+            out.register_hook(lambda grad, unit=unit: self._before_backward_of(unit))
+        if self.reshard_after_forward or unit.pending_backwards == 0:
+            self._free(unit)
+
+    def _before_backward_of(self, unit: Unit) -> None:
+        """Stage 3, as `unit`'s backward starts (its output's gradient is complete, so the units after it are
+        done): reduce-scatter those, then make `unit` whole and prefetch."""
+        self._launch_scattered(flush=True, stop=unit.index + 1)
+        self._use(unit, -1)
+
+    def _after_backward_of(self, unit: Unit) -> None:
+        if self.stage.shards_parameters:
+            unit.pending_backwards = max(unit.pending_backwards - 1, 0)
+            if self.reshard_after_forward or unit.pending_backwards == 0:
+                self._free(unit)
+
+    # -- what the optimizer and the memory report read -------------------------------------------------
+    def accumulated_pieces(self) -> list[ShardPiece]:
+        return [piece for unit in self.accumulated for piece in unit.pieces()]
+
+    def scattered_pieces(self) -> list[ShardPiece]:
+        return [piece for unit in self.scattered for piece in unit.pieces()]
+
+    def held_as_shards(self) -> set[int]:
+        """Stage 3: the ids of the parameters held only as shard pieces."""
+        return {id(p) for unit in self.scattered for p in unit.params} if self.stage.shards_parameters else set()
+
+    def persistent_bytes(self) -> tuple[int, int]:
+        """(parameter, gradient) bytes held between steps."""
+        values = sum(u.shard_size if self.stage.shards_parameters else u.padded for u in self.scattered)
+        values += sum(u.padded for u in self.accumulated)
+        return 4 * values, 4 * (sum(u.padded for u in self.accumulated) + self.shard_grads.numel())
+
+
+def bucket_full(params: list[nn.Parameter], p: nn.Parameter, cap_mb: float) -> bool:
+    """Whether adding `p` takes a bucket of float32 `params` past cap_mb."""
+    return sum(q.numel() for q in params) + p.numel() > max(1, int(cap_mb * 2**20) // 4)
+
+
+def size_buckets(params: list[nn.Parameter], cap_mb: float) -> list[list[nn.Parameter]]:
+    """Consecutive parameters in buckets of about `cap_mb` (a parameter larger than that alone)."""
+    buckets = [[]]
+    for p in params:
+        if buckets[-1] and bucket_full(buckets[-1], p, cap_mb):
+            buckets.append([])
+        buckets[-1].append(p)
+    return [bucket for bucket in buckets if bucket]
+

@@ -1,0 +1,32 @@
+"""A mixture of experts' step metrics, from the records its layers kept (MoeLosses.records), equal on every rank."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def moe_step_metrics(losses, ctx, micro_batches: int) -> dict[str, float]:
+    """`moe_aux_loss` and `moe_z_loss`, summed over the MoE layers and averaged over the global batch's
+    `micro_batches` (before their coefficients); per MoE layer n `moe_load_imbalance/layer_n`: the most tokens an
+    expert got over the mean (1: balanced); with a capacity factor `moe_dropped_fraction`: the share of the
+    step's assignments beyond their expert's capacity. One all-reduce over all ranks; clears the records."""
+    moe, experts = losses.moe, losses.moe.num_experts
+    values = torch.zeros(3 + len(losses.moe_layers) * experts, device=ctx.device)
+    for layer, aux, z, counts, dropped in losses.records:
+        if ctx.tp_rank == 0 or ctx.layout.sequence_parallel:   # parts of the micro-batch's tokens (all of them on
+            values[0] += aux                                       # every tp rank without SP)
+            values[1] += z
+        if ctx.tp_rank == 0 and ctx.cp_rank == 0:   # the counts are the micro-batch's on each of its ranks
+            start = 3 + losses.moe_layers.index(layer) * experts
+            values[start:start + experts] += counts
+            values[2] += dropped
+    losses.records.clear()
+    if ctx.world_size > 1:
+        dist.all_reduce(values)
+    loads = values[3:].view(len(losses.moe_layers), experts)
+    imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
+    dropped = {} if moe.capacity_factor is None else {
+        "moe_dropped_fraction": values[2].item() / max(loads.sum().item(), 1.0)}
+    return {"moe_aux_loss": values[0].item() / micro_batches, "moe_z_loss": values[1].item() / micro_batches,
+            **{f"moe_load_imbalance/layer_{n}": x for n, x in zip(losses.moe_layers, imbalance.tolist())}, **dropped}
