@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from nanoexp.config import register_configs
-from nanoexp.launch import launcher_env
+from nanoexp.launch.workers import launcher_env
 
 register_configs()
 
@@ -29,7 +29,7 @@ def quiet_nonzero_ranks() -> None:
 @hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"),
             config_name="config")
 def main(cfg) -> None:
-    from nanoexp.hydra_callbacks import created_for_run
+    from nanoexp.launch.hydra_callbacks import created_for_run
     from nanoexp.run import HydraJob, main as run_main
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir

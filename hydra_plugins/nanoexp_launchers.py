@@ -6,7 +6,7 @@ plus, before submission:
 - both: this checkout goes first on PYTHONPATH (jobs inherit the environment), so the jobs import the
   same nanoexp and these launchers whatever folder the sweep was started from;
 - SLURM: every job of the sweep is composed and `tasks_per_node` set (or checked) so that
-  tasks_per_node x nodes == dp*cp*tp*pp (see nanoexp/sweep.py).
+  tasks_per_node x nodes == dp*cp*tp*pp (see nanoexp/launch/sweep.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 from nanoexp.parallel.layout import Layout
-from nanoexp.sweep import slurm_tasks_per_node
+from nanoexp.launch.sweep import slurm_tasks_per_node
 
 
 def use_this_checkout() -> None:

@@ -19,19 +19,19 @@ from omegaconf import OmegaConf
 from nanoexp.checkpoint.manager import check_checkpoint_folder, check_resume, checkpoints_root
 from nanoexp.checkpoint.save import CheckpointError
 from nanoexp.config import ConfigError, normalize
-from nanoexp.console import resume_command, summary_line
+from nanoexp.observe.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
-from nanoexp.launch import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
+from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
-from nanoexp.memory import return_freed_memory
+from nanoexp.observe.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
-from nanoexp.peak import Peak, job_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
-from nanoexp.run_lock import RunFolderBusy, own_folders
-from nanoexp.signals import handle_stop_signals
-from nanoexp.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
+from nanoexp.observe.peak import Peak, job_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.launch.run_lock import RunFolderBusy, own_folders
+from nanoexp.launch.signals import handle_stop_signals
+from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
 
 log = logging.getLogger("nanoexp")
@@ -121,7 +121,7 @@ def stage_error(stage, message: str) -> str:
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
-    from nanoexp.fault_injection import FaultInjection
+    from nanoexp.launch.fault_injection import FaultInjection
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.trainer import Trainer
 
@@ -145,7 +145,7 @@ def fill_wandb_identity(cfg, job: HydraJob) -> None:
 
 
 def node_cpu_peak(cfg) -> Peak | None:
-    """This node's matmul peak (nanoexp/peak.py), measured with all its cores before any worker starts, when MFU
+    """This node's matmul peak (nanoexp/observe/peak.py), measured with all its cores before any worker starts, when MFU
     on CPU needs it (no GPU, no logging.peak_tflops); a warning when model.dtype is far slower than float32."""
     if torch.cuda.is_available() or cfg.logging.peak_tflops:
         return None

@@ -13,7 +13,7 @@ from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.model.moe import ROUTERS
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
-from nanoexp.optim import OPTIMIZERS
+from nanoexp.runtime.optim import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES

@@ -20,13 +20,13 @@ nanoexp time (> 1: nanoexp is faster), by wall clock and by process CPU time (le
 sensitive to other load on the machine). The first-step losses of both are printed too: they
 start from the same weights, so they must agree (a check that the comparison is fair).
 
-MFU: each side's model FLOP/s (nanoexp/metrics.py: 6 x the parameters a token goes through + attention)
-over this machine's matmul peak (the first model's dtype, the same thread count) as nanoexp/peak.py keeps it
+MFU: each side's model FLOP/s (nanoexp/observe/metrics.py: 6 x the parameters a token goes through + attention)
+over this machine's matmul peak (the first model's dtype, the same thread count) as nanoexp/observe/peak.py keeps it
 (the best of a few 2048² matmuls now, or the best this machine ever measured if higher); it is printed first.
 
 A mixture of experts: FLOPs and MFU count its active parameters. A Mixtral-shaped one (every layer MoE, no
 shared experts, router=softmax_topk_normalized, e.g. conf/model/moe_small) is compared with transformers'
-`MixtralForCausalLM` holding the same weights (exported with nanoexp.hf's Mixtral names and loaded by
+`MixtralForCausalLM` holding the same weights (exported with nanoexp.interop.hf's Mixtral names and loaded by
 `from_pretrained`, so transformers' default expert kernel runs); its loop adds HF's load-balancing loss,
 weighted to match nanoexp's aux_loss_coef (see PlainLoop). Any other MoE shape (e.g. moe_tiny) has no
 Hugging Face counterpart: only nanoexp is timed, the reference columns say "-" (--wall skips it). When a run has
@@ -59,15 +59,15 @@ import torch.nn.functional as F
 
 from nanoexp.config import batch_accumulation, compose as compose_config, global_batch_size, normalize
 from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.hf import hf_config, hf_name, mixtral_mismatch
-from nanoexp.memory import saved_activation_bytes
-from nanoexp.metrics import flops_per_token
+from nanoexp.interop.hf import hf_config, hf_name, mixtral_mismatch
+from nanoexp.observe.memory import saved_activation_bytes
+from nanoexp.observe.metrics import flops_per_token
 from nanoexp.runtime.build import model_shape
 from nanoexp.model.llama import count_active_parameters, count_parameters
-from nanoexp.optim import parameter_groups
+from nanoexp.runtime.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.peak import node_peak
+from nanoexp.observe.peak import node_peak
 from nanoexp.validation import validate
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
@@ -113,7 +113,7 @@ def hf_model(cfg, s, weights: dict | None):
 
 def mixtral_model(cfg, s, weights: dict | None):
     """transformers' Mixtral of shape `s`. The weights go through a safetensors folder with the Hub's Mixtral
-    names (nanoexp.hf.hf_name), as scripts/convert_to_hf.py writes them, so that `from_pretrained` lays them
+    names (nanoexp.interop.hf.hf_name), as scripts/convert_to_hf.py writes them, so that `from_pretrained` lays them
     out for whichever transformers is installed (5 fuses each layer's experts into 3-D tensors)."""
     from safetensors.torch import save_file
     from transformers import MixtralConfig, MixtralForCausalLM

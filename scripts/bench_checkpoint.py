@@ -19,7 +19,7 @@ from nanoexp.checkpoint import CheckpointManager, CheckpointReader, Progress
 from nanoexp.checkpoint.load import load_model, load_optimizer
 from nanoexp.config import compose
 from nanoexp.runtime.build import build_model
-from nanoexp.optim import build_optimizer
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 
 

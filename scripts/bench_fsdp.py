@@ -18,11 +18,11 @@ processes on CPU; one process per GPU with NCCL when CUDA is present). The cases
 Both read the same micro-batches (nanoexp's StagedBatches for each dp rank). Reported per case, medians over
 the repeats:
   tokens/s      the global batch's tokens over rank 0's median timed step (the repeats' range beside it);
-  MFU           model FLOPs (nanoexp.metrics.flops_per_token) over the peak: on CPU the node's 2048x2048 float32
+  MFU           model FLOPs (nanoexp.observe.metrics.flops_per_token) over the peak: on CPU the node's 2048x2048 float32
                 matmul with all cores, measured before every case and at the end, the best (load lowers it); on
                 CUDA that matmul on one GPU, x dp;
   CPU s/step    process CPU time summed over the ranks: what other load on the machine disturbs least;
-  peak MB/rank  the largest rank's peak above its baseline (nanoexp.memory: CPU peak RSS since `start_measuring`,
+  peak MB/rank  the largest rank's peak above its baseline (nanoexp.observe.memory: CPU peak RSS since `start_measuring`,
                 taken before the model is built, with glibc returning freed memory as logging.exact_cpu_memory
                 does, unless --no-exact-memory; CUDA max_memory_allocated);
   losses        of the first and of the last step, and nanoexp's difference to FSDP2 (same init and data).
@@ -47,14 +47,14 @@ from omegaconf import OmegaConf
 from nanoexp.config import compose as compose_config, global_batch_size, normalize
 from nanoexp.data.loader import IGNORE_INDEX
 from nanoexp.data.stages import StagedBatches
-from nanoexp.launch import WorkerFailed, spawn_local, start_method
-from nanoexp.memory import peak_memory_mb, return_freed_memory, start_measuring
-from nanoexp.metrics import flops_per_token
+from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
+from nanoexp.observe.memory import peak_memory_mb, return_freed_memory, start_measuring
+from nanoexp.observe.metrics import flops_per_token
 from nanoexp.runtime.build import build_model, model_shape
-from nanoexp.optim import build_optimizer, lr_at, set_lr
+from nanoexp.runtime.optim import build_optimizer, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.peak import measure_cpu_peak
+from nanoexp.observe.peak import measure_cpu_peak
 from nanoexp.runtime.trainer import Trainer
 from nanoexp.validation import validate
 
@@ -188,7 +188,7 @@ def where_it_failed(error: BaseException) -> str:
 
 
 def worker(rank, world_size, device, impl, cfg, args, results) -> None:
-    """One rank of one case (nanoexp.launch.spawn_local runs it); hands its result or its failure to the parent."""
+    """One rank of one case (nanoexp.launch.workers.spawn_local runs it); hands its result or its failure to the parent."""
     if device.type == "cpu" and args.exact_memory:
         return_freed_memory()   # as run.py does for logging.exact_cpu_memory=true
     try:
@@ -229,7 +229,7 @@ def run_case(impl: str, dp: int, args) -> dict:
 
 
 def matmul_peak_tflops() -> float:
-    """The 2048x2048 float32 matmul peak: on CPU this node's with all cores (nanoexp.peak), on CUDA one GPU's."""
+    """The 2048x2048 float32 matmul peak: on CPU this node's with all cores (nanoexp.observe.peak), on CUDA one GPU's."""
     if not torch.cuda.is_available():
         return measure_cpu_peak("float32", os.cpu_count() or 1, max_size=2048, min_seconds=math.inf).tflops
     a, best = torch.linspace(-1.0, 1.0, 2048 * 2048, device="cuda").reshape(2048, 2048), math.inf

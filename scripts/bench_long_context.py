@@ -8,7 +8,7 @@
 Each cp runs `python train.py model=tiny tokens.sequence_length=S tokens.global_batch_size=4
 tokens.micro_batch_size=1 model.model_config.max_position_embeddings=S parallelism.cp=CP` (dp = tp = pp = 1)
 for a few steps with `logging.exact_cpu_memory=true`, so that the CPU peak tracks the live tensors, and
-prints per rank the measured peak above the runtime baseline next to nanoexp/memory.py's estimate (and
+prints per rank the measured peak above the runtime baseline next to nanoexp/observe/memory_estimate.py's estimate (and
 its activation part, which should fall as 1/cp). The same run with a short sequence (--short-length)
 holds the same weights, optimizer and fixed buffers: the difference of the two peaks (Δ) is what the
 long sequence adds, to be set against the estimate's difference.
@@ -37,8 +37,8 @@ import time
 import torch
 
 from nanoexp.config import compose
-from nanoexp.memory import MB, estimate, total
-from nanoexp.peak import measure_cpu_peak
+from nanoexp.observe.memory_estimate import MB, estimate, total
+from nanoexp.observe.peak import measure_cpu_peak
 from nanoexp.runtime.build import model_shape
 from nanoexp.parallel import attention_blocks
 from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward

@@ -8,7 +8,7 @@
 Each case is `python train.py model=small <case overrides>` for a few steps (its own run folder
 in a temporary directory); per rank it prints the measured peak above the rank's runtime baseline
 (summary.json: peak_memory_mb_per_rank - baseline_memory_mb), the estimate for that rank
-(nanoexp/memory.py, the same as scripts/estimate_memory.py), the model state the estimate counts
+(nanoexp/observe/memory.py, the same as scripts/estimate_memory.py), the model state the estimate counts
 (parameters + gradients + AdamW moments), the analytic model state of the ZeRO stage (N parameters held,
 d = dp x cp: 16N without ZeRO, 8N + 8N/d with ZeRO-1, 4N + 12N/d with ZeRO-2, 16N/d with ZeRO-3 plus its
 gathered units, the layer computing and zero3_prefetch layers ahead) and the estimated activations and
@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 from nanoexp.config import compose
-from nanoexp.memory import MB, estimate, held_parameters, most_consecutive, total, units
+from nanoexp.observe.memory_estimate import MB, estimate, held_modules, held_parameters, most_consecutive, total
 from nanoexp.runtime.build import model_shape
 from nanoexp.parallel.layout import Layout
 
@@ -65,7 +65,7 @@ def analytic_model_state(stage: int, params: int, d: int, gathered: int = 0) -> 
 
 def gathered_units(cfg, shape, layout: Layout, pp_rank: int) -> int:
     """ZeRO-3's parameters whole at once: the unit computing and the `zero3_prefetch` units after it."""
-    sizes = [unit.sharded for unit in units(shape, layout, pp_rank)]
+    sizes = [module.sharded for module in held_modules(shape, layout, pp_rank)]
     return most_consecutive(sizes, 1 + cfg.optimizer.zero3_prefetch)
 
 

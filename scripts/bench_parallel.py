@@ -13,7 +13,7 @@ with cp > 1 cp and dp_cp).
 
 Reported per group: calls and bytes SENT per rank per optimizer step (ring algorithms; mean
 over the ranks), next to the analytic minimum for the layout, derived from the model's shape and
-the layout alone (nanoexp.memory.held_parameters counts what a rank holds), each rank's own count
+the layout alone (nanoexp.observe.memory.held_parameters counts what a rank holds), each rank's own count
 averaged the same way (m micro-batches per step, s' = seq / cp the tokens of a sample a rank holds,
 A = micro_batch x s' x hidden activation bytes, N = the parameters this rank holds):
   dp  averaging this rank's float32 gradients: 2(dp-1)/dp x 4N, whether as one all-reduce
@@ -68,8 +68,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from nanoexp.config import compose as compose_config, normalize
-from nanoexp.launch import free_port
-from nanoexp.memory import held_parameters, units
+from nanoexp.launch.workers import free_port
+from nanoexp.observe.memory_estimate import held_modules, held_parameters
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
@@ -96,7 +96,7 @@ def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
     ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
     out = {name: 0.0 for name in GROUPS}
     held, chunks = held_parameters(trainer.shape, ctx.layout, ctx.pp_rank)
-    experts = sum(unit.experts for unit in units(trainer.shape, ctx.layout, ctx.pp_rank))   # ep > 1 only
+    experts = sum(module.experts for module in held_modules(trainer.shape, ctx.layout, ctx.pp_rank))   # ep > 1 only
     if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO) over dp x cp: every cp rank holds the full weights
         scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
         out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * ((held - experts) * zero_passes(cfg, m) / 2

@@ -12,9 +12,9 @@ import os
 
 from nanoexp.checkpoint import CheckpointManager, Progress
 from nanoexp.config import compose
-from nanoexp.hf import read_hf_config
+from nanoexp.interop.hf import read_hf_config
 from nanoexp.runtime.build import build_model
-from nanoexp.optim import build_optimizer
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.run import check_config
 

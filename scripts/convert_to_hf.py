@@ -6,7 +6,7 @@
 Writes config.json (vocab_size = nanoexp's padded vocabulary), model.safetensors (float32) and the
 tokenizer files (generated for the built-in byte tokenizer, copied for an HF tokenizer folder).
 A µP model's multipliers are baked into the weights (q_proj and the LM head; a tied embedding is
-exported untied), so transformers' Llama gives its logits (nanoexp.hf.bake_multipliers). A mixture of experts
+exported untied), so transformers' Llama gives its logits (nanoexp.interop.hf.bake_multipliers). A mixture of experts
 exports as a MixtralForCausalLM, with the Hub's Mixtral tensor names, when it is one: every layer MoE, no
 shared experts, router=softmax_topk_normalized (otherwise an error says which key differs).
 """
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible
 from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.hf import bake_multipliers, hf_config, hf_name, mixtral_mismatch, parameter_shapes, write_tokenizer
+from nanoexp.interop.hf import bake_multipliers, hf_config, hf_name, mixtral_mismatch, parameter_shapes, write_tokenizer
 from nanoexp.runtime.build import model_shape
 
 

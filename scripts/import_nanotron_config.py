@@ -3,7 +3,7 @@
     python scripts/import_nanotron_config.py nanotron_config.yaml --name my_run    # -> conf/experiment/my_run.yaml
     python train.py +experiment=my_run [overrides]
 
-Promises (the mapping itself is nanoexp/nanotron_config.py):
+Promises (the mapping itself is nanoexp/interop/nanotron.py):
 - The experiment holds every nanotron key that has a nanoexp counterpart; every other key is printed and written
   in a comment block at the top of the file with a one-line reason, so nothing is dropped silently.
 - A file that is not a nanotron config (not YAML, no `parallelism` or `model` section, a value of the wrong type)
@@ -23,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from nanoexp.config import CONF_DIR, ConfigError, compose
-from nanoexp.nanotron_config import Import, NotANanotronConfig, import_nanotron, read_nanotron_yaml
+from nanoexp.interop.nanotron import Import, NotANanotronConfig, import_nanotron, read_nanotron_yaml
 from nanoexp.validation import validate
 
 

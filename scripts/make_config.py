@@ -25,7 +25,7 @@ Promises:
   conf/experiment/<--experiment, default <model>_<gpus>gpu>.yaml, or to --out, and prints the command
   that runs it. A model whose vocabulary is not the built-in byte tokenizer's needs --tokenizer.
 
-The estimate (bytes per GPU) is nanoexp/memory.py's for the busiest pipeline stage (parameters, gradients,
+The estimate (bytes per GPU) is nanoexp/observe/memory_estimate.py's for the busiest pipeline stage (parameters, gradients,
 AdamW state, activations of the micro-batches the engine holds, counted from what autograd saves; see
 scripts/estimate_memory.py; ZeRO-2/3's gathered units and gradients in flight included), plus what a GPU adds:
 under bf16 autocast the bf16 copies of the weights it keeps during a step (2 B per parameter held, whatever the
@@ -48,7 +48,8 @@ from omegaconf import OmegaConf
 
 from nanoexp.config import (CONF_DIR, ConfigError, batch_accumulation, compose, normalize, num_kv_heads,
                             padded_vocab_size)
-from nanoexp.memory import CUDA_CONTEXT_MB, MB, busiest_rank_estimate, held_parameters, total
+from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
+from nanoexp.observe.memory_estimate import busiest_rank_estimate, held_parameters, total
 from nanoexp.runtime.build import model_shape
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
@@ -64,7 +65,7 @@ def divisors(n: int) -> list[int]:
 
 
 def estimate(cfg) -> dict[str, float]:
-    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.memory's estimate of the busiest
+    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.observe.memory's estimate of the busiest
     pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies of the weights
     autocast keeps during a step, and the CUDA context. `transient` is the largest of what a step's moments add
     (memory.total): activations with ZeRO-2/3's units in flight, or AdamW's temporaries at the update."""
@@ -223,7 +224,7 @@ def show_lrs(overrides: list[str]) -> int:
     from nanoexp.runtime.build import model_shape
     from nanoexp.model.llama import parameter_shapes
     from nanoexp.model.mup import GROUPS, describe, parametrization_of
-    from nanoexp.optim import min_decay_lr
+    from nanoexp.runtime.optim import min_decay_lr
 
     cfg = compose(overrides)
     normalize(cfg)

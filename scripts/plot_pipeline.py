@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 
-from nanoexp.parallel.trace import TRACE_DIR
+from nanoexp.observe.trace import TRACE_DIR
 from nanoexp.verify.trace_analysis import COMPUTE, bucket_overlap, measured_bubble, read_trace, theoretical_bubble
 
 

@@ -5,7 +5,7 @@
 Promises:
 - Every job of the sweep has a row, including jobs that failed, were killed, or never started, with
   the overrides that differ between jobs, the layout, the peak LR, losses, speed, memory, its state and
-  why it is not completed (see nanoexp/sweep_report.py, which also prints this table at the end of
+  why it is not completed (see nanoexp/launch/sweep_report.py, which also prints this table at the end of
   every multirun).
 - Writes `<out>/summary.csv`, and with matplotlib `<out>/loss_curves.png` (training loss of every
   job, eval losses as large markers, each job its own colour, line style and marker; failed jobs
@@ -29,7 +29,7 @@ import math
 import os
 import sys
 
-from nanoexp.sweep_report import COLUMNS, busy_note, collect, is_task_score, lower_is_better, ranked, table
+from nanoexp.launch.sweep_report import COLUMNS, busy_note, collect, is_task_score, lower_is_better, ranked, table
 
 
 def write_csv(rows: list[dict], path: str) -> None:

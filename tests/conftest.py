@@ -6,7 +6,7 @@ import torch
 
 # Tests run several gloo ranks on 2 cores: keep each process to one thread.
 torch.set_num_threads(1)
-# The machine's cached matmul peak (nanoexp/peak.py) stays the user's: the tests keep their own, per session.
+# The machine's cached matmul peak (nanoexp/observe/peak.py) stays the user's: the tests keep their own, per session.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nanoexp-test-cache-")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -18,7 +18,7 @@ import nanoexp.checkpoint.save as save_module
 from nanoexp.checkpoint import CheckpointError, CheckpointReader
 from nanoexp.checkpoint.load import check_compatible
 from nanoexp.config import ConfigError
-from nanoexp.launch import WorkerFailed
+from nanoexp.launch.workers import WorkerFailed
 from nanoexp.runtime.build import model_shape
 from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
 from tests.test_parallel import assert_same_steps
@@ -65,7 +65,7 @@ def test_any_element_wise_optimizer_is_sharded_and_resumed_on_another_layout(tmp
     """An optimizer registered beside AdamW (SGD with momentum: a state key AdamW lacks) runs under ZeRO-3 on dp2
     and its checkpoint, saved by state key, resumes on one process without ZeRO, as one process's run."""
     import torch
-    from nanoexp import optim
+    from nanoexp.runtime import optim
     monkeypatch.setitem(optim.OPTIMIZERS, "adamw", lambda cfg: (torch.optim.SGD, dict(lr=0.1, momentum=0.9)))
     reference = train(tmp_path / "ref", CONSTANT_LR + ["tokens.train_steps=6"])
     a = train(tmp_path / "a", CONSTANT_LR + ["tokens.train_steps=3", "parallelism=dp2tp1pp1", "optimizer.zero_stage=3"])

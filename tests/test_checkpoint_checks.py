@@ -13,7 +13,7 @@ import torch
 import nanoexp.checkpoint.manager as manager_module
 from nanoexp.checkpoint import CheckpointError, CheckpointManager, CheckpointReader
 from nanoexp.config import ConfigError
-from nanoexp.launch import setup_device
+from nanoexp.launch.workers import setup_device
 from nanoexp.runtime.build import build_model
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout

@@ -17,7 +17,7 @@ from torch import nn
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.gradient_sync import GradientSync, all_reduce_grads
-from nanoexp.parallel.zero import ShardedOptimizer
+from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 from tests.distributed import run_distributed
 
 TOL = 1e-6
@@ -55,7 +55,7 @@ def forward_loss(model, x, y):
 
 
 class LaunchRecorder:
-    """A pipeline trace (nanoexp.parallel.trace's interface) that keeps the bucket launches in memory."""
+    """A pipeline trace (nanoexp.observe.trace's interface) that keeps the bucket launches in memory."""
 
     def __init__(self):
         self.launches = []   # (bucket, in_backward) in launch order

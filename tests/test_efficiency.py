@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch._inductor.config
 
-from nanoexp.metrics import flops_per_token, hardware_flops_per_token
+from nanoexp.observe.metrics import flops_per_token, hardware_flops_per_token
 from nanoexp.model.attention import SDPA, Causal
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.memory import saved_activation_bytes
+from nanoexp.observe.memory import saved_activation_bytes
 from nanoexp.runtime.build import build_model, model_shape
 from tests.helpers import FAST, compose_config, train, train_losses
 

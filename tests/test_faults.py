@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from nanoexp.launch import WorkerFailed
+from nanoexp.launch.workers import WorkerFailed
 from tests.helpers import FAST, train
 
 RUN = FAST + ["tokens.train_steps=5", "tokens.val_check_interval=0"]

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from nanoexp.parallel.placement import placement
 from nanoexp.checkpoint.load import load_single_process
 from nanoexp.data.tokenizer import ByteTokenizer
-from nanoexp.hf import load_hf_weights
+from nanoexp.interop.hf import load_hf_weights
 from nanoexp.model.generation import KVCache, forward_with_cache, generate
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout

@@ -85,7 +85,7 @@ def test_tp_and_cp_groups_that_cross_nodes_are_named():
 
 def test_launcher_warnings_name_the_key_and_none_is_about_torchrun_restarts(monkeypatch):
     from nanoexp.run import launcher_warnings
-    # Plain torchrun --max-restarts recovers (nanoexp.rendezvous): its shared store is nothing to warn about.
+    # Plain torchrun --max-restarts recovers (nanoexp.launch.rendezvous): its shared store is nothing to warn about.
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert launcher_warnings(Layout(dp=2, tp=2), 2) == []

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from nanoexp.memory import MB, estimate, held_parameters, layer_floats_per_token, total
+from nanoexp.observe.memory_estimate import MB, estimate, held_parameters, layer_floats_per_token, total
 from nanoexp.runtime.build import build_model, model_shape
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.memory import saved_activation_bytes
+from nanoexp.observe.memory import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.helpers import compose_config, train
 

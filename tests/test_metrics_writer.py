@@ -8,7 +8,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from nanoexp.metrics import MetricsWriter
+from nanoexp.observe.metrics import MetricsWriter
 from nanoexp.run import HydraJob, fill_wandb_identity
 from tests.helpers import compose_config
 

@@ -246,7 +246,7 @@ def test_mup_treats_the_router_as_an_output_layer_and_the_experts_as_hidden():
     """m = 2: the router keeps the init std and the rate (the "matrices" group, as the LM head) and its logits
     are multiplied by 1/m; the experts are hidden matrices (std / sqrt(m), lr / m)."""
     from nanoexp.runtime.build import build_model
-    from nanoexp.optim import build_optimizer, set_lr
+    from nanoexp.runtime.optim import build_optimizer, set_lr
     cfg = compose_config(FAST + MOE + MUP + ["model.model_config.hidden_size=256", "model.mup.base_width=64",
                                              "model.moe.moe_intermediate_size=256"])   # m = 4, enough draws
     model = build_model(cfg, ParallelContext())
@@ -295,7 +295,7 @@ def test_bf16_expert_parallel_matches_one_bf16_process(tmp_path):
 def test_olmoe_shape_counts_its_published_parameters_and_ep_shrinks_its_memory():
     """conf/model/olmoe_1b_7b: 6.9 B parameters, 1.3 B active (OLMoE's paper); on 8 GPUs with ZeRO-1, ep = 8
     holds 8 of the 64 experts per rank: the estimate falls from 61 to 19 GiB a rank (docs/moe.md)."""
-    from nanoexp.memory import estimate, total
+    from nanoexp.observe.memory_estimate import estimate, total
     from nanoexp.runtime.build import model_shape
     from nanoexp.model.llama import count_active_parameters, count_parameters
     from nanoexp.validation import validate

@@ -88,7 +88,7 @@ def uninterrupted(two_hosts, tmp_path_factory):
 
 def test_a_killed_worker_restarts_the_world_which_resumes_exactly(uninterrupted, tmp_path):
     """Plain torchrun --max-restarts=1: SIGKILL of a worker on host 1 at step 7 restarts every host's workers, which
-    meet in a store of their round's own (nanoexp.rendezvous), resume from checkpoint 4 and end with the
+    meet in a store of their round's own (nanoexp.launch.rendezvous), resume from checkpoint 4 and end with the
     uninterrupted run's losses, bit for bit (same layout)."""
     run_dir = tmp_path / "run"
     agents = start_fault_run(run_dir, 29422, 1, "nanoexp-restart")

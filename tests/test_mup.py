@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoexp.runtime.build import build_model
-from nanoexp.optim import build_optimizer, set_lr
+from nanoexp.runtime.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
 from scripts import make_config, summarize_sweep
 from scripts.mup_coord_check import coord_check, width_overrides

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from nanoexp.optim import clip_gradients, lr_at, parameter_groups
+from nanoexp.runtime.optim import clip_gradients, lr_at, parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from tests.helpers import compose_config

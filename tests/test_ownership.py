@@ -11,9 +11,9 @@ import time
 import psutil
 import pytest
 
-import nanoexp.run_lock as run_lock
+import nanoexp.launch.run_lock as run_lock
 from nanoexp.checkpoint.save import complete_steps
-from nanoexp.run_lock import FolderLock, RunFolderBusy, own_folders
+from nanoexp.launch.run_lock import FolderLock, RunFolderBusy, own_folders
 from tests.helpers import FAST, read_metrics, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def test_the_lock_is_released_at_the_end_and_by_a_crash(tmp_path):
     assert FolderLock(str(tmp_path / "a")).owner() is None
     record = json.loads((tmp_path / "a" / run_lock.LOCK_FILE).read_text())
     assert record["released"] is True
-    crashed = subprocess.run([sys.executable, "-c", "import os, sys; from nanoexp.run_lock import own_folders\n"
+    crashed = subprocess.run([sys.executable, "-c", "import os, sys; from nanoexp.launch.run_lock import own_folders\n"
                               f"with own_folders([{str(tmp_path / 'b')!r}]): os._exit(9)"], cwd=ROOT)
     assert crashed.returncode == 9
     assert FolderLock(str(tmp_path / "b")).owner() is None   # the kernel dropped its flock

@@ -1,4 +1,4 @@
-"""The peak matmul throughput MFU divides by (nanoexp/peak.py): the GPU datasheet table, the CPU node's
+"""The peak matmul throughput MFU divides by (nanoexp/observe/peak.py): the GPU datasheet table, the CPU node's
 measured peak (the best this machine measured, cached), an MFU that cannot pass 100 %, and the warning for a dtype
 the CPU computes far slower than float32."""
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.observe.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.runtime.trainer import Trainer
 from tests.helpers import FAST, compose_config
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from nanoexp.signals import handle_stop_signals, stop_requested
-from nanoexp.launch import spawn_local
+from nanoexp.launch.signals import handle_stop_signals, stop_requested
+from nanoexp.launch.workers import spawn_local
 from tests.helpers import FAST, train, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -122,8 +122,8 @@ def model_imports() -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize("forbidden", ["nanoexp.launch", "nanoexp.run", "nanoexp.runtime", "nanoexp.console",
-                                       "nanoexp.metrics", "logging", "os"])
+@pytest.mark.parametrize("forbidden", ["nanoexp.launch.workers", "nanoexp.run", "nanoexp.runtime", "nanoexp.observe.console",
+                                       "nanoexp.observe.metrics", "logging", "os"])
 def test_the_model_knows_its_layers_not_its_launcher(forbidden):
     for name, names in model_imports().items():
         assert not any(n == forbidden or n.startswith(forbidden + ".") for n in names), f"{name} imports {forbidden}"

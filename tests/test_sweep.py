@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from nanoexp.config import ConfigError
 from nanoexp.validation import validate
-from nanoexp.sweep import slurm_tasks_per_node
+from nanoexp.launch.sweep import slurm_tasks_per_node
 from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
 from tests.test_parallel import assert_same_steps
 
@@ -155,7 +155,7 @@ def test_make_config_estimate_matches_a_hand_count():
     """tiny on 2 GPUs as dp1tp1pp2 (1F1B, 8 micro-batches of 4 x 128): stage 0 holds 2 layers + the
     embedding and at most 2 micro-batches in flight, stage 1 2 layers + norm + LM head and 1 micro-batch;
     counted here by hand from conf/model/tiny.yaml (h 96, MLP 288, 4 heads / 4 KV heads of 24, vocab 320)."""
-    from nanoexp.memory import estimate as stage_estimate, total
+    from nanoexp.observe.memory_estimate import estimate as stage_estimate, total
     from nanoexp.runtime.build import model_shape
     from scripts.make_config import estimate
     cfg = compose_config(["parallelism=dp1tp1pp2", "tokens.sequence_length=128", "tokens.micro_batch_size=4"])
@@ -189,7 +189,7 @@ def test_local_submitit_launcher_runs_the_job_from_any_folder(local_sweep, tmp_p
 
 
 def test_sweep_table_shows_only_the_overrides_that_differ_with_one_format_per_column():
-    from nanoexp.sweep_report import differing_overrides, table
+    from nanoexp.launch.sweep_report import differing_overrides, table
     rows = [{"job": 0, "overrides": ["+experiment=x", "parallelism=dp2tp1pp1", "lr=0.001"], "final_loss": 2.0,
              "tokens_per_sec": 12345.678, "mfu": 0.1234, "state": "completed"},
             {"job": 1, "overrides": ["+experiment=x", "parallelism=dp1tp2pp1", "lr=0.001", "seed=3"],
@@ -204,8 +204,8 @@ def test_sweep_table_shows_only_the_overrides_that_differ_with_one_format_per_co
 def test_jobs_on_a_busy_machine_are_flagged():
     """tokens/s of identical jobs varied 60x in a sweep on a shared machine, unflagged: the report marks jobs whose
     machine load (before the job, or after it beyond its own processes) reached the number of cores."""
-    from nanoexp.summary import machine_was_busy
-    from nanoexp.sweep_report import busy_note
+    from nanoexp.observe.summary import machine_was_busy
+    from nanoexp.launch.sweep_report import busy_note
 
     def summary(start, end, processes=1):
         return {"machine_load": {"start": start, "end": end, "cpus": 2, "processes": processes}}

@@ -3,7 +3,7 @@
 Each "node" is one torchrun agent with 2 processes; together they form a world of 4 running
 dp2tp2pp1. Reference: the same training in one process (tests/helpers.train), compared with the
 parity tolerances of tests/test_parallel.py. A worker killed under `torchrun --max-restarts=1` restarts
-the world, which resumes exactly (nanoexp.rendezvous keeps the rounds' stores apart).
+the world, which resumes exactly (nanoexp.launch.rendezvous keeps the rounds' stores apart).
 """
 import os
 import subprocess
@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from nanoexp import rendezvous
+from nanoexp.launch import rendezvous
 from tests.helpers import FAST, read_metrics, train, train_losses
 from tests.multihost import wait_for_line
 from tests.test_parallel import assert_same_steps
@@ -65,7 +65,7 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
 def test_a_lost_peer_becomes_one_line_naming_its_host():
     """gloo's two ways of losing a peer, as a rank sees them (texts from runs across the fake hosts): a closed
     connection names the peer's address, a partition only times out. Other errors are not about a peer."""
-    from nanoexp.launch import lost_peer
+    from nanoexp.launch.workers import lost_peer
     closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
                           "by peer [127.0.0.1]:23721. This is typically caused by a remote worker crashing.")
     assert lost_peer(closed, 15).startswith("lost contact with ") and "(127.0.0.1)" in lost_peer(closed, 15)

@@ -23,7 +23,7 @@ from nanoexp.runtime.build import build_model
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import EMBEDDING, local_slice, value_name
-from nanoexp.parallel.zero import ShardedOptimizer
+from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import save as serialize
 
 from nanoexp.parallel.placement import counted_here, placement
-from nanoexp.parallel.zero import ShardedOptimizer
+from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
 

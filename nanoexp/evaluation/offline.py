@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model
 from nanoexp.config import ConfigError
-from nanoexp.launch import setup_device, spawn_local
+from nanoexp.launch.workers import setup_device, spawn_local
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 

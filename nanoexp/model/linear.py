@@ -30,5 +30,9 @@ class Linear(nn.Module):
         return self.matmul(x, self.weight, self)
 
     def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}" + self.format_repr()
+
+    def format_repr(self) -> str:
+        """", <format>" when a number format replaced the matmul, else ""."""
         name = getattr(self.matmul, "__name__", type(self.matmul).__name__)
-        return f"in={self.in_features}, out={self.out_features}" + ("" if self.matmul is plain_matmul else f", {name}")
+        return "" if self.matmul is plain_matmul else f", {name}"

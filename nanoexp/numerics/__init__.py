@@ -1,1 +1,2 @@
-"""Number formats: the autocast policy of model.dtype (precision.py), and converters of the linears."""
+"""Number formats: the autocast policy of model.dtype (precision.py) and the converters of the linears
+(converters.py)."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from nanoexp.parallel.placement import counted_here, placement
 from nanoexp.parallel.sharding import ShardPiece, Sharding
-from nanoexp.parallel.trace import NO_TRACE
+from nanoexp.observe.trace import NO_TRACE
 
 
 class GradientSync:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
-from nanoexp.parallel.trace import NO_TRACE
+from nanoexp.observe.trace import NO_TRACE
 
 
 @dataclass

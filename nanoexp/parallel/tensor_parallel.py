@@ -209,7 +209,7 @@ class ColumnParallelLinear(Linear):
 
     def extra_repr(self):
         return (f"in={self.in_features}, out={self.out_features} (split over tp={self.axis.size}), "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}" + self.format_repr())
 
 
 class RowParallelLinear(Linear):
@@ -239,7 +239,7 @@ class RowParallelLinear(Linear):
 
     def extra_repr(self):
         return (f"in={self.in_features} (split over tp={self.axis.size}), out={self.out_features}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}" + self.format_repr())
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,18 +14,19 @@ import torch
 from torch import nn
 
 from nanoexp.config import batch_accumulation, num_kv_heads, padded_vocab_size
-from nanoexp.hf import load_hf_weights
+from nanoexp.interop.hf import load_hf_weights
 from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
 from nanoexp.model.moe import MoeShape
 from nanoexp.model.mup import parametrization_of
+from nanoexp.numerics.converters import convert_linears
 from nanoexp.numerics.precision import autocast
-from nanoexp.optim import build_optimizer
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.parallelize import parallelize
 from nanoexp.parallel.pipeline import PipelineEngine
-from nanoexp.parallel.trace import NO_TRACE
+from nanoexp.observe.trace import NO_TRACE
 from nanoexp.runtime.step import StepRunner
 
 
@@ -62,6 +63,7 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = parallelize(LlamaForCausalLM(shape), ctx)
     model.recompute_layer = cfg.parallelism.recompute_layer
+    convert_linears(model, cfg)   # number formats (nanoexp/numerics/converters.py)
     materialize(model, ctx.device)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights

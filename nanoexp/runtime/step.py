@@ -13,7 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanoexp.memory import saved_activation_bytes
+from nanoexp.observe.memory import saved_activation_bytes
 from nanoexp.model.llama import IGNORE_INDEX
 from nanoexp.parallel.context_parallel.zigzag import zigzag_indices, zigzag_split
 

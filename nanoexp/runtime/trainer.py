@@ -16,31 +16,31 @@ import torch.distributed as dist
 
 from nanoexp.checkpoint import CheckpointManager, Progress
 from nanoexp.config import batch_accumulation, global_batch_size
-from nanoexp.console import StepClock, describe_data, memory_line, run_facts, step_line
+from nanoexp.observe.console import StepClock, describe_data, memory_line, run_facts, step_line
 from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
-from nanoexp.memory import peak_memory_mb, start_measuring
-from nanoexp.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
+from nanoexp.observe.memory import peak_memory_mb, start_measuring
+from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.runtime.build import build_runtime, model_shape
 from nanoexp.model.llama import count_parameters
-from nanoexp.optim import clip_gradients, lr_at, set_lr
+from nanoexp.runtime.optim import clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.trace import NO_TRACE, PipelineTrace
-from nanoexp.peak import Peak
-from nanoexp.profiling import StepProfiler
-from nanoexp.runtime.moe_metrics import moe_step_metrics
+from nanoexp.observe.trace import NO_TRACE, PipelineTrace
+from nanoexp.observe.peak import Peak
+from nanoexp.observe.profiling import StepProfiler
+from nanoexp.observe.moe_metrics import moe_step_metrics
 from nanoexp.runtime.step import TokenLossSum
-from nanoexp.signals import received_signal_name, stop_agreed
-from nanoexp.summary import memory_fields, write_summary
+from nanoexp.launch.signals import received_signal_name, stop_agreed
+from nanoexp.observe.summary import memory_fields, write_summary
 
 log = logging.getLogger("nanoexp")
 
 
 class TrainerHooks:
-    """The loop's extension points; these do nothing. Subclass to act at them (nanoexp.fault_injection)."""
+    """The loop's extension points; these do nothing. Subclass to act at them (nanoexp.launch.fault_injection)."""
 
     def before_step(self, step: int) -> None:
         """Called on every rank before optimizer step `step` reads its batch."""

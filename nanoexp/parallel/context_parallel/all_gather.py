@@ -14,7 +14,7 @@ Document masking hides, tile by tile, the keys before each query's document star
 
 Forward: ONE all-gather of K and V stacked ([2, b, kv_heads, s/cp, d] per rank into [cp, 2, ...]); the
 attention to the rank's own K/V runs while it is in flight. The gathered K/V are saved for backward
-(cp × the K/V of s/cp tokens per layer: nanoexp/memory.py counts them), so the backward needs no second
+(cp × the K/V of s/cp tokens per layer: nanoexp/observe/memory_estimate.py counts them), so the backward needs no second
 gather. Backward: the probabilities are recomputed from the saved log-sum-exp, dK/dV of every gathered
 chunk accumulate in one float32 (or wider) [cp, 2, ...] buffer, and ONE reduce-scatter (sum) hands each
 rank the gradient of its own K/V. Collectives need no pairing plan: every cp rank posts the same two, in

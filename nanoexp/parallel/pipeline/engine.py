@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.parallel.pipeline.schedules import check_shape, peer, schedule
-from nanoexp.parallel.trace import NO_TRACE
+from nanoexp.observe.trace import NO_TRACE
 
 
 class PipelineEngine:

@@ -39,8 +39,8 @@ class RunFolderGuard(Callback):
 
 
 def refuse_if_owned(run_dir: str) -> None:
-    from nanoexp.launch import launcher_env
-    from nanoexp.run_lock import busy_message, owner_of
+    from nanoexp.launch.workers import launcher_env
+    from nanoexp.launch.run_lock import busy_message, owner_of
     env = launcher_env()
     if env is not None and env["rank"] != 0:   # such ranks write into rank 0's folder (train.py)
         return
@@ -57,7 +57,7 @@ class SweepReport(Callback):
 
 
 def print_sweep_report(sweep_dir: str) -> None:
-    from nanoexp.sweep_report import busy_note, collect, table
+    from nanoexp.launch.sweep_report import busy_note, collect, table
 
     if not sweep_dir or not os.path.isdir(sweep_dir):
         return

@@ -11,7 +11,7 @@ from torch import nn
 from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization_of
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.placement import value_name
-from nanoexp.parallel.zero import ShardedOptimizer
+from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:

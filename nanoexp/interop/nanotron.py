@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from nanoexp.nanotron_unmapped import ATOMIC, UNMAPPED
+from nanoexp.interop.nanotron_unmapped import ATOMIC, UNMAPPED
 
 
 class NotANanotronConfig(ValueError):

@@ -1,5 +1,5 @@
 """The nanotron keys nanoexp has no counterpart for, each with the reason the importer prints
-(nanoexp/nanotron_config.py reads them)."""
+(nanoexp/interop/nanotron.py reads them)."""
 from __future__ import annotations
 
 # Keys nanoexp has no counterpart for: (neutral, reason). `neutral(value)` is true where nanoexp already behaves

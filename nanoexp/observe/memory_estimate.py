@@ -1,72 +1,10 @@
-"""Per-rank memory: measured (the runtime baseline before the model exists, and the true peak) and
-estimated from the config alone (what scripts/estimate_memory.py and make_config.py print).
-
-Measured. On CPU the peak is the process's high-water resident set size (VmHWM), reset when a rank
-starts so that a forked worker does not inherit its parent's peak; on CUDA it is
-`max_memory_allocated`. The baseline is what the rank holds before its model is built (Python,
-torch, the data; on CUDA the allocator starts at 0 and the context is not counted there). On CPU with
-`logging.exact_cpu_memory=true`, run.py first makes glibc return freed tensor memory
-(`return_freed_memory`), so the peak tracks the live tensors; by default glibc keeps freed blocks
-in its heap for reuse (no page faults, much faster) and the peak RSS reads 30-50 % higher.
-`saved_activation_bytes` measures what autograd keeps for backward while a forward runs (what
-activation recomputation saves), with saved_tensors_hooks.
-
-Estimated, for one rank (bytes, float32 master weights and gradients; N the parameters it holds, its tp slices of
-its pp stage's modules; d = dp x cp, the ranks ZeRO shards over; `units` lists the modules):
-  parameters   4N; ZeRO-3 4N/d (its shard of every unit)
-  gradients    4N (flat buffers, one per chunk); ZeRO-2/3 4N/d (the summed shard; no full gradient buffer exists)
-  optimizer    8N (AdamW's two moments), 8N/d with ZeRO >= 1; at the update 4 B more per parameter updated
-               (torch's AdamW takes the square root of the second moment into a new tensor)
-  activations  what autograd saves per token and layer x the layers of the micro-batches in flight
-               at once (from the engine's own schedule: AFAB all of them, 1F1B at most pp - stage,
-               interleaved its own count), plus one layer recomputed during backward with
-               recomputation, plus the head's logits on the last stage, plus under cp one ring-attention
-               tile's scores (`ring_workspace`).
-  in flight    ZeRO-2/3 only, held beside the activations during forward and backward (units_in_flight):
-               ZeRO-2 the gradients of two buckets of model.ddp_bucket_cap_mb (the one filling, the one being
-               reduce-scattered); ZeRO-3 one unit's gradients and the whole parameters of the unit computing
-               and the `zero3_prefetch` units gathered ahead (with zero3_reshard_after_forward=false every unit
-               of the stage: each stays whole from its forward to its backward, and under pp, with micro-batches
-               in flight, through the whole step); on CPU (gloo) the reduce-scatter's copy of one unit.
-  communication  on CPU (gloo) with ZeRO-1, 4N: gloo's reduce-scatter reduces each gradient
-               bucket in a copy, and the last backward's buckets are in flight together as it ends (measured
-               2026-12-01: 80 MB for 76 MB of gradients at dp 2 and 4); with ZeRO-2 one unit, the all-gather of
-               the updated parameters after the step; NCCL reduces in place.
-Parameters ZeRO-2/3 keep whole on every rank (full values, gradients and AdamW state): the norms' weights under
-sequence parallelism (their gradients are summed over tp first) and a tied embedding, also its copy on the last
-stage. Analytic model state per rank (bench_memory.py): 16N, 8N + 8N/d, 4N + 12N/d, 16N/d for stages 0-3.
-The peak is the model state plus the largest of the activations with what is in flight, the update's
-temporaries and the communication's: they are held at different moments of a step. What the compute runtime
-keeps once it has run (kernels' code pages, thread pools: ~26 MB a CPU rank) is in the baseline, which is
-measured after a warm-up step (`warm_up_runtime`).
-The saved floats per token of one decoder layer were counted from the tensors autograd keeps
-(saved_tensors_hooks, tests/test_memory.py checks the formula against them): 8h + 2kv + 4i + heads
-+ 2 with tp = 1 (h hidden, kv the key/value width, i the MLP width); with tp the heads and the MLP
-are split and the norms' tensors are not: 6h + 2 + (2h + 2kv + heads + 4i) / tp, and sequence
-parallelism also splits the norms' 4h + 2. Recomputation keeps only each layer's input (h, / tp under
-SP). Under bf16 autocast the saved activations are taken at 2 B a float.
-Under context parallelism a rank holds s/cp tokens of each sample and every count above is per token
-of those: ring attention saves this rank's q, k, v, output and log-sum-exp (s/cp rows each), as SDPA
-does for the whole sequence, but its output is laid out [b, heads, s, d] and o_proj keeps a
-[b, s, heads*d] copy, where SDPA's output already has that layout: h/tp floats a token more per layer
-(+ h/tp in both formulas; none under recomputation, which keeps only the layer's input). With
-parallelism.cp_mode=all_gather the attention saves the gathered K/V of all cp ranks in place of its own
-(+ (cp − 1)·2kv/tp), and its backward holds their float32 dK/dV at once (`ring_workspace`).
-A MoE layer saves its routing and, per assignment, its expert's tensors in place of the MLP's
-(`moe_floats_per_token`); under expert parallelism a rank holds num_experts / ep routed experts (`Unit.experts`,
-whose ZeRO-1 state is sharded over edp = dp x cp / ep) and, during a MoE layer, its sent and received rows.
-"""
+"""Per-rank memory estimated from the config alone (what scripts/estimate_memory.py and make_config.py print):
+model state by ZeRO stage, the activations of the micro-batches the engine holds at once, what ZeRO-2/3 hold while
+they work and gloo's copies. The terms, their derivations and their measurements: docs/memory.md."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-import os
-import re
 from typing import NamedTuple
-
-import psutil
-import torch
 
 from nanoexp.config import batch_accumulation
 from nanoexp.model.llama import LlamaShape
@@ -76,118 +14,11 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import schedule
 
 MB = 2**20
-CUDA_CONTEXT_MB = 1024   # CUDA context + library workspaces: a nominal allowance (no GPU here to measure)
-
-
-def _vm_hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-        return int(match.group(1)) * 1024 if match else None
-    except OSError:
-        return None
-
-
-def return_freed_memory() -> None:
-    """On CPU (glibc): allocate tensors of 128 KiB and more with mmap, so that freed memory goes back
-    to the system. glibc otherwise raises that threshold as large blocks are freed and serves later
-    ones from its heap, which keeps each step's freed activations: the peak RSS of `model=small`
-    was 30-50 % above the live tensors that way (scripts/bench_memory.py). The price: every large
-    tensor's pages are faulted in afresh, ~1.5x the step time of `model=small` on a 2-core VM."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD, fixed from now on
-    except (OSError, AttributeError):   # not glibc: nothing to set
-        pass
-
-
-def warm_up_runtime(dtype: str = "float32") -> None:
-    """One tiny training step of plain tensors (embedding, linear layers, attention, a norm, cross-entropy,
-    backward, a foreach AdamW update, under bf16 autocast when `dtype` says so), so that what the compute
-    runtime keeps once it has run (the kernels' code pages, thread pools, kernel caches: 26 MB a CPU rank after
-    a step of a 0.7 MB model, 17 MB of it file-backed code, measured 2026-12-01) is resident when the baseline
-    is taken: the baseline holds the runtime, the estimate the run's tensors. Draws no random numbers."""
-    import torch.nn.functional as F
-
-    def values(*shape):
-        return torch.linspace(-0.1, 0.1, math.prod(shape)).reshape(shape).requires_grad_()
-
-    embedding, weight, head = values(320, 64), values(64, 64), values(320, 64)
-    ids = torch.arange(4 * 32).reshape(4, 32) % 320
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-    with autocast:
-        x = F.embedding(ids, embedding)
-        x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
-        q = F.linear(x, weight).view(4, 32, 4, 16).transpose(1, 2)
-        x = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(4, 32, 64)
-        loss = F.cross_entropy(F.linear(F.silu(x), head).float().flatten(0, 1), ids.flatten())
-    loss.backward()
-    torch.optim.AdamW([embedding, weight, head], foreach=True).step()
-
-
-def start_measuring(device: torch.device, dtype: str = "float32") -> float:
-    """Reset this process's peak and return its current memory (MB): the runtime baseline, taken after a
-    warm-up of the compute runtime on CPU (warm_up_runtime). It includes torch._dynamo, which torch imports on
-    the first optimizer it builds (~70 MB)."""
-    import torch._dynamo  # noqa: F401
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device) / MB
-    warm_up_runtime(dtype)
-    try:   # Linux: "5" resets the peak resident set size (VmHWM) to the current one
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return psutil.Process().memory_info().rss / MB
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """The peak since `start_measuring`: max allocated on CUDA; the high-water RSS on CPU (the
-    current RSS where the system does not report one)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / MB
-    hwm = _vm_hwm_bytes()
-    return (hwm if hwm is not None else psutil.Process().memory_info().rss) / MB
-
-
-class _ByteCounter:
-    def __init__(self):
-        self.bytes = 0
-
-
-@contextlib.contextmanager
-def saved_activation_bytes(params):
-    """Count the bytes of distinct storages that autograd saves for backward inside the block,
-    leaving out the parameters' own storages (weights are kept anyway; only activations count).
-
-        with saved_activation_bytes(model.parameters()) as saved:
-            loss = model(...)
-        saved.bytes   # activations held until backward
-
-    Under activation recomputation (torch.utils.checkpoint, non-reentrant) only what the
-    checkpoints keep is seen: the inner recomputed tensors are saved by checkpoint's own hooks.
-    """
-    params = list(params)
-    seen: set[int] = set()
-    counter = _ByteCounter()
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        # Asked at each save: ZeRO-3 gathers a layer's weights into fresh storage just before it runs.
-        param_storages = {p.untyped_storage().data_ptr() for p in params}
-        if ptr not in param_storages and ptr not in seen and storage.nbytes() > 0:
-            seen.add(ptr)
-            counter.bytes += storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield counter
 
 
 def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
                            cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1) -> float:
-    """Floats one decoder layer saves for backward per token on a rank (see the module docstring); under
+    """Floats one decoder layer saves for backward per token on a rank (docs/memory.md); under
     cp > 1 per token of the rank's s/cp, with cp_mode's attention (ring | all_gather); `moe`: a MoE layer's
     (moe_floats_per_token in place of the MLP's 4i / tp)."""
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
@@ -219,7 +50,7 @@ def moe_floats_per_token(shape: LlamaShape, ep: int) -> float:
     return 2 * moe.num_experts + 1 + moe.top_k * per_assignment + 4 * moe.intermediate_size * moe.num_shared_experts
 
 
-class Unit(NamedTuple):
+class HeldModule(NamedTuple):
     """One module's parameters on a rank (its tp slices): those ZeRO-2/3 shard over dp x cp, and those every
     rank keeps whole (sequence-parallel norms, a tied embedding or its copy); under expert parallelism the routed
     `experts` are counted apart: ZeRO shards them over edp, not dp x cp (kept whole under SP, as the norms)."""
@@ -228,37 +59,37 @@ class Unit(NamedTuple):
     experts: int = 0
 
 
-def units(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[Unit]:
+def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
     """The modules pp rank `pp_rank` holds, in forward order: the embedding (first stage), each decoder layer of
     its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage)."""
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
     tied, sp = shape.tie_word_embeddings, layout.sequence_parallel
     embedding = shape.vocab_size * h // layout.tp
     attention, norms = (2 * h * h + 2 * h * kv) // layout.tp, 2 * h
-    held = [Unit(0, embedding) if tied else Unit(embedding, 0)] if pp_rank == 0 else []
+    held = [HeldModule(0, embedding) if tied else HeldModule(embedding, 0)] if pp_rank == 0 else []
     for n in (n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk):
         if shape.is_moe_layer(n):   # experts whole on every tp rank; under SP kept whole, as the norms (moe.py)
             moe = sum(math.prod(s) for s in moe_layer_shapes(h, shape.moe, "").values())
-            if layout.ep > 1:   # the routed experts split over ep (Unit.experts); router and shared ones whole
+            if layout.ep > 1:   # the routed experts split over ep (HeldModule.experts); router and shared ones whole
                 routed = 3 * h * shape.moe.intermediate_size * shape.moe.num_experts
-                held.append(Unit(attention, norms + moe - routed, routed // layout.ep) if sp
-                            else Unit(attention + norms + moe - routed, 0, routed // layout.ep))
+                held.append(HeldModule(attention, norms + moe - routed, routed // layout.ep) if sp
+                            else HeldModule(attention + norms + moe - routed, 0, routed // layout.ep))
                 continue
-            held.append(Unit(attention, norms + moe) if sp else Unit(attention + moe + norms, 0))
+            held.append(HeldModule(attention, norms + moe) if sp else HeldModule(attention + moe + norms, 0))
         else:
             matrices = attention + 3 * h * i // layout.tp
-            held.append(Unit(matrices, norms) if sp else Unit(matrices + norms, 0))
+            held.append(HeldModule(matrices, norms) if sp else HeldModule(matrices + norms, 0))
     head = layout.lm_head_weight(pp_rank, tied)
     if head is not None:
-        held.append(Unit(0, h) if sp else Unit(h, 0))   # the final norm
-        held += {"own": [Unit(embedding, 0)], "copy": [Unit(0, embedding)], "embedding": []}[head]
+        held.append(HeldModule(0, h) if sp else HeldModule(h, 0))   # the final norm
+        held += {"own": [HeldModule(embedding, 0)], "copy": [HeldModule(0, embedding)], "embedding": []}[head]
     return held
 
 
 def held_parameters(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[int, list[int]]:
     """(parameters this pp rank holds per tp rank, layers of each of its chunks)."""
     chunks = [len(layers) for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank)]
-    return sum(u.sharded + u.whole + u.experts for u in units(shape, layout, pp_rank)), chunks
+    return sum(u.sharded + u.whole + u.experts for u in held_modules(shape, layout, pp_rank)), chunks
 
 
 def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
@@ -297,7 +128,7 @@ def ring_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
 
 
 def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
-    """What autograd holds for backward at most, on this pp rank (module docstring)."""
+    """What autograd holds for backward at most, on this pp rank (docs/memory.md)."""
     recompute = cfg.parallelism.recompute_layer
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -325,7 +156,7 @@ def zero_stage(cfg, layout: Layout) -> int:
     return int(cfg.optimizer.zero_stage) if layout.dp_cp > 1 else 0
 
 
-def model_state(stage: int, held: list[Unit], d: int, edp: int | None = None,
+def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = None,
                 sequence_parallel: bool = False) -> dict[str, float]:
     """Persistent bytes (parameters, gradients, AdamW moments) and the update's temporaries, for ZeRO `stage`
     over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard is
@@ -356,8 +187,8 @@ def bucket_floats(cfg, shape: LlamaShape, layout: Layout, device_type: str) -> f
     return max(cap_mb * 2**20 / 4, largest)
 
 
-def units_in_flight(cfg, stage: int, held: list[Unit], device_type: str, bucket: float = math.inf) -> float:
-    """Bytes ZeRO-2/3 hold only while units compute, beside the activations (module docstring), and on gloo its
+def units_in_flight(cfg, stage: int, held: list[HeldModule], device_type: str, bucket: float = math.inf) -> float:
+    """Bytes ZeRO-2/3 hold only while units compute, beside the activations (docs/memory.md), and on gloo its
     copy of one unit's gradients in the reduce-scatter:
     * ZeRO-2: two buckets' gradients (of at most `bucket` floats each), the one filling and the one reduced;
     * ZeRO-3: the gathered units and one unit's gradients. Its backward's peak is at its first unit, where all
@@ -375,7 +206,7 @@ def units_in_flight(cfg, stage: int, held: list[Unit], device_type: str, bucket:
     return 4 * (max(sizes, default=0) + gathered + gloo)
 
 
-def communication_bytes(stage: int, held: list[Unit], device_type: str) -> float:
+def communication_bytes(stage: int, held: list[HeldModule], device_type: str) -> float:
     """gloo's copies held outside forward and backward: ZeRO-1's buckets as the last backward ends (all of the
     gradients), ZeRO-2's all-gather of one updated unit after the step. NCCL works in place: none."""
     if device_type != "cpu":
@@ -389,7 +220,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     """Bytes one rank of pipeline stage `pp_rank` is expected to hold above its runtime baseline, on a CPU
     (gloo) or CUDA (NCCL) device, by kind (see `total` for what coexists)."""
     layout = Layout.from_config(cfg)
-    stage, held = zero_stage(cfg, layout), units(shape, layout, pp_rank)
+    stage, held = zero_stage(cfg, layout), held_modules(shape, layout, pp_rank)
     _, chunks = held_parameters(shape, layout, pp_rank)
     return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
@@ -410,12 +241,3 @@ def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> t
     """(pp rank, its estimate) of the rank with the largest total."""
     estimates = [(r, estimate(cfg, shape, r, device_type)) for r in range(Layout.from_config(cfg).pp)]
     return max(estimates, key=lambda item: total(item[1]))
-
-
-def runtime_baseline_mb(device_type: str, dtype: str = "float32") -> float:
-    """The memory a rank holds before its model: this process's own RSS (Python, torch and
-    nanoexp imported, the compute runtime warmed up as a rank's is), plus the nominal CUDA context on GPUs."""
-    import torch._dynamo  # noqa: F401  (loaded by every run's first optimizer)
-    warm_up_runtime(dtype)
-    rss = psutil.Process(os.getpid()).memory_info().rss / MB
-    return rss + (CUDA_CONTEXT_MB if device_type == "cuda" else 0)

@@ -1,7 +1,7 @@
 """The results of a sweep folder as a table: one row per job, including jobs that failed, were killed
 or never started.
 
-Used at the end of every multirun (nanoexp/hydra_callbacks.py prints the table) and by
+Used at the end of every multirun (nanoexp/launch/hydra_callbacks.py prints the table) and by
 scripts/summarize_sweep.py (which adds the CSV and the plots).
 
 - Jobs are the job folders (`<dir>/<n>/` with `.hydra/`) and, for submitit sweeps, every submitted job
@@ -23,7 +23,7 @@ import subprocess
 import yaml
 
 from nanoexp.parallel.layout import Layout
-from nanoexp.summary import machine_was_busy, read_summary
+from nanoexp.observe.summary import machine_was_busy, read_summary
 
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "load", "state", "reason"]

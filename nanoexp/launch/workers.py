@@ -8,7 +8,7 @@
   spawn (the default with CUDA, which a process that has used it cannot fork; each worker starts a
   fresh interpreter and imports torch again). Both behave alike: spawned workers rebuild the
   launcher's console and log-file handlers (forked ones inherit them) and both record stop
-  signals from their first line (nanoexp.signals).
+  signals from their first line (nanoexp.launch.signals).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nanoexp.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
+from nanoexp.launch.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
 
 log = logging.getLogger("nanoexp")
 
@@ -120,7 +120,7 @@ def setup_device(local_rank: int, local_world: int) -> torch.device:
 
 
 def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s: float = 600.0) -> None:
-    from nanoexp import rendezvous
+    from nanoexp.launch import rendezvous
     backend = "nccl" if device.type == "cuda" else "gloo"
     # Under torchrun's agent store (its default), a store of this round's own: the agent's outlives restarts
     # and would hand a restarted world the dead workers' addresses. Elsewhere env:// as torch does it.

@@ -5,7 +5,7 @@ Who handles what:
   * `handle_stop_signals()` wraps a whole run in the process that starts it (nanoexp.run). Its
     handler only records the signal; when that process launched local workers it also forwards
     the signal to them.
-  * Local workers (nanoexp.launch) record the signals themselves, started by fork or by spawn:
+  * Local workers (nanoexp.launch.workers) record the signals themselves, started by fork or by spawn:
     the launcher holds the signals back while it starts them (`workers_starting()`; a blocked
     signal stays pending, and the mask survives both fork and spawn's exec), and each worker calls
     `worker_records_stop_signals()` first thing, which installs the recording handler and then lets

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from nanoexp.launch import launcher_env
+from nanoexp.launch.workers import launcher_env
 
 SUMMARY_FILE = "summary.json"
 
@@ -47,7 +47,7 @@ def _is_writer() -> bool:
 def record_machine_load(run_dir: str, start: float, end: float, processes: int) -> None:
     """Add the machine's 1-minute load average before the run's workers started and when they ended, its cores
     and the run's own processes on it: throughput measured on a machine busy with other work is not comparable
-    (nanoexp.sweep_report flags such jobs)."""
+    (nanoexp.launch.sweep_report flags such jobs)."""
     summary = read_summary(run_dir) if _is_writer() else None
     if summary is None:
         return

@@ -30,7 +30,7 @@ ANNOUNCEMENT = "nanoexp/round_store"   # in the agent's store: "host:port:nonce"
 NONCE = "nanoexp/nonce"                # in the round's store: the nonce that rank 0 announced
 PROBE_S = 5.0     # a live server answers a connection within this long, even across a busy network
 RETRY_S = 0.2     # between readings of a stale announcement
-NEVER_ANNOUNCED = "rank 0 never announced this round's store (nanoexp.rendezvous): it died or is stuck"
+NEVER_ANNOUNCED = "rank 0 never announced this round's store (nanoexp.launch.rendezvous): it died or is stuck"
 
 
 def uses_agent_store(environ=os.environ) -> bool:
