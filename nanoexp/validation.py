@@ -191,7 +191,7 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
     lr, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
     return [
         (cfg.optimizer.optimizer_factory.name.lower() in OPTIMIZERS,
-         f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are adamW"),
+         f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are {', '.join(OPTIMIZERS)} (any case)"),
         one_of(cfg, LR_SCHEDULER + "lr_decay_style", ("linear", "cosine", "constant")),
         one_of(cfg, LR_SCHEDULER + "lr_warmup_style", ("linear", "constant")),
         (lr.lr_warmup_steps <= steps, f"{LR_SCHEDULER}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "

@@ -1,23 +1,10 @@
-"""Mixture of experts: a router sends each token to its top-k of E SwiGLU experts, dropless (every token reaches
-its experts), beside shared experts that every token goes through; the Switch/GShard load-balancing loss and
-the router z-loss keep the routing healthy.
-
-Layout. The block is built whole and plain; parallel dimensions change two seams of it. Expert parallelism keeps
-a rank's share of the experts and replaces `route` (how rows reach their experts) by an exchange between ranks
-(nanoexp/parallel/expert_parallel.py). Where ranks split a micro-batch's tokens (cp, tp under sequence
-parallelism), each routes only the tokens it holds, and `MoeLosses.token_sums` add the router's counts over
-those ranks, so every loss below is that of the whole micro-batch on every layout.
-
-Losses. For a micro-batch of T tokens each MoE layer adds
-    aux = E · Σ_e f_e · P_e     f_e: the share of the T·k assignments that went to expert e; P_e: the mean router
-                                probability of expert e over the T tokens (Switch Transformer, Fedus et al. 2021)
-    z   = mean over tokens of logsumexp(router logits)²          (ST-MoE, Zoph et al. 2022)
-weighted by model.moe.aux_loss_coef and z_loss_coef, summed over the MoE layers and averaged over the global
-batch's micro-batches. A rank holding part of the tokens computes its part (its tokens' P_e and z over T, f_e
-from the summed counts); the parts add up over those ranks. The losses enter backward on whichever pipeline
-stage the layer runs: `_AddLossGradient` passes the layer's output through and, in backward, gives the layer's
-losses the gradient of their weight in the step loss (as Megatron-LM does).
-"""
+"""Mixture of experts: a router sends each token to its top-k of E SwiGLU experts, dropless, beside shared experts
+every token goes through; the Switch load-balancing loss and the ST-MoE router z-loss keep the routing healthy.
+The block is built whole and plain; expert parallelism keeps a rank's share of the experts and replaces `route`
+by an exchange between ranks (nanoexp/parallel/expert_parallel.py). Where ranks split a micro-batch's tokens (cp,
+tp under sequence parallelism) `MoeLosses.token_sums` add the router's counts over them, so the losses are the
+whole micro-batch's on every layout; they enter backward where the layer runs (`_AddLossGradient`).
+The losses' formulas and the parity measurements: docs/moe.md."""
 from __future__ import annotations
 
 import contextlib

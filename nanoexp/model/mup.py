@@ -1,30 +1,9 @@
-"""How width enters the initialisation, the learning rates and the forward pass:
-`model.parametrization` = standard | mup.
-
-standard: every matrix is drawn with std σ (`model.init_method.std`), norm weights are ones, every
-parameter trains with the scheduled rate η, and the forward pass has no multipliers.
-
-mup, the maximal update parametrization for Adam (Yang et al. 2022, "Tensor Programs V", the
-formulation with multipliers), with the width multiplier m = hidden_size / model.mup.base_width:
-- hidden matrices (the attention and MLP projections, whose two dimensions both grow with the width):
-  init std σ/√m, learning rate η/m, weight decay λ·m: torch's AdamW decays a weight by lr·wd each step, so
-  λ·m keeps that decay, (η/m)·(λ·m) = η·λ, the same at every width (as Microsoft's mup package does in
-  MuAdamW with its default decoupled_wd=False; with λ unscaled the regularisation would weaken m-fold);
-- the embedding and the LM head (one dimension is the vocabulary, which does not grow): init std σ,
-  learning rate η; the logits are multiplied by 1/m. The output layer keeps its init (rather than
-  starting at zero) so that a tied embedding, which is also the input layer, obeys the same rule:
-  a tied LM head is the embedding and follows the embedding's rules, the 1/m on the logits included;
-- a mixture of experts' router (hidden size in, the number of experts out, which does not grow) is an output
-  layer like the LM head: init std σ, learning rate η, its logits multiplied by 1/m; its experts are hidden
-  matrices (their width should grow with the hidden size, as the dense MLP's does);
-- norm weights: ones, learning rate η;
-- attention scores α·q·k / d_head instead of q·k / √d_head, α = model.mup.attention_multiplier (1 by
-  default). What µP fixes is the 1/d_head law (as the head dimension grows, q and k become correlated
-  and their dot product grows like d_head, not √d_head); α is a constant: α = √d_head makes µP equal the
-  standard parametrization at the base width when a sweep keeps d_head fixed.
-m comes from the global hidden size, so no tp or pp layout changes it. At m = 1 µP is the standard
-parametrization except for the attention scale (not even that when α = √d_head).
-"""
+"""How width enters the initialisation, the learning rates and the forward pass (`model.parametrization`):
+standard (std σ everywhere, one rate η, no multipliers) or mup, the maximal update parametrization for Adam (Yang
+et al. 2022, "Tensor Programs V", with multipliers) at width multiplier m = hidden_size / model.mup.base_width:
+hidden matrices (experts included) init σ/√m, rate η/m, weight decay λ·m; the embedding, the LM head and a MoE
+router keep σ and η, and their logits are multiplied by 1/m; attention scores α·q·k/d_head. m comes from the
+global hidden size, so no layout changes it. The rules, their reasons and the µTransfer measurements: docs/mup.md."""
 from __future__ import annotations
 
 import math

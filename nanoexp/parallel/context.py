@@ -1,22 +1,9 @@
-"""ParallelContext: the one object that owns the rank grid and every process group.
-
-Ranks are laid out on a (pp, dp, cp, tp) grid with tp innermost, so that the ranks of one
-tensor-parallel group are neighbours (on GPUs: the same node, the fastest links), and the
-context-parallel ring next to them:
-
-    global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
-
-Every cp rank holds the full weights of its stage and part of each sample's tokens, so gradients are averaged
-(and ZeRO shards) over dp x cp (`dp_cp_group`), which is the dp group when cp = 1.
-
-Expert parallelism (ep > 1) cuts each dp x cp group into groups of ep consecutive ranks (`ep_group`: they
-exchange tokens and each holds num_experts / ep experts); the ranks at the same place in every ep group hold
-the same experts (`edp_group`, dp x cp / ep of them: the experts' gradients are summed there).
-
-Everything else asks this object for its group, rank or neighbour (a parallel layer holds only its
-dimension's `Axis`); nothing else creates process groups. With one process no group is created and every
-collective is skipped.
-"""
+"""ParallelContext: the one object that owns the rank grid and every process group. Ranks sit on a (pp, dp, cp, tp)
+grid with tp innermost (`Layout.rank_at`), so a tensor-parallel group is neighbours (on GPUs, one node) with the
+context-parallel ring next to them. Gradients are averaged, and ZeRO shards, over dp x cp (`dp_cp_group`); expert
+parallelism cuts each dp x cp group into ep groups of consecutive ranks (`ep_group`), and the ranks at the same
+place in every ep group hold the same experts (`edp_group`). A parallel layer holds only its dimension's `Axis`;
+nothing else creates groups, and with one process none is created."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,22 +1,8 @@
 """GradientSync: the one owner of gradient synchronisation. After `finish()` every gradient the update reads is
 final: averaged over the dp x cp ranks that hold the same weights, summed where one replica holds a parameter
-twice. The buffers, buckets, shards and collectives are the sharding engine's (sharding.py, ZeRO 0-3); this
-module decides which parameters go to which engine and adds the sums over other groups.
-
-Expert parallelism (ep > 1): a routed expert lives on one rank of each ep group, and its gradient there already
-sums the tokens of the whole ep group (they came to it through the all-to-all). Each chunk's experts get an
-engine of their own over the edp group (the ranks holding the same experts), summed there and divided by dp x cp,
-which gives the dp x cp average every other parameter gets; ZeRO shards them over edp.
-
-Parameters held twice in a replica stay whole at every stage and need a second sum:
-* sequence-parallel norm weights (each tp rank saw part of the sequence) are summed over tp first, then averaged
-  over dp x cp: they sit in each chunk's last units, which only `finish()` starts, after the tp sum;
-* a tied embedding split over the first and last stage is averaged over dp x cp first, each copy in its own
-  stage's engine, then the two copies are summed over the embedding group (as Megatron-LM does). A sum of two
-  numbers is the same on both ends, so the copies stay identical bit for bit; summing first and averaging each
-  copy in its stage's unit layout could round them apart. A copy has a unit of its own, averaged whole (an
-  all-reduce, also under ZeRO-1), so that the embedding-group sum sees the whole averaged gradient.
-"""
+twice (sequence-parallel norms over tp, a tied embedding's two pipeline copies over the embedding group). It picks
+each parameter's engine (sharding.py): one per chunk over dp x cp, and under expert parallelism one per chunk for
+the routed experts over edp, divided by dp x cp. The rules and why: docs/zero.md."""
 from __future__ import annotations
 
 from collections import Counter

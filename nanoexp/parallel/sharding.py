@@ -1,26 +1,9 @@
-"""ZeRO 0-3: one engine that keeps a chunk's parameters in flat buffers and averages their gradients over the
-ranks holding the same weights (dp x cp; for routed experts, the edp ranks holding the same experts).
-
-Parameters sit in units: flat float32 buffers that their `.data` views, padded to a multiple of the group when
-sharded; a unit is what one collective moves. Rank r owns the r-th 1/d of each sharded unit, its shard, and the
-optimizer updates only that (`shard_pieces`: ordinary tensors, views of the buffers). The stage decides how a
-unit's gradients travel (docs/zero.md has the design and the measurements):
-
-  "accumulate" units (stages 0 and 1, and at stages 2 and 3 the parameters a replica holds twice, which are
-      summed over another group too): `.grad` views a whole flat buffer where autograd accumulates the step's
-      micro-batches; during the last backward each unit is all-reduced (stage 0) or reduce-scattered (stages 1-3)
-      as soon as its gradients are final, in unit order.
-  "every_backward" units (stages 2 and 3): after every backward the unit's fresh gradients are copied into one
-      flat tensor, reduce-scattered and freed, this rank's sum added into its gradient shard: no rank holds the
-      whole model's gradients. Stage 3 also frees each unit's whole parameters outside its module's forward and
-      backward, gathering them just before (with `prefetch` units ahead).
-After the optimizer step the updated shards are all-gathered, but those of stage 3's every_backward units, which
-are updated in place and gathered when next used.
-
-Every collective is posted in the same order on every rank of the group, as NCCL requires: accumulate units in
-unit order, every_backward units in backward order, at stage 3 tied to the modules' order, never to when a
-gradient arrives, which may differ between ranks.
-"""
+"""ZeRO 0-3 in one engine: a chunk's parameters in flat float32 buffers whose gradients are averaged over the ranks
+holding the same weights (dp x cp; for routed experts, edp), and, from stage 1, sharded so that each rank updates
+its 1/d. The stage picks a unit's lane: "accumulate" (autograd sums the micro-batches into a whole buffer, reduced
+once in the last backward) or "every_backward" (reduce-scattered after each backward into the rank's gradient
+shard; at stage 3 the parameters are gathered only while their module runs). Collectives are posted in unit or
+module order, never in gradient-arrival order, as NCCL requires. Design and measurements: docs/zero.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -35,13 +35,13 @@ def adamw(cfg) -> tuple[type, dict]:
 
 
 # optimizer.optimizer_factory.name (lowercased) -> its torch class and options. ZeRO shards any of them whose
-# update is element-wise (zero.py).
+# update is element-wise (parallel/sharding.py).
 OPTIMIZERS = {"adamw": adamw}
 
 
 def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
     """The configured optimizer over the model's parameter groups, or, with optimizer.zero_stage >= 1, over this
-    rank's shard of `grad_sync`'s buffers (ZeRO, zero.py)."""
+    rank's shard of `grad_sync`'s buffers (ZeRO, parallel/sharded_optimizer.py)."""
     o = cfg.optimizer
     optimizer_class, options = OPTIMIZERS[o.optimizer_factory.name.lower()](cfg)
     groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))

@@ -1,25 +1,10 @@
-"""The pipeline schedules (`parallelism.pp_engine`) of one optimizer step, as data: what one pp rank computes, in which order,
-and which messages it posts together.
-
-A schedule is a list of steps that the engine (engine.py) executes in order:
-
-* ("F" | "B", chunk, micro_batch): the forward or backward of one chunk of layers on one micro-batch;
-* ("P2P", messages): post the messages as ONE batch_isend_irecv and wait for all of them. A message
-  ("send" | "recv", "F" | "B", chunk, micro_batch) is the activation leaving or entering that forward, or the
-  gradient leaving or entering that backward; its peer is the next or the previous pp rank round the ring
-  (`peer`).
-
-Why data: the tests run on gloo, whose sends are buffered, but NCCL runs the point-to-point operations between
-two ranks in order on one stream, ignores tags, and completes a large send only once its receive is posted. An
-order that gloo forgives can hang there. Because the schedule is data, nanoexp.verify.p2p_plan replays it under
-NCCL's rules for every schedule and shape, and the engine posts exactly what was checked.
-
-Every schedule has the same shape: warm-up forwards, steady (forward, backward) pairs, cool-down backwards
-(`phases`). Forwards walk the micro-batches in groups of pp, chunk 0 then chunk 1 ... for each group; backwards
-walk the same way with the chunks reversed; with one chunk per rank both are micro-batch order. Schedules differ in
-the length of the warm-up and in how they batch messages (`SCHEDULES`). Between two compute groups the sends of
-the group before and the receives of the group after are one batch where the schedule merges them, else two.
-"""
+"""The pipeline schedules (`parallelism.pp_engine`) of one optimizer step, as data: the steps one pp rank executes in
+order, ("F" | "B", chunk, micro_batch) for compute and ("P2P", messages) for one batch_isend_irecv waited on as a
+whole, each message ("send" | "recv", "F" | "B", chunk, micro_batch) with the next or previous pp rank as peer.
+Data, because NCCL runs a pair of ranks' point-to-point operations in order, ignores tags and completes a large
+send only once its receive is posted: nanoexp.verify.p2p_plan replays every schedule under those rules and the
+engine posts exactly what was checked. A `Schedule` in `SCHEDULES` states its own rules (`problems`), which
+validation asks. The shapes of the schedules: docs/parallelism.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
