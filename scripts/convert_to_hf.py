@@ -9,41 +9,11 @@ A µP model's multipliers are baked into the weights (q_proj and the LM head; a 
 exported untied), so transformers' Llama gives its logits (nanoexp.interop.hf.bake_multipliers). A mixture of experts
 exports as a MixtralForCausalLM, with the Hub's Mixtral tensor names, when it is one: every layer MoE, no
 shared experts, router=softmax_topk_normalized (otherwise an error says which key differs).
+The conversion is nanoexp/interop/hf_checkpoint.py's.
 """
 import argparse
-import json
-import os
 
-from omegaconf import OmegaConf
-from safetensors.torch import save_file
-
-from nanoexp.checkpoint.load import CheckpointReader, check_compatible
-from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.interop.hf import bake_multipliers, hf_config, hf_name, mixtral_mismatch, parameter_shapes, write_tokenizer
-from nanoexp.runtime.build import model_shape
-
-
-def convert_to_hf(checkpoint: str, out: str) -> None:
-    reader = CheckpointReader(checkpoint)
-    cfg = OmegaConf.create(reader.meta["config"])
-    shape = model_shape(cfg)
-    if shape.moe is not None and mixtral_mismatch(shape):
-        raise ValueError(f"{checkpoint} holds a mixture of experts that Hugging Face's Mixtral cannot hold: "
-                         f"{mixtral_mismatch(shape)}")
-    check_compatible(reader, shape)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
-    os.makedirs(out, exist_ok=True)
-    tensors = {name: reader.full_tensor(name).contiguous() for name in parameter_shapes(shape)}
-    tensors, shape = bake_multipliers(tensors, shape)
-    tensors = {hf_name(name): tensor for name, tensor in tensors.items()}   # Mixtral's names for MoE blocks
-    weights = os.path.join(out, "model.safetensors")
-    save_file(tensors, weights, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)   # safetensors writes 0600, like a temporary file: these are for others
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(shape, tokenizer.eod_id), f, indent=2)
-    write_tokenizer(cfg.tokenizer.tokenizer_name_or_path, out)
+from nanoexp.interop.hf_checkpoint import convert_to_hf
 
 
 def main() -> None:

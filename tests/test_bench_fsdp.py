@@ -1,5 +1,5 @@
-"""scripts/bench_fsdp.py without running it: arguments, configs, the failure report and the table (no timing)."""
-from scripts.bench_fsdp import config_for, format_table, parse_args, summarize, where_it_failed
+"""benchmarks/bench_fsdp.py without running it: arguments, configs, the failure report and the table (no timing)."""
+from benchmarks.bench_fsdp import config_for, format_table, parse_args, summarize, where_it_failed
 
 
 def test_defaults_and_overrides():

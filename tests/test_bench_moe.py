@@ -1,11 +1,11 @@
-"""scripts/bench.py's mixture-of-experts path on a small moe_tiny, two steps (no timing assertions): a Mixtral-shaped
+"""benchmarks/bench.py's mixture-of-experts path on a small moe_tiny, two steps (no timing assertions): a Mixtral-shaped
 one is compared with transformers' Mixtral from the same weights, any other shape is timed alone, and the closing
 line compares a MoE with the dense model of the nearest active size."""
 from types import SimpleNamespace
 
 import pytest
 
-from scripts.bench import bench_one, moe_comparisons, table_row
+from benchmarks.bench import bench_one, moe_comparisons, table_row
 
 SHAPE = ["model.model_config.hidden_size=64", "model.model_config.intermediate_size=128",
          "model.model_config.num_attention_heads=4", "model.model_config.num_key_value_heads=2",

@@ -2,7 +2,7 @@
 trains the same model as one bf16 process, and every gradient reduction runs in float32.
 
 Reference: one bf16 process with the same seed, data and global batch, computed once per module.
-scripts/bench_bf16.py measures every file of conf/parallelism/ the same way (table in the README).
+benchmarks/bench_bf16.py measures every file of conf/parallelism/ the same way (table in the README).
 """
 import os
 import sys

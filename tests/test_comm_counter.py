@@ -54,11 +54,12 @@ def test_tensor_parallel_moves_only_the_analytic_minimum():
     (within 1 %: the only extra is the loss/grad-norm scalars), in both tp modes."""
     from types import SimpleNamespace
 
-    from scripts.bench_parallel import compose, run_layout
+    from benchmarks.bench_parallel import run_layout
+    from benchmarks.harness import compose
     from tests.helpers import FAST
 
     for mode in ("all_reduce", "reduce_scatter"):
-        cfg = compose(FAST + ["parallelism=dp1tp2pp1", f"parallelism.tp_mode={mode}"])
+        cfg = compose(FAST + ["parallelism=dp1tp2pp1", f"parallelism.tp_mode={mode}"], plain=True)
         for result in run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120)):
             sent, minimum = result["totals"]["tp"]["sent_bytes"], result["analytic"]["tp"]
             assert abs(sent - minimum) / minimum < 0.01, (mode, sent, minimum)
@@ -72,10 +73,11 @@ def test_context_parallel_moves_only_the_analytic_minimum(overrides):
     gradients are averaged over dp x cp: all equal bench_parallel's analytic minimum (1 %: the scalars)."""
     from types import SimpleNamespace
 
-    from scripts.bench_parallel import compose, run_layout
+    from benchmarks.bench_parallel import run_layout
+    from benchmarks.harness import compose
     from tests.helpers import FAST
 
-    cfg = compose(FAST + ["parallelism=dp2cp2tp1pp1"] + overrides)
+    cfg = compose(FAST + ["parallelism=dp2cp2tp1pp1"] + overrides, plain=True)
     for result in run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120)):
         for group in ("cp", "dp_cp"):
             sent, minimum = result["totals"][group]["sent_bytes"], result["analytic"][group]
@@ -89,10 +91,12 @@ def test_expert_parallelism_moves_the_analytic_bytes():
     1.09 of even routing, ranks 0.95-1.24; 0.99-1.01 on moe_tiny's, docs/moe.md)."""
     from types import SimpleNamespace
 
-    from scripts.bench_parallel import compose, run_layout
+    from benchmarks.bench_parallel import run_layout
+    from benchmarks.harness import compose
     from tests.helpers import FAST
 
-    cfg = compose(FAST + ["model=moe_tiny", "parallelism=dp4tp1pp1", "parallelism.ep=2", "optimizer.zero_stage=1"])
+    cfg = compose(FAST + ["model=moe_tiny", "parallelism=dp4tp1pp1", "parallelism.ep=2", "optimizer.zero_stage=1"],
+                  plain=True)
     results = run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120))
     for result in results:
         for group in ("dp", "edp"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanoexp.data.corpus import load_builtin_documents, split_train_val
-from scripts import build_eval_tasks
+from nanoexp.evaluation.task_recipe import build_tasks
 
 lm_eval = pytest.importorskip("lm_eval")
 import lm_eval.evaluator  # noqa: E402
@@ -39,7 +39,7 @@ def asked_line(doc: dict) -> str:
 
 
 def test_recipe_reproduces_the_shipped_files(tmp_path):
-    build_eval_tasks.main(["--out-dir", str(tmp_path)])
+    build_tasks(tmp_path)   # scripts/build_eval_tasks.py --out-dir tmp_path
     for name in TASKS:
         assert (tmp_path / f"{name}.jsonl").read_bytes() == (TASKS_DIR / f"{name}.jsonl").read_bytes(), name
 

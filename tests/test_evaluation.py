@@ -10,6 +10,8 @@ import contextlib
 import json
 import math
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -193,7 +195,7 @@ def test_the_hugging_face_export_scores_alike_through_the_harness(checkpoint, tm
     from lm_eval.evaluator import simple_evaluate
 
     from nanoexp.evaluation.downstream import environment, task_manager
-    from scripts.convert_to_hf import convert_to_hf
+    from nanoexp.interop.hf_checkpoint import convert_to_hf
     ours = evaluate_checkpoint(str(checkpoint / "checkpoints" / "20"), [
         "eval.tasks=[shakespeare_choice,shakespeare_complete]", "eval.limit=12", "tokens.sequence_length=128"],
         str(tmp_path / "ours.json"), samples=True)
@@ -300,15 +302,19 @@ def fake_job(folder, number: int, lr: float, eval_loss: float, acc: float) -> No
                                                   "eval/shakespeare_choice/acc_stderr": 0.01}))
 
 
-def test_the_sweep_report_ranks_by_a_tasks_score(tmp_path, capsys):
+def test_the_sweep_report_ranks_by_a_tasks_score(tmp_path):
     """Ranked by eval loss the lowest wins; by a task's accuracy the highest: another job here."""
-    from scripts.summarize_sweep import main
+    def summarize_sweep(*args) -> str:
+        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "summarize_sweep.py")
+        result = subprocess.run([sys.executable, script, str(tmp_path / "sweep"), *args], capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
     for number, (lr, loss, acc) in enumerate([(1e-3, 2.0, 0.40), (3e-3, 1.9, 0.35), (1e-2, 2.2, 0.45)]):
         fake_job(tmp_path / "sweep", number, lr, loss, acc)
-    assert main([str(tmp_path / "sweep"), "--no-plots"]) == 0
-    by_loss = capsys.readouterr().out
-    assert main([str(tmp_path / "sweep"), "--rank-by", "eval/shakespeare_choice/acc"]) == 0
-    by_acc = capsys.readouterr().out
+    by_loss = summarize_sweep("--no-plots")
+    by_acc = summarize_sweep("--rank-by", "eval/shakespeare_choice/acc")
     assert by_loss.splitlines()[1].split()[0] == "1" and by_acc.splitlines()[1].split()[0] == "2"
     assert "0.003 (2^-8.38)" in by_loss and "0.01 (2^-6.64)" in by_acc   # the best learning rate follows
     assert os.path.exists(tmp_path / "sweep" / "lr_transfer.png")

@@ -20,7 +20,7 @@ from nanoexp.model.generation import KVCache, forward_with_cache, generate
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.runtime.build import build_model
-from scripts.convert_to_hf import convert_to_hf
+from nanoexp.interop.hf_checkpoint import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train
 from tests.test_checkpoint import ROOT

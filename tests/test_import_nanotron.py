@@ -1,17 +1,20 @@
-"""scripts/import_nanotron_config.py on nanotron configs written for these tests (tests/nanotron_configs/): the
-experiment composes, validates and trains with the source's layout, shapes, schedule, steps and data stages;
-every key without a counterpart is listed with its reason; a file that is not a nanotron config is refused and
-nothing is written."""
+"""The nanotron importer (nanoexp/interop/nanotron.py, scripts/import_nanotron_config.py) on nanotron configs written
+for these tests (tests/nanotron_configs/): the experiment composes, validates and trains with the source's layout,
+shapes, schedule, steps and data stages; every key without a counterpart is listed with its reason; a file that is
+not a nanotron config is refused and nothing is written."""
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from nanoexp.interop.nanotron import Import, NotANanotronConfig, write_experiment
 from nanoexp.run import check_config, run
 from nanoexp.validation import validate
-import scripts.import_nanotron_config as importer
 from tests.data_files import random_documents, write_jsonl
 from tests.helpers import CONF_DIR, read_metrics
 from tests.test_nanoset import write_nanoset
@@ -21,37 +24,40 @@ LR = "optimizer.learning_rate_scheduler."
 
 
 @pytest.fixture
-def conf(tmp_path, monkeypatch):
+def conf(tmp_path):
     """A copy of conf/ that the importer writes its experiments into (conf/experiment/<name>.yaml)."""
     shutil.copytree(CONF_DIR, tmp_path / "conf")
-    monkeypatch.setattr(importer, "CONF_DIR", str(tmp_path / "conf"))
     return tmp_path / "conf"
 
 
 def imported(conf, source: str, name: str, edit=lambda text: text):
-    """Import tests/nanotron_configs/<source> (DATA -> the test's folder); return (exit code, experiment text, a
-    function composing `+experiment=<name>` with overrides)."""
+    """Import tests/nanotron_configs/<source> (DATA -> the test's folder) as the experiment <name>; return (the
+    Import, or the NotANanotronConfig that refused the file; the experiment's text; a function composing
+    `+experiment=<name>` with overrides)."""
     nanotron = conf.parent / f"{name}.nanotron.yaml"
     nanotron.write_text(edit(open(SOURCES + source).read()).replace("DATA", str(conf.parent)))
     out = conf / "experiment" / f"{name}.yaml"
-    code = importer.main([str(nanotron), "--name", name])
+    try:
+        result = write_experiment(str(nanotron), name, str(out))[0]
+    except NotANanotronConfig as error:
+        result = error
 
     def composed(overrides=()):
         with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
             return compose(config_name="config", overrides=[f"+experiment={name}", *overrides])
-    return code, out.read_text() if out.exists() else None, composed
+    return result, out.read_text() if out.exists() else None, composed
 
 
 def not_carried_over(text: str) -> str:
     return text.split("# Not carried over")[1].split("# Nothing to set")[0]
 
 
-def test_hf_stages_on_a_sequence_parallel_pipeline(tmp_path, conf, capsys):
+def test_hf_stages_on_a_sequence_parallel_pipeline(tmp_path, conf):
     write_jsonl(tmp_path / "web.jsonl", random_documents(200, seed=1))
     write_jsonl(tmp_path / "curated.jsonl", random_documents(200, seed=2), key="content")
-    code, text, composed = imported(conf, "hf_two_stages.yaml", "hf_stages")
-    printed = capsys.readouterr().out
-    assert code == 0
+    imp, text, composed = imported(conf, "hf_two_stages.yaml", "hf_stages")
+    assert isinstance(imp, Import)
+    printed = "\n".join(imp.dropped)   # what the script prints under "not carried over"
     for listed in ("lighteval = ", "s3_upload = ", "parallelism.tp_linear_async_communication = true",
                    "data_stages[0].data.num_loading_workers = 2", "logging.log_level = \"warning\"",
                    "profiler.profiler_export_path = ", "general.ignore_sanity_checks = true"):
@@ -84,8 +90,8 @@ def test_hf_stages_on_a_sequence_parallel_pipeline(tmp_path, conf, capsys):
 def test_nanoset_forms_and_nanotron_defaults(tmp_path, conf):
     web = write_nanoset(tmp_path / "web", random_documents(200, seed=3))
     code_folder = write_nanoset(tmp_path / "code", random_documents(100, seed=4))
-    code, text, composed = imported(conf, "nanoset_forms.yaml", "nanosets")
-    assert code == 0
+    imp, text, composed = imported(conf, "nanoset_forms.yaml", "nanosets")
+    assert isinstance(imp, Import)
     assert "parallelism.expert_parallel_size = 2" in not_carried_over(text)
     assert "seed = " not in not_carried_over(text)   # the weights' seed and the data's, both carried over
     cfg = composed()
@@ -112,26 +118,26 @@ def test_nanoset_forms_and_nanotron_defaults(tmp_path, conf):
 def test_context_parallel_size_becomes_cp(conf):
     def cp2(text):
         return text.replace("  dp: 2\n", "  dp: 1\n  context_parallel_size: 2\n", 1)
-    code, text, composed = imported(conf, "nanoset_forms.yaml", "cp", edit=cp2)
-    assert code == 0 and "parallelism.context_parallel_size =" not in text   # mapped, not listed
+    imp, text, composed = imported(conf, "nanoset_forms.yaml", "cp", edit=cp2)
+    assert isinstance(imp, Import) and "parallelism.context_parallel_size =" not in text   # mapped, not listed
     cfg = composed()
     assert (cfg.parallelism.dp, cfg.parallelism.cp) == (1, 2)
     validate(cfg, world_size=2)   # dp * cp * tp * pp = 2; the sequence (32) divides by 2 * cp
 
 
-def test_the_weights_seed_and_each_stages_data_seed_are_carried_over(conf, capsys):
+def test_the_weights_seed_and_each_stages_data_seed_are_carried_over(conf):
     """nanotron seeds the weights with general.seed and each stage's samples with its data.seed: so does the
     imported experiment (once both were folded into one seed, the stages' for the weights too)."""
     def seeds(text):
         return text.replace("  seed: 42", "  seed: 7", 1).replace("seed: 1234", "seed: 11", 1)
 
-    code, text, composed = imported(conf, "nanoset_forms.yaml", "seeds", edit=seeds)
+    imp, text, composed = imported(conf, "nanoset_forms.yaml", "seeds", edit=seeds)
     cfg = composed()
-    assert code == 0 and cfg.general.seed == 7 and [s.data.seed for s in cfg.data_stages] == [11, 1234, 1234]
+    assert isinstance(imp, Import)
+    assert cfg.general.seed == 7 and [s.data.seed for s in cfg.data_stages] == [11, 1234, 1234]
     assert "seed = " not in not_carried_over(text)
-    capsys.readouterr()
-    assert imported(conf, "nanoset_forms.yaml", "seeds")[0] == 2   # an existing experiment needs --force
-    assert "seeds.yaml exists: pass --force to replace it" in capsys.readouterr().err
+    refused = imported(conf, "nanoset_forms.yaml", "seeds")[0]   # an existing experiment needs --force
+    assert isinstance(refused, NotANanotronConfig) and "seeds.yaml exists: pass --force to replace it" in str(refused)
 
 
 def test_decay_length_of_a_schedule_with_a_late_decay_start(conf):
@@ -144,10 +150,11 @@ def test_decay_length_of_a_schedule_with_a_late_decay_start(conf):
         return (text.replace("    lr_warmup_steps: 2\n", "    lr_warmup_steps: 10\n    lr_decay_starting_step: 40\n"
                              "    lr_decay_style: cosine\n    min_decay_lr: 3.0e-4\n", 1)
                 .replace("  train_steps: 6\n", "  train_steps: 100\n", 1))
-    code, _, composed = imported(conf, "nanoset_forms.yaml", "late_decay", edit=late_decay)
+    imp, _, composed = imported(conf, "nanoset_forms.yaml", "late_decay", edit=late_decay)
     cfg = composed()
     lr = cfg.optimizer.learning_rate_scheduler
-    assert code == 0 and (lr.lr_warmup_steps, lr.lr_decay_starting_step, lr.lr_decay_steps) == (10, 40, 50)
+    assert isinstance(imp, Import)
+    assert (lr.lr_warmup_steps, lr.lr_decay_starting_step, lr.lr_decay_steps) == (10, 40, 50)
     assert lr_at(40, cfg) == 3e-3 and lr_at(90, cfg) == lr_at(100, cfg) == 3e-4
 
 
@@ -163,8 +170,28 @@ def test_decay_length_of_a_schedule_with_a_late_decay_start(conf):
      "data_stages[0].data.dataset.dataset_folder: expected a folder, a list of folders or a folder: weight mapping"),
 ], ids=["not yaml", "a list", "no parallelism", "no model_config", "dp not an int", "lr not a number",
         "section not a mapping", "folder not a path"])
-def test_not_a_nanotron_config_is_refused_and_nothing_written(edit, needle, conf, capsys):
-    code, text, _ = imported(conf, "nanoset_forms.yaml", "bad", edit)
-    err = capsys.readouterr().err
-    assert code == 2 and text is None
-    assert needle in err and len(err.splitlines()) == 1, err
+def test_not_a_nanotron_config_is_refused_and_nothing_written(edit, needle, conf):
+    refused, text, _ = imported(conf, "nanoset_forms.yaml", "bad", edit)
+    assert isinstance(refused, NotANanotronConfig) and text is None
+    assert needle in str(refused) and len(str(refused).splitlines()) == 1, refused
+
+
+def test_the_script_writes_the_experiment_or_says_in_one_line_why_not(tmp_path):
+    """scripts/import_nanotron_config.py as a user runs it: the experiment and what was not carried over (exit 0);
+    a file that is not a nanotron config: one line on stderr, exit code 2, nothing written."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                          "import_nanotron_config.py")
+    source = tmp_path / "nanotron.yaml"
+    source.write_text(open(SOURCES + "nanoset_forms.yaml").read().replace("DATA", str(tmp_path)))
+    out = tmp_path / "imported.yaml"
+    result = subprocess.run([sys.executable, script, str(source), "--name", "imported", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout and "parallelism.expert_parallel_size = 2" in result.stdout
+    assert "parallelism.expert_parallel_size = 2" in not_carried_over(out.read_text())
+    source.write_text("model: [unclosed\n")
+    result = subprocess.run([sys.executable, script, str(source), "--name", "bad", "--out", str(tmp_path / "bad.yaml")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and not (tmp_path / "bad.yaml").exists()
+    assert result.stderr.startswith("import_nanotron_config: ") and "is not YAML" in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr

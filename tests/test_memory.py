@@ -123,7 +123,7 @@ def measured_and_estimated(tmp_path, overrides) -> list[tuple[float, float]]:
 ], ids=["dp1tp1pp1", "dp1tp1pp2", "dp2tp2pp1-sp-zero1-recompute", "dp1cp2tp1pp2-recompute"])
 def test_estimate_predicts_the_measured_peak(layout, tmp_path):
     # The estimate counts tensors; the measured peak also holds what no formula sees (the batches,
-    # allocator rounding, gloo's buffers): scripts/bench_memory.py measured 0.84-0.97 of it on the
+    # allocator rounding, gloo's buffers): benchmarks/bench_memory.py measured 0.84-0.97 of it on the
     # layouts of docs/memory.md, so +-20 % is the bar.
     # dp1cp2tp1pp2: its measured peak is bimodal, for a reason not found yet: 190-193 MB or 163-166 MB on all ranks
     # at once (12 runs on 2026-12-01, the same before and after ZeRO-2/3 and MoE), 152 MB once in CI on a slower
@@ -266,45 +266,45 @@ def llama3_8b():
 
 def stage_totals_gib(base, gpus: int) -> dict[int, float]:
     """make_config's total per ZeRO stage of the data-parallel-only layout of `gpus` GPUs, GiB."""
-    from scripts import make_config
-    cfg = make_config.with_stage(base, 0)
+    from nanoexp.launch import planner
+    cfg = planner.with_stage(base, 0)
     cfg.parallelism.dp = gpus
-    option = make_config.stages_of(cfg, gpus, float("inf"))
-    return {stage: option.total(stage) / make_config.GIB for stage in option.by_stage}
+    option = planner.stages_of(cfg, gpus, float("inf"))
+    return {stage: option.total(stage) / planner.GIB for stage in option.by_stage}
 
 
 @pytest.mark.parametrize("between,expected", [((1, 0), 1), ((3, 2), 3)], ids=["zero1_suffices", "only_zero3_fits"])
 def test_make_config_takes_the_lowest_zero_stage_that_fits(llama3_8b, between, expected, capsys):
     """8 GPUs: whatever fits data-parallel only is chosen (no model parallelism), at the lowest stage that
     fits; the GPU's memory is put between two stages' totals."""
-    from scripts import make_config
+    from nanoexp.launch import planner
     totals = stage_totals_gib(llama3_8b, 8)
     assert totals[0] > totals[1] > totals[2] > totals[3]
     fits, too_big = (totals[stage] for stage in between)
-    memory_gb = (fits + too_big) / 2 / make_config.HEADROOM
-    chosen = make_config.choose(llama3_8b, 8, 8, memory_gb)
-    assert (make_config.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", expected)
+    memory_gb = (fits + too_big) / 2 / planner.HEADROOM
+    chosen = planner.choose(llama3_8b, 8, 8, memory_gb)
+    assert (planner.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", expected)
     assert chosen.cfg.optimizer.zero_stage == expected
-    why = make_config.explain(chosen, memory_gb)
+    why = planner.explain(chosen, memory_gb)
     assert f"chosen: dp8tp1pp1 with ZeRO-{expected}" in why
     assert all(f"ZeRO-{stage} {totals[stage]:.1f} GiB" in why for stage in range(expected))   # too big, each
 
 
 def test_make_config_takes_zero0_when_it_fits_or_nothing_can_be_sharded(llama3_8b, capsys):
-    from scripts import make_config
-    chosen = make_config.choose(llama3_8b, 8, 8, 1000)   # everything fits: dp8 with no sharding at all
-    assert (make_config.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", 0)
-    one = make_config.with_stage(llama3_8b, 3)
-    assert list(make_config.stages_of(one, 1, float("inf")).by_stage) == [0]   # dp x cp = 1: nothing to shard
+    from nanoexp.launch import planner
+    chosen = planner.choose(llama3_8b, 8, 8, 1000)   # everything fits: dp8 with no sharding at all
+    assert (planner.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", 0)
+    one = planner.with_stage(llama3_8b, 3)
+    assert list(planner.stages_of(one, 1, float("inf")).by_stage) == [0]   # dp x cp = 1: nothing to shard
 
 
 def test_dp_traffic_grows_with_the_zero_stage(llama3_8b):
     """Per step: ZeRO-0 and 1 the bytes of one all-reduce, ZeRO-2 a reduce-scatter per micro-batch and one
     all-gather, ZeRO-3 two all-gathers and a reduce-scatter per micro-batch."""
-    from scripts import make_config
-    cfg = make_config.with_stage(llama3_8b, 0)
+    from nanoexp.launch import planner
+    cfg = planner.with_stage(llama3_8b, 0)
     cfg.parallelism.dp = 8
     one = 4 * held_parameters(model_shape(cfg), Layout.from_config(cfg), 0)[0] * 7 / 8
     m = 256 // 8
-    traffic = {stage: make_config.dp_traffic_bytes(make_config.with_stage(cfg, stage)) for stage in range(4)}
+    traffic = {stage: planner.dp_traffic_bytes(planner.with_stage(cfg, stage)) for stage in range(4)}
     assert traffic == {0: 2 * one, 1: 2 * one, 2: (m + 1) * one, 3: 3 * m * one}

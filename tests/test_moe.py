@@ -14,7 +14,7 @@ import torch
 
 from nanoexp.model.moe import MoE, MoeLosses, MoeShape
 from nanoexp.parallel.context import ParallelContext
-from scripts.convert_to_hf import convert_to_hf
+from nanoexp.interop.hf_checkpoint import convert_to_hf
 from tests.helpers import FAST, compose_config, start_error, train
 from tests.test_parallel import FIRST_STEP_ATOL, INTERLEAVED, LATER_STEP_ATOL, assert_same_steps
 
@@ -227,7 +227,7 @@ def assert_mixtral_export_gives_our_logits(ckpt, folder):
 def test_mixtral_round_trip(tmp_path):
     """Trained on ep2 x pp2, exported: transformers' MixtralForCausalLM gives nanoexp's logits; imported back
     (convert_from_hf, then a resume on dp2), the weights are the same."""
-    from scripts.convert_from_hf import convert_from_hf
+    from nanoexp.interop.hf_checkpoint import convert_from_hf
     from nanoexp.checkpoint.load import load_single_process
     train(tmp_path / "run", FAST + MOE + MIXTRAL + ["tokens.train_steps=2", "tokens.val_check_interval=0",
                                                     "parallelism=dp2tp1pp2"] + EP2)

@@ -3,17 +3,24 @@ coordinate check's property (activations keep their size as the width grows). Pa
 in tests/test_parallel.py, the HF export in tests/test_hf_conversion.py."""
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from benchmarks.mup_coord_check import coord_check, width_overrides
+from nanoexp.config import normalize
+from nanoexp.observe.lr_table import lr_table
 from nanoexp.runtime.build import build_model
 from nanoexp.runtime.optim import build_optimizer, set_lr
 from nanoexp.parallel.context import ParallelContext
-from scripts import make_config, summarize_sweep
-from scripts.mup_coord_check import coord_check, width_overrides
+from nanoexp.validation import validate
 from tests.helpers import FAST, compose_config, train, train_losses
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MUP = ["model.parametrization=mup", "model.mup.base_width=32"]
 STD = 0.08   # conf/model/tiny.yaml's init_method.std
@@ -76,10 +83,12 @@ def test_mup_at_its_base_width_is_the_standard_parametrization(tmp_path):
     assert mup == standard
 
 
-def test_show_lrs_prints_the_rates_the_optimizer_uses(capsys):
+def test_show_lrs_prints_the_rates_the_optimizer_uses():
     overrides = MUP + ["optimizer.learning_rate_scheduler.learning_rate=3e-3"]
-    assert make_config.main(["--show-lrs", *overrides]) == 0
-    out = capsys.readouterr().out
+    cfg = compose_config(overrides)
+    normalize(cfg)
+    validate(cfg)
+    out = lr_table(cfg)   # what make_config.py --show-lrs prints
     assert "m = 96 / 32 = 3" in out
     printed = {match[0]: float(match[1]) for match in re.findall(r"^(\w+)\s+\d+\s+[\d,]+\s+\S+\s+\S+\s+(\S+)", out,
                                                                  re.MULTILINE)}
@@ -122,15 +131,17 @@ def fake_job(folder, number: int, parametrization: str, width: int, lr: float, e
     (job / "summary.json").write_text(json.dumps(status))
 
 
-def test_summarize_sweep_prints_the_best_lr_per_width_and_plots_the_transfer(tmp_path, capsys):
+def test_summarize_sweep_prints_the_best_lr_per_width_and_plots_the_transfer(tmp_path):
     losses = {("standard", 64): [2.0, 1.9, 2.1], ("standard", 256): [1.8, 1.95, None],
               ("mup", 64): [2.0, 1.9, 2.1], ("mup", 256): [1.9, 1.7, 1.8]}
     lrs = [2 ** -9, 2 ** -8, 2 ** -7]
     jobs = [(key, lr, loss) for key, row in losses.items() for lr, loss in zip(lrs, row)]
     for number, ((parametrization, width), lr, loss) in enumerate(jobs):
         fake_job(tmp_path / "sweep", number, parametrization, width, lr, loss)
-    assert summarize_sweep.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")]) == 0
-    best = re.findall(r"^(standard|mup)\s+(\d+)\s+(\S+) \(2\^(\S+)\)\s+(\S+)", capsys.readouterr().out, re.MULTILINE)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "summarize_sweep.py"), str(tmp_path / "sweep"),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    best = re.findall(r"^(standard|mup)\s+(\d+)\s+(\S+) \(2\^(\S+)\)\s+(\S+)", result.stdout, re.MULTILINE)
     assert best == [("standard", "64", "0.003906", "-8", "1.9000"), ("standard", "256", "0.001953", "-9", "1.8000"),
                     ("mup", "64", "0.003906", "-8", "1.9000"), ("mup", "256", "0.003906", "-8", "1.7000")]
     assert (tmp_path / "out" / "lr_transfer.png").stat().st_size > 10_000

@@ -9,8 +9,9 @@ gradient buckets launched while backward was still running.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,11 +30,10 @@ from tests.test_pipeline import (HIDDEN, MB_SIZE, chunk_layers, make_blocks, mak
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_plot_script():
-    spec = importlib.util.spec_from_file_location("plot_pipeline", os.path.join(ROOT, "scripts", "plot_pipeline.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def plot_pipeline(*args: str) -> subprocess.CompletedProcess:
+    """scripts/plot_pipeline.py as a user runs it."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_pipeline.py"), *args],
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("pp,v,m", [(4, 1, 8), (4, 2, 8), (2, 3, 4)])
@@ -83,7 +83,7 @@ def test_1f1b_trace_records_compute_and_communication(tmp_path):
         assert ("send_forward recv_backward" if r == 0 else "send_backward recv_forward") in labels
 
 
-def test_interleaved_run_trace_and_plot(tmp_path, capsys):
+def test_interleaved_run_trace_and_plot(tmp_path):
     pp, v, dp, steps = 2, 2, 2, 2
     m = 8 // (dp * 2)   # FAST: global batch 8, micro-batch 2
     train(tmp_path, FAST + [f"tokens.train_steps={steps}", "tokens.val_check_interval=0", "parallelism=dp2tp1pp2",
@@ -120,8 +120,9 @@ def test_interleaved_run_trace_and_plot(tmp_path, capsys):
                     assert at["backward", s + 1, i]["end"] <= at["backward", s, i]["start"]
 
     out = tmp_path / "timeline.png"
-    assert load_plot_script().main([str(tmp_path), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    result = plot_pipeline(str(tmp_path), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout
     assert out.stat().st_size > 10_000
     assert f"1F1B (p-1)/(m+p-1) = {theoretical_bubble(pp, m):.3f}" in printed
     assert f"interleaved (p-1)/(v*m+p-1) = {theoretical_bubble(pp, m, v):.3f}" in printed

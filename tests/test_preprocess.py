@@ -1,9 +1,10 @@
 """scripts/preprocess_data.py: text files -> Nanoset, equal to the tokenizer's own output."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,22 +18,19 @@ from tests.test_data import _save_tiny_hf_tokenizer
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "preprocess_data.py")
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("preprocess_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def preprocess_data(*args: str) -> subprocess.CompletedProcess:
+    """The script as a user runs it."""
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
 
 
-def test_cli_round_trip_refuses_then_overwrites(tmp_path, capsys):
+def test_cli_round_trip_refuses_then_overwrites(tmp_path):
     docs = random_documents(40)
     src = write_jsonl(tmp_path / "a.jsonl", docs[:25], key="content")
     write_jsonl(tmp_path / "b.jsonl", docs[25:], key="content")
     out = tmp_path / "nanoset"
-    main = load_script().main
     common = ["--text-key", "content", "--output-folder", str(out), "--no-progress"]
-    assert main(["--input", str(tmp_path / "*.jsonl")] + common) == 0
-    assert "40 documents" in capsys.readouterr().out
+    result = preprocess_data("--input", str(tmp_path / "*.jsonl"), *common)
+    assert result.returncode == 0 and "40 documents" in result.stdout, result.stderr
     tokens, ends, meta = open_nanoset(out)
     assert tokens.tolist() == byte_stream(docs)        # glob order a, b; eod after each document
     assert tokens.dtype == np.uint16 and meta["dtype"] == "uint16"
@@ -40,24 +38,25 @@ def test_cli_round_trip_refuses_then_overwrites(tmp_path, capsys):
     assert (meta["tokenizer"], meta["vocab_size"], meta["eod_id"]) == ("byte", 257, 256)
     assert (meta["num_documents"], meta["num_tokens"], meta["format_version"]) == (40, len(tokens), 1)
     # A second run refuses and leaves the Nanoset untouched; --overwrite replaces it.
-    assert main(["--input", src] + common) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    result = preprocess_data("--input", src, *common)
+    assert result.returncode == 2 and "--overwrite" in result.stderr
     assert open_nanoset(out)[2]["num_documents"] == 40
-    assert main(["--input", src] + common + ["--overwrite"]) == 0
+    assert preprocess_data("--input", src, *common, "--overwrite").returncode == 0
     assert open_nanoset(out)[2]["num_documents"] == 25
 
 
-def test_an_empty_input_is_refused_and_leaves_no_folder(tmp_path, capsys):
+def test_an_empty_input_is_refused_and_leaves_no_folder(tmp_path):
+    """Refused with an error the script reports as one line (exit code 2), before anything is written."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
     (tmp_path / "nothing").mkdir()
-    main = load_script().main
     for source, said in [("empty.txt", "no data: the file is empty (0 bytes)"),
                          ("blank.jsonl", "no text to tokenize (2 documents, all empty)"),
                          ("nothing", "expected data files of one kind")]:
         out = tmp_path / f"nanoset-{source}"
-        assert main(["--input", str(tmp_path / source), "--output-folder", str(out), "--no-progress"]) == 2
-        assert said in capsys.readouterr().err
+        with pytest.raises((FileExistsError, FileNotFoundError, KeyError, ValueError)) as refused:
+            preprocess([str(tmp_path / source)], str(out), progress=False)
+        assert said in str(refused.value)
         assert not out.exists()
 
 

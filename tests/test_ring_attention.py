@@ -283,11 +283,11 @@ def test_bfloat16_under_autocast_is_as_close_to_exact_as_sdpa(mode):
 
 
 def test_zigzag_balances_the_attention_work_the_contiguous_split_does_not():
-    """scripts/bench_long_context.py's count of score elements: the zig-zag split gives every rank the same
+    """benchmarks/bench_long_context.py's count of score elements: the zig-zag split gives every rank the same
     work and the ranks together the full causal triangle; a contiguous split leaves the last rank 2cp − 1
     times the first's (to leading order)."""
-    from scripts.bench_long_context import (balance, contiguous_blocks, contiguous_scores, zigzag_blocks,
-                                            zigzag_scores)
+    from benchmarks.bench_long_context import (balance, contiguous_blocks, contiguous_scores, zigzag_blocks,
+                                               zigzag_scores)
 
     def elements(blocks):   # the blocks the script times hold exactly the scores it counts
         return sum(n * (n + 1) // 2 if causal else n * m for n, m, causal in blocks)

@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def python_sources():
-    for folder in ("nanoexp", "scripts"):
+    for folder in ("nanoexp", "scripts", "benchmarks"):
         yield from (ROOT / folder).rglob("*.py")
     yield ROOT / "train.py"
 

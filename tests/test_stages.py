@@ -11,8 +11,8 @@ import torch
 
 from nanoexp.config import ConfigError
 from nanoexp.data import Nanoset
+from nanoexp.data.preprocess import preprocess
 from nanoexp.data.stages import StagedBatches, stage_seed, training_stages
-from scripts.preprocess_data import main as preprocess_data
 from tests.data_files import random_documents, write_jsonl
 from tests.helpers import FAST, compose_config, train
 from tests.test_nanoset import write_nanoset
@@ -102,7 +102,7 @@ def test_stage_data_overrides_the_data_group(folders):
 def test_shipped_two_stage_experiment_trains_and_reports_its_stages(tmp_path):
     """conf/experiment/two_stages.yaml with its second stage a Nanoset made by scripts/preprocess_data.py."""
     text = write_jsonl(tmp_path / "anneal.jsonl", random_documents(120, seed=3))
-    assert preprocess_data(["--input", text, "--output-folder", str(tmp_path / "anneal"), "--no-progress"]) == 0
+    preprocess([text], str(tmp_path / "anneal"), progress=False)   # scripts/preprocess_data.py's defaults: byte, text
     run = tmp_path / "run"
     records = train(run, ["+experiment=two_stages"] + FAST + [
         "tokens.train_steps=5", "tokens.val_check_interval=2", "data_stages.1.start_training_step=4",

@@ -139,3 +139,50 @@ def test_the_model_holds_no_process_group():
     for name, tree in modules().items():
         if name.startswith("nanoexp.model"):
             assert calls(tree, "all_reduce") == calls(tree, "ctx") == 0, name
+
+
+REPO = os.path.dirname(ROOT)
+
+
+def python_files(folder: str) -> dict[str, ast.Module]:
+    """{path relative to the repository: parsed source} of every .py file under `folder`."""
+    out = {}
+    for where, _, files in os.walk(os.path.join(REPO, folder)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(where, name)
+                with open(path) as f:
+                    out[os.path.relpath(path, REPO)] = ast.parse(f.read(), path)
+    return out
+
+
+def imported_modules(tree: ast.Module) -> set[str]:
+    """Every module a file imports by absolute name, anywhere in it."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def test_nothing_imports_the_scripts():
+    """scripts/ holds command-line tools only: what a test or the package needs is in nanoexp/ (a test may run a
+    script as a subprocess)."""
+    for path, tree in {**python_files("nanoexp"), **python_files("tests")}.items():
+        assert not any(m == "scripts" or m.startswith("scripts.") for m in imported_modules(tree)), path
+
+
+def test_benchmarks_take_their_shared_pieces_from_the_harness():
+    """benchmarks/harness.py is the one place of what several benchmarks repeat (the checked config, the matmul
+    peak, rounds in turns): no other benchmark defines them again, and those that need them import them."""
+    benchmarks = python_files("benchmarks")
+    harness = benchmarks.pop(os.path.join("benchmarks", "harness.py"))
+    shared = {node.name for node in harness.body if isinstance(node, ast.FunctionDef)}
+    assert {"compose", "matmul_peak", "in_turns"} <= shared
+    for path, tree in benchmarks.items():
+        defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert not defined & shared, (path, defined & shared)
+    users = {path for path, tree in benchmarks.items() if "benchmarks.harness" in imported_modules(tree)}
+    assert {os.path.join("benchmarks", name) for name in ("bench.py", "bench_parallel.py", "bench_fsdp.py")} <= users

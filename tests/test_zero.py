@@ -17,7 +17,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.runtime.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
-from scripts.convert_to_hf import convert_to_hf
+from nanoexp.interop.hf_checkpoint import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train, train_losses
 from tests.test_checkpoint import CONSTANT_LR

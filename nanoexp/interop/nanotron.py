@@ -1,21 +1,28 @@
-"""Reading a nanotron YAML config as nanoexp overrides (the body of scripts/import_nanotron_config.py).
+"""Reading a nanotron YAML config as nanoexp overrides, written as an experiment file (the body of
+scripts/import_nanotron_config.py).
 
 `import_nanotron(tree)` maps every nanotron key with a nanoexp counterpart and lists every other key with a
 one-line reason: "not carried over" (nanoexp would behave differently) or "nothing to set" (nanoexp already
 behaves so at that value), so that nothing is dropped silently. Where nanotron's default differs from nanoexp's
 (pp_engine afab, linear decay, min_decay_lr = the peak, rms_norm_eps 1e-6, no final checkpoint) nanotron's is
 written. `read_nanotron_yaml(path)` refuses a file that is not a nanotron config with one message.
+`write_experiment` writes the overrides as conf/experiment/<name>.yaml, what was not carried over in a comment
+block at its top, after checking them over nanoexp's defaults.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import textwrap
 from dataclasses import dataclass, field
 
 import yaml
+from omegaconf import OmegaConf
 
+from nanoexp.config import ConfigError, compose
 from nanoexp.interop.nanotron_unmapped import ATOMIC, UNMAPPED
+from nanoexp.validation import validate
 
 
 class NotANanotronConfig(ValueError):
@@ -350,3 +357,45 @@ def read_nanotron_yaml(path: str) -> dict:
     if not isinstance(tree.get("data_stages") or [], list):
         raise NotANanotronConfig(f"{path}: data_stages is {short(tree['data_stages'])}, expected a list of stages")
     return tree
+
+
+def render(imp: Import, source: str, name: str) -> str:
+    """The experiment file: how it was made, the comment block of what was not carried over, the overrides."""
+    lines = ["# @package _global_",
+             f"# Imported from the nanotron config {source} by scripts/import_nanotron_config.py:",
+             f"#   python train.py +experiment={name}"]
+    for title, items in (("Not carried over (nanotron key = value: why)", imp.dropped),
+                         ("Nothing to set: nanoexp already behaves so (nanotron key = value: why)", imp.neutral),
+                         ("Notes", imp.notes)):
+        if items:
+            lines += ["#", f"# {title}:"] + [line for item in items for line in textwrap.wrap(
+                item, 116, initial_indent="#   ", subsequent_indent="#       ", break_on_hyphens=False)]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(imp.out, sort_keys=False)
+
+
+def check_experiment(overrides: dict) -> list[str]:
+    """What nanoexp's schema and `validate` say about the experiment on top of the defaults (empty: fine)."""
+    try:
+        cfg = OmegaConf.merge(compose([]), overrides)
+        validate(cfg)
+    except ConfigError as error:
+        return str(error).splitlines()[1:]
+    except Exception as error:   # the schema refused a value the mapping produced
+        return [f"{type(error).__name__}: {error}".splitlines()[0]]
+    return []
+
+
+def write_experiment(source: str, name: str, out: str, force: bool = False) -> tuple[Import, list[str]]:
+    """Import the nanotron config file `source` and write it to `out` as the experiment `name`; return the Import
+    and what nanoexp's checks say about it (to fix by override). A bad name, a file that is not a nanotron config
+    and an existing `out` without `force` raise NotANanotronConfig, and nothing is written."""
+    if not re.fullmatch(r"[\w.-]+", name):
+        raise NotANanotronConfig(f"--name {name!r}: use letters, digits, '_', '-' or '.'")
+    imp = import_nanotron(read_nanotron_yaml(source))
+    if os.path.exists(out) and not force:
+        raise NotANanotronConfig(f"{out} exists: pass --force to replace it")
+    problems = check_experiment(imp.out)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(render(imp, source, name))
+    return imp, problems

@@ -2,7 +2,8 @@
 or never started.
 
 Used at the end of every multirun (nanoexp/launch/hydra_callbacks.py prints the table) and by
-scripts/summarize_sweep.py (which adds the CSV and the plots).
+scripts/summarize_sweep.py, which adds the CSV (`write_csv`), the best learning rate per width when the jobs try
+several (`lr_sweep`, `best_lr_table`) and the plots (nanoexp/launch/sweep_plots.py).
 
 - Jobs are the job folders (`<dir>/<n>/` with `.hydra/`) and, for submitit sweeps, every submitted job
   (`<dir>/.submitit/<array>_<n>/`: array task n is sweep job n; a one-job sweep has no array).
@@ -13,8 +14,10 @@ scripts/summarize_sweep.py (which adds the CSV and the plots).
 """
 from __future__ import annotations
 
+import csv
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -197,3 +200,44 @@ def table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
     return "\n".join([line(columns)] + [line(r) for r in cells])
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    columns = COLUMNS + sorted({key for row in rows for key in row if is_task_score(key)})
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: row.get(c) for c in columns})
+
+
+def lr_sweep(rows: list[dict], metric: str = "eval_loss") -> dict[tuple[str, int], list[tuple[float, float | None]]]:
+    """{(parametrization, width): [(lr, the metric or None), ...] sorted by lr}, or {} if one lr was tried."""
+    if len({row.get("lr") for row in rows if row.get("lr")}) < 2:
+        return {}
+    curves: dict = {}
+    for row in rows:
+        if row.get("lr"):
+            curves.setdefault((row["parametrization"], row["width"]), []).append((row["lr"], row.get(metric)))
+    order = sorted(curves, key=lambda key: (key[0] != "standard", key))   # standard first, then by width
+    return {key: sorted(curves[key]) for key in order}
+
+
+def best(points: list[tuple[float, float | None]], metric: str) -> tuple[float | None, float | None]:
+    """(value, lr) of the best finite point: the lowest loss, or the highest task score."""
+    done = [(value, lr) for lr, value in points if value is not None and math.isfinite(value)]
+    if not done:
+        return None, None
+    return min(done) if lower_is_better(metric) else max(done, key=lambda point: (point[0], -point[1]))
+
+
+def best_lr_table(curves: dict, metric: str = "eval_loss") -> str:
+    name = metric.replace("_", " ") if metric == "eval_loss" else metric
+    lines = [f"{'parametrization':<16}{'width':>6}{'best lr':>18}{name:>11}   {name} at each lr (- : none)"]
+    for (parametrization, width), points in curves.items():
+        value, lr = best(points, metric)
+        chosen = f"{lr:.4g} (2^{math.log2(lr):.3g})" if lr else "-"
+        each = " ".join("-" if v is None else f"{v:.3f}" for _, v in points)
+        lines.append(f"{parametrization:<16}{width:>6}{chosen:>18}{value if value is None else f'{value:.4f}':>11}"
+                     f"   {each}")
+    return "\n".join(lines)

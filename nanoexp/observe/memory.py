@@ -29,7 +29,7 @@ def return_freed_memory() -> None:
     """On CPU (glibc): allocate tensors of 128 KiB and more with mmap, so that freed memory goes back
     to the system. glibc otherwise raises that threshold as large blocks are freed and serves later
     ones from its heap, which keeps each step's freed activations: the peak RSS of `model=small`
-    was 30-50 % above the live tensors that way (scripts/bench_memory.py). The price: every large
+    was 30-50 % above the live tensors that way (benchmarks/bench_memory.py). The price: every large
     tensor's pages are faulted in afresh, ~1.5x the step time of `model=small` on a 2-core VM."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD, fixed from now on

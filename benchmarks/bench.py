@@ -1,10 +1,10 @@
 """Single-process training throughput: nanoexp's Trainer against a plain PyTorch loop.
 
-    python scripts/bench.py                                    # tiny and small, default options
-    python scripts/bench.py --models small,moe_small           # dense vs MoE at the same active parameters
-    python scripts/bench.py --models small --variants default,compile,recompute,fused
-    python scripts/bench.py --models tiny --steps 20 tokens.micro_batch_size=8   # extra overrides
-    python scripts/bench.py --wall --models small             # fresh runs timed from outside
+    python benchmarks/bench.py                                    # tiny and small, default options
+    python benchmarks/bench.py --models small,moe_small           # dense vs MoE at the same active parameters
+    python benchmarks/bench.py --models small --variants default,compile,recompute,fused
+    python benchmarks/bench.py --models tiny --steps 20 tokens.micro_batch_size=8   # extra overrides
+    python benchmarks/bench.py --wall --models small             # fresh runs timed from outside
 
 For each model and variant, in one process, side by side:
   * nanoexp: the real `Trainer` built from the composed config, timed around `train_step`
@@ -57,7 +57,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoexp.config import batch_accumulation, compose as compose_config, global_batch_size, normalize
+from nanoexp.config import batch_accumulation, global_batch_size
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.interop.hf import hf_config, hf_name, mixtral_mismatch
 from nanoexp.observe.memory import saved_activation_bytes
@@ -68,7 +68,9 @@ from nanoexp.runtime.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import node_peak
-from nanoexp.validation import validate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
+from benchmarks.harness import compose, in_turns  # noqa: E402
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
     "default": [],
@@ -76,14 +78,6 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
     "recompute": ["parallelism.recompute_layer=true"],
     "fused": ["optimizer.optimizer_factory.torch_adam_is_fused=true"],
 }
-
-
-def compose(overrides: list[str]):
-    """The config `python train.py <overrides>` runs with, checked for one process."""
-    cfg = compose_config(overrides)
-    normalize(cfg)
-    validate(cfg, world_size=1)
-    return cfg
 
 
 def build_trainer(cfg, run_dir: str):
@@ -205,16 +199,14 @@ def time_steps(runners: dict, steps: list, warmup: int, lr: float) -> tuple[dict
     """Every runner trains on the same steps, their order alternating each step so that neither always runs
     after the other: the timed steps' wall and CPU seconds per runner, and each one's step-1 loss."""
     times, cpu_times, first = {name: [] for name in runners}, {name: [] for name in runners}, {}
-    for i, micro_batches in enumerate(steps):
-        order = list(runners.items())
-        for name, runner in (order if i % 2 == 0 else order[::-1]):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            out = runner.train_step(micro_batches, lr)
-            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            first.setdefault(name, out[0] if isinstance(out, tuple) else out)
-            if i >= warmup:
-                times[name].append(elapsed)
-                cpu_times[name].append(cpu)
+    for i, (name, runner) in in_turns(list(runners.items()), len(steps)):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        out = runner.train_step(steps[i], lr)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        first.setdefault(name, out[0] if isinstance(out, tuple) else out)
+        if i >= warmup:
+            times[name].append(elapsed)
+            cpu_times[name].append(cpu)
     return times, cpu_times, first
 
 
@@ -222,7 +214,7 @@ def bench_one(model: str, variant: str, args, extra: list[str], peak_tflops: flo
     """One model and variant: per side ("nanoexp", and "plain" when HF has the model) the median step time,
     tokens/s, CPU time, MFU, step-1 loss and saved-activation MB."""
     cfg = compose([f"model={model}", "logging.tensorboard=false", "data.prefetch=false",
-                   *VARIANTS[variant], *extra])
+                   *VARIANTS[variant], *extra], world_size=1)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = build_trainer(cfg, run_dir)
         shape = trainer.shape
@@ -302,7 +294,7 @@ def plain_run(model: str, steps: int, extra: list[str]) -> None:
     """The plain side of --wall: HF Llama (its own init) trained `steps` steps on the run's batches."""
     from nanoexp.data import build_datasets
     from nanoexp.data.loader import TrainBatches
-    cfg = compose([f"model={model}", *extra])
+    cfg = compose([f"model={model}", *extra], world_size=1)
     train_set, _, _ = build_datasets(cfg)
     batches = TrainBatches(train_set, global_batch_size(cfg), cfg.tokens.micro_batch_size, 0, 1, cfg.general.seed,
                            prefetch=False)
@@ -319,16 +311,15 @@ def wall_seconds(command: list[str]) -> float:
 
 def bench_wall(model: str, repeats: int, extra: list[str]) -> dict:
     """Tokens/s of each side from the wall time of 50-step minus 25-step runs, fresh processes."""
-    cfg = compose([f"model={model}", *extra])
+    cfg = compose([f"model={model}", *extra], world_size=1)
     tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
     seconds = {("nanoexp", 25): [], ("nanoexp", 50): [], ("plain", 25): [], ("plain", 50): []}
     with tempfile.TemporaryDirectory() as out:
-        for i in range(repeats):
-            for side, steps in (list(seconds) if i % 2 == 0 else list(seconds)[::-1]):
-                command = ([sys.executable, "train.py", f"model={model}", f"tokens.train_steps={steps}",
-                            f"hydra.run.dir={out}/{i}_{steps}", *extra] if side == "nanoexp" else
-                           [sys.executable, "scripts/bench.py", "--plain-run", str(steps), f"--models={model}", *extra])
-                seconds[side, steps].append(wall_seconds(command))
+        for i, (side, steps) in in_turns(list(seconds), repeats):
+            command = ([sys.executable, "train.py", f"model={model}", f"tokens.train_steps={steps}",
+                        f"hydra.run.dir={out}/{i}_{steps}", *extra] if side == "nanoexp" else
+                       [sys.executable, "benchmarks/bench.py", "--plain-run", str(steps), f"--models={model}", *extra])
+            seconds[side, steps].append(wall_seconds(command))
     per_25 = {side: statistics.median(seconds[side, 50]) - statistics.median(seconds[side, 25])
               for side in ("nanoexp", "plain")}
     return {"model": model, "nanoexp_tok_s": 25 * tokens / per_25["nanoexp"], "plain_tok_s": 25 * tokens / per_25["plain"],
@@ -339,7 +330,7 @@ def main_wall(args) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (torch's default, as train.py); wall time "
           f"of fresh 50-step minus 25-step runs, medians of {args.repeats}; ratio = nanoexp tok/s / plain tok/s")
     for model in args.models:
-        shape = model_shape(compose([f"model={model}", *args.overrides]))
+        shape = model_shape(compose([f"model={model}", *args.overrides], world_size=1))
         if shape.moe and mixtral_mismatch(shape):
             print(f"{model}: no Hugging Face reference ({mixtral_mismatch(shape)}), skipped")
             continue
@@ -373,7 +364,7 @@ def main() -> None:
     for v in variants:
         if v not in VARIANTS:
             parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
-    peak = node_peak(compose([f"model={args.models[0]}", *args.overrides]).model.dtype, args.threads)
+    peak = node_peak(compose([f"model={args.models[0]}", *args.overrides], world_size=1).model.dtype, args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.warmup} warm-up + {args.steps} timed steps, "
           f"medians; ratio = plain / nanoexp step time (> 1: nanoexp faster); CPU = process CPU time per step; "
           f"MFU = model FLOP/s / peak\npeak: {peak.tflops * 1e3:.1f} GFLOP/s ({peak.source})")

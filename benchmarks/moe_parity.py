@@ -1,7 +1,7 @@
 """The mixture-of-experts parity table: every layout tests/test_moe.py trains, against one process.
 
-    python -m scripts.moe_parity                 # every layout of tests/test_moe.py's LAYOUTS (from the repository root)
-    python -m scripts.moe_parity ep2 ep2cp2      # some of them
+    python benchmarks/moe_parity.py                 # every layout of tests/test_moe.py's LAYOUTS
+    python -m benchmarks.moe_parity ep2 ep2cp2      # some of them
 
 Each layout trains moe_tiny on the tests' small shape for 8 steps (float32, gloo), as the test does, beside one
 process (its own, for a layout that changes the router); printed per layout: the largest relative difference
@@ -11,12 +11,15 @@ whether the expert loads were equal.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 
 import numpy as np
 
-from tests.helpers import FAST, train
-from tests.test_moe import LAYOUTS, MOE, STEPS, moe_curves
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
+from tests.helpers import FAST, train  # noqa: E402
+from tests.test_moe import LAYOUTS, MOE, STEPS, moe_curves  # noqa: E402
 
 
 def relative(ours: np.ndarray, reference: np.ndarray) -> float:

@@ -1,7 +1,7 @@
 """Time and peak memory of building a model's shards (build_model: modules, materialised shards, initial weights)
 on tp ranks, one process per rank as `python train.py` runs them.
 
-    python scripts/bench_init.py --model llama_1b --tp 1 2 4
+    python benchmarks/bench_init.py --model llama_1b --tp 1 2 4
 
 For each tp, tp forked gloo workers (torch's threads split between them) each build their shard of the model
 and report the wall time of build_model and the growth of their peak resident memory (VmHWM, reset before the

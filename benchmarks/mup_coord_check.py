@@ -1,6 +1,6 @@
 """The µP coordinate check: do activations keep their size as the model widens?
 
-    python scripts/mup_coord_check.py [--out DIR] [--widths 64 128 256 512] [--steps 6] [--seeds 2]
+    python benchmarks/mup_coord_check.py [--out DIR] [--widths 64 128 256 512] [--steps 6] [--seeds 2]
 
 Trains each width (head dimension fixed at --head-dim, intermediate size 3 x width, µP's base width
 the smallest) for a few Adam steps at a constant learning rate under both parametrizations, on the

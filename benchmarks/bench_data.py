@@ -1,7 +1,7 @@
 """Data-pipeline throughput: preprocessing tokens/s with 1 vs several workers, and random-access
 reads of training samples from a Nanoset (memory-mapped) vs the same samples in a `datasets` Arrow table.
 
-    python scripts/bench_data.py --documents 20000 --workers 2 --tokenizer bpe
+    python benchmarks/bench_data.py --documents 20000 --workers 2 --tokenizer bpe
 
 Everything is generated in a temporary folder (synthetic documents, a BPE tokenizer trained on
 them when ``--tokenizer bpe``); nothing is downloaded.

@@ -19,7 +19,7 @@
 #       --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.8 omegaconf==2.3.1
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # sdist only: build it here
 #   (all three are pure Python; psutil, PyYAML, safetensors and tensorboard are already there)
-# Then with the device tool:  run(command="bash scripts/bench_gpu.sh", carry=[".whl"], timeout_s=600)
+# Then with the device tool:  run(command="bash benchmarks/bench_gpu.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/bench_gpu_out}"
@@ -43,7 +43,7 @@ try:
     print("attention: flash-attn", flash_attn.__version__)
 except ImportError:
     print("attention: flash-attn not importable -> torch SDPA")
-import nanoexp.trainer  # noqa: F401  (fails early if an import is missing here)
+import nanoexp.runtime.trainer  # noqa: F401  (fails early if an import is missing here)
 EOF
 
 # Runs that time steps: no eval batches, no checkpoint, no TensorBoard.

@@ -1,6 +1,6 @@
 """The same checkpoint's downstream scores on several layouts, against one process.
 
-    python -m scripts.eval_layouts outputs/.../checkpoints/240 [--limit 200] \
+    python -m benchmarks.eval_layouts outputs/.../checkpoints/240 [--limit 200] \
         [--layouts parallelism.dp=2 parallelism.tp=2 parallelism.pp=2 parallelism.cp=2]
 
 Each layout runs scripts/evaluate.py's evaluation (nanoexp/evaluation/offline.py) with every document's responses;

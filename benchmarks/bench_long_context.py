@@ -1,9 +1,9 @@
 """Long context under context parallelism: peak memory per rank and attention work balance, cp = 1, 2, 4.
 
-    python scripts/bench_long_context.py                       # model=tiny, 4096 tokens, cp 1 2 4, 2 steps
-    python scripts/bench_long_context.py --cp 1 2 --steps 1 --sequence-length 8192
-    python scripts/bench_long_context.py --cp 2 4 --cp-mode all_gather     # peaks of the all-gather cp mode
-    python scripts/bench_long_context.py --tiles 64 128 256 512 1024     # the tile size of ring attention
+    python benchmarks/bench_long_context.py                       # model=tiny, 4096 tokens, cp 1 2 4, 2 steps
+    python benchmarks/bench_long_context.py --cp 1 2 --steps 1 --sequence-length 8192
+    python benchmarks/bench_long_context.py --cp 2 4 --cp-mode all_gather     # peaks of the all-gather cp mode
+    python benchmarks/bench_long_context.py --tiles 64 128 256 512 1024     # the tile size of ring attention
 
 Each cp runs `python train.py model=tiny tokens.sequence_length=S tokens.global_batch_size=4
 tokens.micro_batch_size=1 model.model_config.max_position_embeddings=S parallelism.cp=CP` (dp = tp = pp = 1)
@@ -38,13 +38,14 @@ import torch
 
 from nanoexp.config import compose
 from nanoexp.observe.memory_estimate import MB, estimate, total
-from nanoexp.observe.peak import measure_cpu_peak
 from nanoexp.runtime.build import model_shape
-from nanoexp.parallel import attention_blocks
+from nanoexp.parallel.context_parallel import blocks as attention_blocks
 from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
 from nanoexp.parallel.context_parallel.ring import ring_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # run as a file: the repository root
+from benchmarks.harness import in_turns, matmul_peak  # noqa: E402
 
 
 def zigzag_scores(seq_len: int, cp: int, cp_rank: int) -> int:
@@ -91,10 +92,9 @@ def best_cpu_ms(work: list, shape, repeats: int) -> list[float]:
     """Each item's (a rank's blocks) best CPU ms of `repeats`, taken in turns so that a busy spell of the
     machine slows one round of every rank rather than every round of one rank."""
     best = [float("inf")] * len(work)
-    for _ in range(repeats):
-        for i, blocks in enumerate(work):
-            best[i] = min(best[i], 1e3 * cpu_seconds(blocks, shape.num_attention_heads, shape.num_key_value_heads,
-                                                     shape.head_dim))
+    for _, (i, blocks) in in_turns(list(enumerate(work)), repeats, alternate=False):
+        best[i] = min(best[i], 1e3 * cpu_seconds(blocks, shape.num_attention_heads, shape.num_key_value_heads,
+                                                 shape.head_dim))
     return best
 
 
@@ -104,7 +104,7 @@ def tile_timings(args, shape) -> None:
     2048² float32 matmul. A block's matmuls: q·k and p·v forward, q·k again and four gradient products
     backward, 2·n·m·d FLOPs each per head."""
     chunk = args.sequence_length // 4
-    peak = measure_cpu_peak("float32", threads=1, max_size=2048).tflops * 1e3   # GFLOP/s
+    peak = matmul_peak("float32", threads=1, device="cpu").tflops * 1e3   # GFLOP/s
     flops = 7 * 2 * chunk * chunk * shape.head_dim * shape.num_attention_heads
     print(f"one thread's 2048² float32 matmul: {peak:.1f} GFLOP/s; a full block = {flops / 1e9:.3f} GFLOP")
     for tile in args.tiles:

@@ -1,7 +1,7 @@
 """bf16 parity: how far each layout's bf16 losses are from one bf16 process's.
 
-    python scripts/bench_bf16.py                       # every file in conf/parallelism/
-    python scripts/bench_bf16.py dp2tp2pp2 dp2tp2pp1:parallelism.tp_mode=reduce_scatter \
+    python benchmarks/bench_bf16.py                       # every file in conf/parallelism/
+    python benchmarks/bench_bf16.py dp2tp2pp2 dp2tp2pp1:parallelism.tp_mode=reduce_scatter \
         dp2tp1pp2:parallelism.pp_engine=interleaved_1f1b,parallelism.pp_virtual_stages=2 [--steps 8] [--set KEY=VALUE ...]
 
 Each layout (a file of conf/parallelism/, optionally ":" and comma-separated overrides for it) trains
@@ -20,18 +20,14 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 
-from nanoexp.config import register_configs  # noqa: E402
-
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+from nanoexp.config import CONF_DIR, compose  # noqa: E402
 
 
 def train_losses(overrides: list[str]) -> list[float]:
-    from hydra import compose, initialize_config_dir
     from nanoexp.run import run
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose(overrides)
     with tempfile.TemporaryDirectory() as run_dir:
         run(cfg, run_dir)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -39,13 +35,12 @@ def train_losses(overrides: list[str]) -> list[float]:
 
 
 def main() -> None:
-    layouts = sorted(name[:-5] for name in os.listdir(os.path.join(CONF, "parallelism")) if name.endswith(".yaml"))
+    layouts = sorted(name[:-5] for name in os.listdir(os.path.join(CONF_DIR, "parallelism")) if name.endswith(".yaml"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("layouts", nargs="*", default=layouts, help="conf/parallelism file[:key=value,...]")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run (and the reference)")
     args = parser.parse_args()
-    register_configs()
     common = ["model.dtype=bfloat16", f"tokens.train_steps={args.steps}", "tokens.val_check_interval=0",
               f"optimizer.learning_rate_scheduler.lr_warmup_steps={min(2, args.steps)}",
               "logging.iteration_step_info_interval=1", "logging.tensorboard=false", "data.prefetch=false", *args.set]

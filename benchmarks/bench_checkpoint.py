@@ -1,7 +1,7 @@
 """Save and load time and size of a checkpoint of the `small` model (weights + AdamW state), nanoexp's
 format against torch.distributed.checkpoint (DCP) saving the same state, one process.
 
-    python scripts/bench_checkpoint.py [--model small] [--repeats 3]
+    python benchmarks/bench_checkpoint.py [--model small] [--repeats 3]
 Prints one JSON object: median seconds and bytes on disk for each format.
 """
 import argparse

@@ -1,8 +1,8 @@
 """torch's FSDP2 (`fully_shard`) against nanoexp's ZeRO-3: the same model, data and AdamW, at dp=2 and dp=4.
 
-    python scripts/bench_fsdp.py                                   # model=small, dp 2 and 4, 2 warm-up + 4 timed steps
-    python scripts/bench_fsdp.py --model tiny --dps 2 4 8 --steps 6 --warmup 2 --repeats 3
-    python scripts/bench_fsdp.py --zero-stage 1 tokens.micro_batch_size=2      # extra Hydra overrides for both sides
+    python benchmarks/bench_fsdp.py                                   # model=small, dp 2 and 4, 2 warm-up + 4 timed steps
+    python benchmarks/bench_fsdp.py --model tiny --dps 2 4 8 --steps 6 --warmup 2 --repeats 3
+    python benchmarks/bench_fsdp.py --zero-stage 1 tokens.micro_batch_size=2      # extra Hydra overrides for both sides
 
 Each case is a fresh set of dp local workers (nanoexp's launcher: gloo and torch's threads split between the
 processes on CPU; one process per GPU with NCCL when CUDA is present). The cases alternate, `--repeats` times
@@ -18,9 +18,9 @@ processes on CPU; one process per GPU with NCCL when CUDA is present). The cases
 Both read the same micro-batches (nanoexp's StagedBatches for each dp rank). Reported per case, medians over
 the repeats:
   tokens/s      the global batch's tokens over rank 0's median timed step (the repeats' range beside it);
-  MFU           model FLOPs (nanoexp.observe.metrics.flops_per_token) over the peak: on CPU the node's 2048x2048 float32
-                matmul with all cores, measured before every case and at the end, the best (load lowers it); on
-                CUDA that matmul on one GPU, x dp;
+  MFU           model FLOPs (nanoexp.observe.metrics.flops_per_token) over the peak (benchmarks.harness.matmul_peak): on
+                CPU the node's 2048x2048 float32 matmul with all cores, measured before every case and at the end, the
+                best (load lowers it); on CUDA one GPU's float32 datasheet figure, x dp;
   CPU s/step    process CPU time summed over the ranks: what other load on the machine disturbs least;
   peak MB/rank  the largest rank's peak above its baseline (nanoexp.observe.memory: CPU peak RSS since `start_measuring`,
                 taken before the model is built, with glibc returning freed memory as logging.exact_cpu_memory
@@ -31,10 +31,10 @@ A failing side is reported in its rows (the exception and the line of this scrip
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -42,9 +42,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from nanoexp.config import compose as compose_config, global_batch_size, normalize
+from nanoexp.config import global_batch_size
 from nanoexp.data.loader import IGNORE_INDEX
 from nanoexp.data.stages import StagedBatches
 from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
@@ -54,9 +53,10 @@ from nanoexp.runtime.build import build_model, model_shape
 from nanoexp.runtime.optim import build_optimizer, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.observe.peak import measure_cpu_peak
 from nanoexp.runtime.trainer import Trainer
-from nanoexp.validation import validate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
+from benchmarks.harness import compose, in_turns, matmul_peak  # noqa: E402
 
 IMPLEMENTATIONS = ("fsdp2", "nanoexp")
 # The model returns its per-token losses as a view, on which FSDP2 warns that an in-place op would skip the
@@ -94,10 +94,7 @@ def config_for(args, impl: str, dp: int):
     if stage == 3:
         overrides += [f"optimizer.zero3_prefetch={args.prefetch}",
                       f"optimizer.zero3_reshard_after_forward={str(args.reshard).lower()}"]
-    cfg = compose_config(overrides + args.overrides)
-    normalize(cfg)
-    validate(cfg, world_size=Layout.from_config(cfg).world_size)
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain and picklable for the workers
+    return compose(overrides + args.overrides, plain=True)   # plain and picklable for the workers
 
 
 # -- FSDP2 --------------------------------------------------------------------------------------------------
@@ -228,30 +225,16 @@ def run_case(impl: str, dp: int, args) -> dict:
             "flops_per_token": flops_per_token(model_shape(cfg), cfg.tokens.sequence_length)}
 
 
-def matmul_peak_tflops() -> float:
-    """The 2048x2048 float32 matmul peak: on CPU this node's with all cores (nanoexp.observe.peak), on CUDA one GPU's."""
-    if not torch.cuda.is_available():
-        return measure_cpu_peak("float32", os.cpu_count() or 1, max_size=2048, min_seconds=math.inf).tflops
-    a, best = torch.linspace(-1.0, 1.0, 2048 * 2048, device="cuda").reshape(2048, 2048), math.inf
-    for _ in range(6):   # the first is a warm-up (cuBLAS handles, clocks), timed like the others
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            torch.mm(a, a)
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / 10)
-    return 2.0 * 2048 ** 3 / best / 1e12
-
-
-def summarize(runs: list[dict], peak_tflops: float, gpus: bool, dp: int) -> dict:
-    """Medians over a case's repeats; any failure is reported instead (the first one)."""
+def summarize(runs: list[dict], peak_tflops: float | None, gpus: bool, dp: int) -> dict:
+    """Medians over a case's repeats; any failure is reported instead (the first one). No peak (a GPU the
+    datasheet table lacks): no MFU."""
     failed = [r["error"] for r in runs if "error" in r]
     if failed:
         return {"error": failed[0]}
     tokens_s = [r["tokens_s"] for r in runs]
-    job_peak = peak_tflops * (dp if gpus else 1)   # CPU: the ranks share the node's cores
+    job_peak = peak_tflops * (dp if gpus else 1) if peak_tflops else None   # CPU: the ranks share the node's cores
     return {"tokens_s": statistics.median(tokens_s), "range": (min(tokens_s), max(tokens_s)),
-            "mfu": runs[0]["flops_per_token"] * statistics.median(tokens_s) / (job_peak * 1e12),
+            "mfu": runs[0]["flops_per_token"] * statistics.median(tokens_s) / (job_peak * 1e12) if job_peak else None,
             "cpu_s": statistics.median(r["cpu_s"] for r in runs),
             "peak_mb": statistics.median(r["peak_mb"] for r in runs), "loss": runs[-1]["loss"],
             "first_loss": runs[-1]["first_loss"]}
@@ -271,7 +254,8 @@ def format_table(rows: dict[tuple[str, int], dict]) -> str:
             ratio = f"{r['tokens_s'] / ref['tokens_s']:.2f}x" if compare else "-"
             delta = f"{r['loss'] - ref['loss']:+.2e}" if compare else "-"
             spread = f"({r['range'][0]:,.0f}-{r['range'][1]:,.0f})"
-            lines.append(f"{impl:<8} {dp:>3} {r['tokens_s']:>10,.0f} {spread:>15} {100 * r['mfu']:>6.2f}% "
+            mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%"
+            lines.append(f"{impl:<8} {dp:>3} {r['tokens_s']:>10,.0f} {spread:>15} {mfu:>7} "
                          f"{r['cpu_s']:>10.2f} {r['peak_mb']:>12.1f} {r['first_loss']:>11.6f} {r['loss']:>10.6f} "
                          f"{ratio:>14} {delta:>11}")
     return "\n".join(lines)
@@ -284,21 +268,22 @@ def main() -> None:
           f"{args.steps} timed steps, {args.repeats} repeat(s)", flush=True)
     runs: dict[tuple[str, int], list[dict]] = {}
     peaks = []
-    for repeat in range(args.repeats):
-        for dp in args.dps:
-            for impl in IMPLEMENTATIONS:
-                peaks.append(matmul_peak_tflops())   # before every case: the best of them is the least loaded
-                result = run_case(impl, dp, args)
-                runs.setdefault((impl, dp), []).append(result)
-                shown = result.get("error") or (f"{result['tokens_s']:,.0f} tokens/s, {result['cpu_s']:.2f} CPU s/step, "
-                                                f"peak {result['peak_mb']:.1f} MB/rank, last loss {result['loss']:.6f}")
-                print(f"  repeat {repeat + 1}: {impl} dp{dp}: {shown}", flush=True)
-    peaks.append(matmul_peak_tflops())
-    peak = max(peaks)
+    cases = [(dp, impl) for dp in args.dps for impl in IMPLEMENTATIONS]
+    for repeat, (dp, impl) in in_turns(cases, args.repeats, alternate=False):
+        peaks.append(matmul_peak())   # before every case: the best of them is the least loaded
+        result = run_case(impl, dp, args)
+        runs.setdefault((impl, dp), []).append(result)
+        shown = result.get("error") or (f"{result['tokens_s']:,.0f} tokens/s, {result['cpu_s']:.2f} CPU s/step, "
+                                        f"peak {result['peak_mb']:.1f} MB/rank, last loss {result['loss']:.6f}")
+        print(f"  repeat {repeat + 1}: {impl} dp{dp}: {shown}", flush=True)
+    peaks.append(matmul_peak())
+    measured = [p.tflops for p in peaks if p.tflops]
+    peak = max(measured, default=None)
     rows = {case: summarize(case_runs, peak, gpus, case[1]) for case, case_runs in runs.items()}
-    print(f"\n2048² float32 matmul peak: {peak * 1e3:.1f} GFLOP/s{' per GPU' if gpus else ' (the node)'}, the best "
-          f"of {len(peaks)} (lowest {min(peaks) * 1e3:.1f}); load average {load:.2f} -> {os.getloadavg()[0]:.2f}; "
-          f"medians over repeats (see the docstring)")
+    where = (f"float32 peak: {f'{peak * 1e3:.1f} GFLOP/s' if peak else 'unknown'} per GPU ({peaks[-1].source})"
+             if gpus else f"2048² float32 matmul peak: {peak * 1e3:.1f} GFLOP/s (the node), the best of {len(peaks)} "
+             f"(lowest {min(measured) * 1e3:.1f})")
+    print(f"\n{where}; load average {load:.2f} -> {os.getloadavg()[0]:.2f}; medians over repeats (see the docstring)")
     print(format_table(rows))
 
 

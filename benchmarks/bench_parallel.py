@@ -1,9 +1,9 @@
 """Tokens/s and bytes moved per process group, for a few layouts on local CPU/gloo workers.
 
-    python scripts/bench_parallel.py dp2tp1pp1 dp1tp2pp1 dp1tp2pp1:parallelism.tp_mode=reduce_scatter \
+    python benchmarks/bench_parallel.py dp2tp1pp1 dp1tp2pp1 dp1tp2pp1:parallelism.tp_mode=reduce_scatter \
         dp1tp1pp2 dp2tp2pp2 [--model tiny] [--steps 3] [--warmup 1] [--set KEY=VALUE ...]
-    python scripts/bench_parallel.py dp1cp2tp1pp1 dp1cp4tp1pp1 dp2cp2tp1pp1   # context parallel
-    python scripts/bench_parallel.py dp2ep2tp1pp1 dp4ep2tp1pp1 --model moe_tiny  # expert parallel
+    python benchmarks/bench_parallel.py dp1cp2tp1pp1 dp1cp4tp1pp1 dp2cp2tp1pp1   # context parallel
+    python benchmarks/bench_parallel.py dp2ep2tp1pp1 dp4ep2tp1pp1 --model moe_tiny  # expert parallel
 
 Each layout ("dpXtpYppZ" or "dpXcpWtpYppZ", optionally ":" and comma-separated overrides for that
 layout) runs dp*cp*tp*pp forked gloo workers with the real Trainer; after warm-up steps, `--steps`
@@ -59,31 +59,24 @@ import multiprocessing as mp
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from nanoexp.config import compose as compose_config, normalize
 from nanoexp.launch.workers import free_port
 from nanoexp.observe.memory_estimate import held_modules, held_parameters
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.validation import validate
 from nanoexp.verify.comm_counter import CommCounter
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
+from benchmarks.harness import compose  # noqa: E402
+
 GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding")
-
-
-def compose(overrides: list[str]):
-    """The config `python train.py <overrides>` runs with, checked for its layout and resolved (for the workers)."""
-    cfg = compose_config(overrides)
-    normalize(cfg)
-    validate(cfg, world_size=Layout.from_config(cfg).world_size)
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
 def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
@@ -250,7 +243,7 @@ def main() -> None:
                      f"parallelism.pp={pp}", f"parallelism.ep={ep or 1}",
                      "logging.tensorboard=false", "data.prefetch=false", *args.set,
                      *[o for o in extra.split(",") if o]]
-        report(spec, run_layout(compose(overrides), args), args.steps)
+        report(spec, run_layout(compose(overrides, plain=True), args), args.steps)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Measured peak memory per rank against the estimate, for a matrix of layouts and ZeRO stages.
 
-    python scripts/bench_memory.py                              # model=small, the default matrix
-    python scripts/bench_memory.py --steps 3 --csv memory.csv dp2tp1pp1:optimizer.zero_stage=1
-    python scripts/bench_memory.py dp1cp2tp1pp1 dp2cp2tp1pp1:optimizer.zero_stage=1 dp1cp2tp2pp1   # context parallel
-    python scripts/bench_memory.py dp{2,4}tp1pp1:optimizer.zero_stage={0,1,2,3}   # ZeRO 0-3, dp 2 and 4 (8 cases)
+    python benchmarks/bench_memory.py                              # model=small, the default matrix
+    python benchmarks/bench_memory.py --steps 3 --csv memory.csv dp2tp1pp1:optimizer.zero_stage=1
+    python benchmarks/bench_memory.py dp1cp2tp1pp1 dp2cp2tp1pp1:optimizer.zero_stage=1 dp1cp2tp2pp1   # context parallel
+    python benchmarks/bench_memory.py dp{2,4}tp1pp1:optimizer.zero_stage={0,1,2,3}   # ZeRO 0-3, dp 2 and 4 (8 cases)
 
 Each case is `python train.py model=small <case overrides>` for a few steps (its own run folder
 in a temporary directory); per rank it prints the measured peak above the rank's runtime baseline
@@ -128,7 +128,7 @@ def print_savings(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="ZeRO 0-3 at dp 2 and 4: python scripts/bench_memory.py "
+                                     epilog="ZeRO 0-3 at dp 2 and 4: python benchmarks/bench_memory.py "
                                             "dp{2,4}tp1pp1:optimizer.zero_stage={0,1,2,3}")
     parser.add_argument("cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--model", default="small")

@@ -1,0 +1,78 @@
+"""Whole checkpoints to and from Hugging Face folders (scripts/convert_to_hf.py, scripts/convert_from_hf.py).
+
+`convert_to_hf` exports a checkpoint of any layout as a transformers Llama folder (Mixtral for a mixture of
+experts that is one): config.json (vocab_size = nanoexp's padded vocabulary), model.safetensors (float32) and the
+tokenizer files. A µP model's multipliers are baked into the weights (nanoexp.interop.hf.bake_multipliers), so
+transformers' Llama gives its logits. `convert_from_hf` writes a local HF Llama (or Mixtral) folder as a nanoexp
+checkpoint at step 0 without optimizer state, and returns the overrides that give nanoexp its shape and tokenizer.
+The tensor names and configs themselves are nanoexp.interop.hf's.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from nanoexp.checkpoint import CheckpointManager, Progress
+from nanoexp.checkpoint.load import CheckpointReader, check_compatible
+from nanoexp.config import compose
+from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.interop.hf import (bake_multipliers, hf_config, hf_name, mixtral_mismatch, parameter_shapes,
+                                read_hf_config, write_tokenizer)
+from nanoexp.parallel.context import ParallelContext
+from nanoexp.run import check_config
+from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.runtime.optim import build_optimizer
+
+
+def convert_to_hf(checkpoint: str, out: str) -> None:
+    """Write the checkpoint folder `checkpoint` (<checkpoints_path>/<step>) as the Hugging Face folder `out`."""
+    reader = CheckpointReader(checkpoint)
+    cfg = OmegaConf.create(reader.meta["config"])
+    shape = model_shape(cfg)
+    if shape.moe is not None and mixtral_mismatch(shape):
+        raise ValueError(f"{checkpoint} holds a mixture of experts that Hugging Face's Mixtral cannot hold: "
+                         f"{mixtral_mismatch(shape)}")
+    check_compatible(reader, shape)
+    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
+    os.makedirs(out, exist_ok=True)
+    tensors = {name: reader.full_tensor(name).contiguous() for name in parameter_shapes(shape)}
+    tensors, shape = bake_multipliers(tensors, shape)
+    tensors = {hf_name(name): tensor for name, tensor in tensors.items()}   # Mixtral's names for MoE blocks
+    weights = os.path.join(out, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)   # safetensors writes 0600, like a temporary file: these are for others
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(shape, tokenizer.eod_id), f, indent=2)
+    write_tokenizer(cfg.tokenizer.tokenizer_name_or_path, out)
+
+
+def model_overrides(hf_dir: str) -> list[str]:
+    """The config overrides that give nanoexp the HF model's shape and tokenizer."""
+    c = read_hf_config(hf_dir)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+    out = [f"model.model_config.{k}={str(c[k]).lower() if isinstance(c[k], bool) else c[k]}" for k in keys]
+    if c.get("model_type") == "mixtral":   # a mixture of experts: every layer, no shared experts, renormalised
+        out += [f"model.moe.num_experts={c['num_local_experts']}", f"model.moe.top_k={c['num_experts_per_tok']}",
+                f"model.moe.moe_intermediate_size={c['intermediate_size']}", "model.moe.num_shared_experts=0",
+                "model.moe.layer_frequency=1", "model.moe.router=softmax_topk_normalized"]
+    has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return out + [f"tokenizer.tokenizer_name_or_path={os.path.abspath(hf_dir) if has_tokenizer else 'byte'}"]
+
+
+def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
+    """Write the HF folder `hf_dir` as the checkpoint `out`/0; return the overrides to train from it with."""
+    overrides = model_overrides(hf_dir) + overrides
+    cfg = compose(overrides + [f"model.init_method.path={os.path.abspath(hf_dir)}",
+                               "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"])
+    check_config(cfg, world_size=1)
+    cfg.checkpoint.checkpoints_path = out
+    ctx = ParallelContext()
+    model = build_model(cfg, ctx)
+    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model), Progress())
+    return overrides
