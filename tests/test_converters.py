@@ -18,7 +18,7 @@ def bf16_matmul(x, weight, layer):
     return F.linear(x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float())
 
 
-def all_but_head(name: str, layer: Linear, cfg) -> None:
+def all_but_head(name: str, layer: Linear, cfg, ctx) -> None:
     if not name.endswith("lm_head"):
         layer.matmul = bf16_matmul
 

@@ -1,10 +1,10 @@
 """Number formats for the linears: each is a converter that replaces `Linear.matmul` on the layers it selects.
 
-A format registers itself here with a test of the config (is it on?) and a function that converts a built model:
-this rank's part, after the parallel dimensions were applied, so that it sees the sharded layers as they will run
-and never needs to know how they communicate. Adding a format is its own file in nanoexp/numerics/ and its config
-keys; nothing else changes.
-"""
+A format registers a `Converter` in `CONVERTERS`: a test of the config (is it on?) and a function that converts
+each Linear of this rank's part of the model after the parallel dimensions were applied. It sees the sharded layers
+as they will run (a tensor-parallel layer's `axis`; the context, for the groups a tensor's elements are spread over,
+e.g. to agree on a scale) and never needs to know how a layer communicates. A format is its own file in
+nanoexp/numerics/, imported by nanoexp/numerics/__init__.py, and its config keys."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,13 +18,14 @@ from nanoexp.model.linear import Linear
 @dataclass(frozen=True)
 class Converter:
     enabled: Callable[[object], bool]                # cfg -> whether this run uses the format
-    convert: Callable[[str, Linear, object], None]   # (module name, layer, cfg): replace layer.matmul or leave it
+    convert: Callable[[str, Linear, object, object], None]   # (module name, layer, cfg, ParallelContext):
+    #                                                            replace layer.matmul or leave it
 
 
 CONVERTERS: dict[str, Converter] = {}
 
 
-def convert_linears(model: nn.Module, cfg) -> list[str]:
+def convert_linears(model: nn.Module, cfg, ctx) -> list[str]:
     """Apply every enabled format to the model's Linear layers in registration order; the names it converted."""
     converted = []
     for converter in CONVERTERS.values():
@@ -33,7 +34,7 @@ def convert_linears(model: nn.Module, cfg) -> list[str]:
         for name, module in model.named_modules():
             if isinstance(module, Linear):
                 before = module.matmul
-                converter.convert(name, module, cfg)
+                converter.convert(name, module, cfg, ctx)
                 if module.matmul is not before:
                     converted.append(name)
     return converted
