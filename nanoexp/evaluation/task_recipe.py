@@ -1,35 +1,9 @@
 """The recipe of the two held-out Shakespeare tasks for lm-evaluation-harness: the .jsonl files next to their YAMLs
-in nanoexp/evaluation/tasks/ (`build_tasks`, run by scripts/build_eval_tasks.py).
-
-The text comes only from the held-out part of the built-in corpus: ``split_train_val(documents, 0.05)``
-keeps the last 5 % of every work (the default ``data.validation_fraction``), which training never sees.
-Each held-out tail is cut into lines with trailing whitespace stripped.
-
-A line can be asked about when it is a *speech line*: at least
-10 characters, no leading whitespace, at least one lowercase letter (so not a speaker name such as
-"KING."), not a stage direction ("[Exit.]"), and not found anywhere in the training text (a plain
-substring test against the train part of the split; repeated lines such as "My gracious lord," fail it;
-for shakespeare_complete the line is tested only up to the end of its last word).
-
-shakespeare_choice.jsonl (multiple choice, chance 25 %): the true continuation of a line among three
-reorderings of its words. A speech line whose second half (by words) has at least 3 words, 3 of them distinct,
-is cut there: the context is the line before, "\n", and the first half; the choices are the second half as it
-is (" w1 w2 ...") and three other orders of the same words, distinct; ``label`` is the true one's index. Every
-choice has the same characters, so only the order tells them apart: a model that learned Shakespeare's syntax
-beats chance, one that knows only which characters are frequent does not.
-
-shakespeare_complete.jsonl (generation, exact match): a speech line whose last word, with at most one
-trailing character of ",.;:!?", is alphabetic and at least 4 letters long. The context is the line before,
-"\n", then the line up to the middle of its last word (its first ⌊n/2⌋ letters); the target is the rest of
-the word. Generation stops at a space, a newline or ",.;:!?", so a model that writes the true text matches
-exactly.
-
-Docs of one task never overlap: two chosen lines of a work are at least 3 lines apart, so no doc's
-context holds another doc's answer (few-shot examples come from the same split). Everything is drawn
-from ``random.Random(seed)`` streams, and the files are written with fixed JSON formatting, the docs in a
-seeded shuffled order (so that the harness's ``limit`` = n, which takes the first n, spans the works): building
-them twice gives byte-identical files.
-"""
+in nanoexp/evaluation/tasks/ (`build_tasks`, run by scripts/build_eval_tasks.py). Only the held-out 5 % of every
+work is used, and a line is asked about only if it is a speech line found nowhere in the training text. Docs of a
+task are at least 3 lines apart (no context holds another doc's answer); every draw comes from seeded streams and
+the files are written with fixed formatting, so building them twice gives byte-identical files. What each task
+asks, with examples: nanoexp/evaluation/tasks/README.md."""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
-"""Stop signals: SIGTERM, SIGUSR2 or SIGINT (Ctrl-C) ask the run to finish its step, checkpoint and
-exit cleanly.
+"""Stop signals: SIGTERM, SIGUSR2 or SIGINT (Ctrl-C) ask the run to finish its step, checkpoint and exit cleanly.
 
-Who handles what:
-  * `handle_stop_signals()` wraps a whole run in the process that starts it (nanoexp.run). Its
-    handler only records the signal; when that process launched local workers it also forwards
-    the signal to them.
-  * Local workers (nanoexp.launch.workers) record the signals themselves, started by fork or by spawn:
-    the launcher holds the signals back while it starts them (`workers_starting()`; a blocked
-    signal stays pending, and the mask survives both fork and spawn's exec), and each worker calls
-    `worker_records_stop_signals()` first thing, which installs the recording handler and then lets
-    any held-back signal in. So a signal that comes while a spawned worker is still importing
-    torch is recorded late, not fatal; a forked worker would inherit the handler anyway, and
-    installs it all the same. A signal the launcher received before its workers existed is
-    forwarded to them once they are started. Ctrl-C reaches the launcher and every worker (one
-    process group): each records it once or twice, which is the same as once.
-  * Every rank's trainer asks `stop_agreed(ctx)` after each optimizer step: one all-reduce, so
-    all ranks stop after the same step even when the signal reached only some of them.
-  * When the run has ended (checkpoint written), the handler that was installed before ours is
-    called with the signal we received. Under submitit that is its SIGUSR2 handler, which
-    requeues the job; its SIGTERM handler only logs. A plain shell had no handler: nothing more.
-    Python's own SIGINT handler (KeyboardInterrupt) is not chained: the run already stopped cleanly.
-"""
+`handle_stop_signals()` wraps a run in the process that starts it and only records the signal (forwarding it to
+local workers, once they exist). Workers record signals themselves: the launcher blocks them while it starts
+workers (`workers_starting()`; the mask survives fork and spawn), and each worker installs the recording handler
+first thing (`worker_records_stop_signals()`) before letting held-back signals in, so a signal during a worker's
+imports is recorded late, never fatal. Every rank asks `stop_agreed(ctx)` after each step (one all-reduce), so all
+stop after the same step. Once the checkpoint is written, the handler installed before ours gets the signal
+(submitit's SIGUSR2 handler requeues the job); Python's KeyboardInterrupt is not chained. See docs/checkpoints.md."""
 from __future__ import annotations
 
 import contextlib

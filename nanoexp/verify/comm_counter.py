@@ -4,23 +4,10 @@
         trainer.train_step(micro_batches, lr)
     comm.totals()   # {"dp": {"calls": 3, "payload_bytes": ..., "sent_bytes": ...}, ...}
 
-While the block runs, `torch.distributed.{all_reduce, all_gather, all_gather_into_tensor,
-all_gather_single, reduce_scatter, reduce_scatter_tensor, reduce_scatter_single, broadcast, send,
-recv, isend, irecv, batch_isend_irecv, all_to_all_single}` (those this torch has) are replaced by wrappers that record each call and then call the original; everything is
-restored on exit. A call is attributed to the name of the group object it was given (None is
-the default group, "world"; an unnamed group is "other").
-
-Two numbers per call, for THIS rank:
-  * payload_bytes: the bytes of this rank's tensor argument (its input for a reduction or a
-    gather, its own chunk for a reduce-scatter, the buffer for send/recv);
-  * sent_bytes: the bytes this rank puts on the wire with the bandwidth-optimal (ring)
-    algorithm, for a group of n: all-reduce 2(n-1)/n x tensor, all-gather (n-1) x chunk,
-    reduce-scatter (n-1) x chunk, broadcast (n-1)/n x tensor, send/isend the tensor, recv 0,
-    all-to-all its input but the rows of its own split.
-Backends may use other algorithms; sent_bytes is the standard yardstick, comparable with the
-analytic minimum of a layout. Only the outermost call counts (a wrapped function that calls
-another wrapped one is not counted twice).
-"""
+Per call, for this rank: payload_bytes, its tensor argument; sent_bytes, what the bandwidth-optimal ring algorithm
+puts on the wire for a group of n (all-reduce 2(n-1)/n x tensor, all-gather and reduce-scatter (n-1) x chunk,
+broadcast (n-1)/n, send the tensor, recv 0, all-to-all its input but its own split): the yardstick the analytic
+minimum of a layout is written in. Only the outermost wrapped call counts; calls are named by their group."""
 from __future__ import annotations
 
 import functools

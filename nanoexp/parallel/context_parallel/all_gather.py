@@ -1,25 +1,11 @@
-"""Context-parallel attention by one all-gather of K/V (parallelism.cp_mode=all_gather).
-
-Llama 3 ("The Llama 3 Herd of Models", Dubey et al. 2024, section 3.3.2) trains long contexts this way
-instead of with a ring: every cp rank all-gathers the keys and values of the whole sequence, then attends
-with its own queries only. Two arguments make it worth having next to ring.py: with grouped-query
-attention K/V are small next to Q (kv_heads / heads of its size), so gathering them all costs little memory;
-and one large collective is simpler to run and to tune than cp − 1 point-to-point steps that must overlap
-with compute to hide their latency, at the price of communication that overlaps with less.
-
-The layout is the ring's zig-zag split (zigzag.py): rank r holds queries and K/V of chunks
-r and 2·cp − 1 − r. After the gather a rank computes exactly the blocks ring_blocks lists for it (the same
-visibility rules, so the same balanced work), each in tiles (blocks.py), merged by log-sum-exp.
-Document masking hides, tile by tile, the keys before each query's document start, as the ring does.
-
-Forward: ONE all-gather of K and V stacked ([2, b, kv_heads, s/cp, d] per rank into [cp, 2, ...]); the
-attention to the rank's own K/V runs while it is in flight. The gathered K/V are saved for backward
-(cp × the K/V of s/cp tokens per layer: nanoexp/observe/memory_estimate.py counts them), so the backward needs no second
-gather. Backward: the probabilities are recomputed from the saved log-sum-exp, dK/dV of every gathered
-chunk accumulate in one float32 (or wider) [cp, 2, ...] buffer, and ONE reduce-scatter (sum) hands each
-rank the gradient of its own K/V. Collectives need no pairing plan: every cp rank posts the same two, in
-the same order, on its cp group.
-"""
+"""Context-parallel attention by one all-gather of K/V (parallelism.cp_mode=all_gather), Llama 3's recipe (Dubey et
+al. 2024, section 3.3.2): every cp rank gathers the keys and values of the whole sequence and attends with its own
+queries. Beside the ring it trades overlap for simplicity: under GQA K/V are small next to Q, and one large
+collective is easier to run than cp − 1 point-to-point steps. Same zig-zag layout and blocks as the ring (so the
+same balanced work), tiles merged by log-sum-exp (blocks.py). Forward: ONE all-gather of K and V stacked, the
+attention to the rank's own K/V running while it is in flight; the gathered K/V are saved for backward. Backward:
+probabilities recomputed from the saved log-sum-exp, dK/dV of every gathered chunk in one float32 buffer, ONE
+reduce-scatter back to their owners. Every cp rank posts the same two collectives in the same order."""
 from __future__ import annotations
 
 import math

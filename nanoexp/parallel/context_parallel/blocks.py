@@ -1,24 +1,11 @@
 """Exact attention of one block of queries against one block of keys, in tiles, with log-sum-exp statistics.
 
-Ring attention (ring.py) cuts a sequence into chunks and attends chunk against chunk; a whole
-chunk × chunk block of scores would grow as (s/cp)², so each block is computed in TILE × TILE tiles, as
-flash attention does: a tile's scores exist only while it is folded into the running output (forward) or
-into the gradients (backward). A block is either full (every query sees every key) or causal, the
-diagonal block of a chunk against itself, whose tiles above the diagonal are skipped and whose diagonal
-tiles are masked. With document masking a query also ignores the keys before its document's start; a
-row may then see no key of a tile (its lse there is −inf, its output 0), but every row sees its own key,
-so its final log-sum-exp is finite.
-
-The forward folds tiles into a running (output, log-sum-exp) with the online-softmax rule; the backward
-recomputes each tile's probabilities from the final log-sum-exp and accumulates dq, dk, dv in place.
-Inputs are [b, heads, n, d] queries and [b, kv_heads, m, d] keys/values; a KV head serves heads/kv_heads
-query heads (as SDPA's enable_gqa).
-
-Precision: the tiles compute in the dtype of their inputs, which the context-parallel attentions give in float32
-(or wider), whatever autocast is active. Under autocast the forward's matmuls would otherwise come out in bf16,
-the log-sum-exp would be taken from bf16-rounded scores, and the backward, which runs outside autocast and
-recomputes float32 probabilities against that log-sum-exp, would disagree with its own forward.
-"""
+A chunk x chunk block of scores would grow as (s/cp)², so each block runs in TILE x TILE tiles, as flash attention
+does: the forward folds tiles into a running (output, log-sum-exp) with the online-softmax rule, the backward
+recomputes each tile's probabilities from the final log-sum-exp. A block is full or causal (a chunk against itself:
+tiles above the diagonal skipped); document masking hides the keys before each query's document start (every row
+sees its own key, so its log-sum-exp stays finite). Tiles compute in their inputs' dtype, which the cp attentions
+give in float32 whatever autocast is active: a bf16 log-sum-exp would disagree with the float32 backward."""
 from __future__ import annotations
 
 import torch
