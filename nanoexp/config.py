@@ -99,6 +99,12 @@ class OptimizerFactory:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     torch_adam_is_fused: bool = False   # foreach is used when false
+    # name=muon (docs/optimizers.md): torch.optim.Muon's settings for the hidden matrices; the rest use the adam_*
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5              # Newton–Schulz iterations
+    muon_ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    muon_adjust_lr_fn: str = "original"   # original | match_rms_adamw
 
 
 @dataclass

@@ -22,7 +22,7 @@ from nanoexp.checkpoint.save import FORMAT_VERSION, CheckpointError, rank_file
 from nanoexp.runtime.build import build_model
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import EMBEDDING, local_slice, value_name
+from nanoexp.parallel.placement import local_slice, value_name
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
@@ -219,9 +219,17 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[st
     (optimizer.optimizer_factory.name; None: the checkpoint's)."""
     steps, kinds = reader.meta.get("optimizer_steps", 0), state_kinds(reader)
     saved_by = reader.meta["config"]["optimizer"]["optimizer_factory"]["name"]
-    if not kinds or (name is not None and name.lower() != saved_by.lower()):
+    if name is not None and name.lower() != saved_by.lower():
+        log.warning("the checkpoint's optimizer state is %s's, this run's optimizer.optimizer_factory.name=%s: "
+                    "that state is not loaded (another optimizer's keys), the run resumes with fresh optimizer state",
+                    saved_by, name)
+        return False
+    if not kinds:
         return False
     names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
+
+    def kinds_of(p) -> list[str]:   # a parameter's own kinds: Muon's matrices and AdamW's others differ
+        return [kind for kind in kinds if (names[id(p)], kind) in reader.pieces]
 
     def local_state(p, kind):
         return local_slice(reader.full_tensor(names[id(p)], kind), p).to(p.device)
@@ -235,18 +243,20 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[st
 
     if isinstance(optimizer, ShardedOptimizer):   # this rank's part of each parameter
         for piece in (piece for piece in optimizer.pieces if names[id(piece.param)] not in skip):
-            state = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone() for kind in kinds}
+            state = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone()
+                     for kind in kinds_of(piece.param)}
             optimizer.state[piece.value] = with_step(state, piece.value.device)
         return True
     for group in optimizer.param_groups:
         for p in (p for p in group["params"] if names[id(p)] not in skip):
-            optimizer.state[p] = with_step({kind: local_state(p, kind).contiguous() for kind in kinds}, p.device)
+            optimizer.state[p] = with_step({kind: local_state(p, kind).contiguous() for kind in kinds_of(p)},
+                                           p.device)
     return True
 
 
 def state_kinds(reader: CheckpointReader) -> list[str]:
-    """The optimizer state a checkpoint holds per element, by key (the embedding always has it)."""
-    return sorted(kind for name, kind in reader.pieces if name == EMBEDDING and kind != "param")
+    """The optimizer state a checkpoint holds per element, by key, over all parameters."""
+    return sorted({kind for _, kind in reader.pieces if kind != "param"})
 
 
 def load_rng(reader: CheckpointReader, ctx) -> None:

@@ -12,6 +12,7 @@ from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.placement import value_name
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.runtime.muon import MuonWithAdamW
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
@@ -34,9 +35,19 @@ def adamw(cfg) -> tuple[type, dict]:
                                    eps=f.adam_eps, fused=fused or None, foreach=None if fused else True)
 
 
+def muon(cfg) -> tuple[type, dict]:
+    """Muon on the hidden matrices, AdamW (with the adamW keys) on the rest (runtime/muon.py), nanoexp's keys
+    muon_* beside nanotron's; both read the scheduled rate and optimizer.weight_decay of each group."""
+    f = cfg.optimizer.optimizer_factory
+    _, adamw_options = adamw(cfg)
+    return MuonWithAdamW, dict(adamw=adamw_options, muon=dict(
+        lr=cfg.optimizer.learning_rate_scheduler.learning_rate, momentum=f.muon_momentum, nesterov=f.muon_nesterov,
+        ns_steps=f.muon_ns_steps, ns_coefficients=tuple(f.muon_ns_coefficients), adjust_lr_fn=f.muon_adjust_lr_fn))
+
+
 # optimizer.optimizer_factory.name (lowercased) -> its torch class and options. ZeRO shards any of them whose
-# update is element-wise (parallel/sharding.py).
-OPTIMIZERS = {"adamw": adamw}
+# update is element-wise (parallel/sharding.py); Muon's is not (validation refuses it with ZeRO).
+OPTIMIZERS = {"adamw": adamw, "muon": muon}
 
 
 def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
@@ -49,6 +60,9 @@ def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None
         if grad_sync is None:
             raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
         return ShardedOptimizer(grad_sync, groups, optimizer_class, **options)
+    if optimizer_class is MuonWithAdamW:   # it picks its matrices by name and gathers tp shards
+        names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
+        return MuonWithAdamW(groups, names, tp_group=grad_sync.ctx.tp_group if grad_sync else None, **options)
     return optimizer_class(groups, **options)
 
 

@@ -1,0 +1,151 @@
+"""Muon for the hidden matrices, AdamW for the rest, as one optimizer (`optimizer.optimizer_factory.name=muon`).
+
+Muon (torch.optim.Muon's update: momentum, Nesterov, a Newton–Schulz orthogonalisation of the update direction,
+its learning-rate adjustment, decoupled weight decay) takes the parameters `takes_muon` names; torch's AdamW takes
+the others. Under tensor parallelism the momentum stays sharded like its weight (element-wise, and checkpoints
+reshard it by placement), while the orthogonalisation needs the whole matrix: the update direction's shards are
+all-gathered over tp, every tp rank orthogonalises the same whole matrix and keeps its slice. The rule, the
+choice of gathering and what is not built yet: docs/optimizers.md.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import MutableMapping
+
+import torch
+import torch.distributed as dist
+
+from nanoexp.model.llama import EMBEDDING, LM_HEAD
+from nanoexp.model.mup import ROUTER
+from nanoexp.parallel.placement import local_slice, placement
+
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)   # torch.optim.Muon's (Keller Jordan's quintic)
+EPS = 1e-7                                   # torch.optim.Muon's floor on the norm before the iteration
+
+
+def takes_muon(name: str, param) -> bool:
+    """Whether Muon updates `param` (named by the values it holds, placement.value_name): the 2-D hidden
+    matrices (attention and MLP projections, experts). The embedding, the LM head, the MoE router and every
+    vector (norms) go to AdamW: their rows are looked up or scored one by one, not used as a linear map."""
+    return param.ndim == 2 and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
+
+
+def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
+    """The quintic Newton–Schulz iteration X <- aX + (bA + cA²)X, A = XXᵀ, in bfloat16 on the wide orientation
+    of the matrix scaled to unit Frobenius norm: about U·Vᵀ of update = U·S·Vᵀ (the singular values land near 1,
+    not exactly on it). The same operations as torch.optim.Muon's, so that results agree bit for bit."""
+    a, b, c = coefficients
+    tall = update.shape[0] > update.shape[1]
+    x = update.bfloat16()
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str, shape) -> float:
+    """The rate of a whole matrix of `shape` (rows, columns): "original" keeps the update's RMS across aspect
+    ratios (√max(1, rows/columns)); "match_rms_adamw" gives it AdamW's RMS (0.2·√max(rows, columns))."""
+    rows, columns = shape
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, columns))
+    return lr * math.sqrt(max(1.0, rows / columns))
+
+
+def whole(shard: torch.Tensor, param, tp_group) -> torch.Tensor:
+    """The whole matrix of a tp-split parameter's `shard` (all-gathered over tp along its split dimension)."""
+    p = placement(param)
+    if p.split_dim is None or p.parts == 1:
+        return shard
+    shards = [torch.empty_like(shard) for _ in range(p.parts)]
+    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+    return torch.cat(shards, dim=p.split_dim)
+
+
+class TensorParallelMuon(torch.optim.Optimizer):
+    """torch.optim.Muon's update on matrices that may be tp shards (their `placement`): the momentum is kept per
+    shard, the orthogonalisation and the learning-rate adjustment see the whole matrix."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, ns_steps=5, adjust_lr_fn="original", eps=EPS, tp_group=None):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, eps=eps)
+        super().__init__(params, defaults)
+        self.tp_group = tp_group
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                grad, state = p.grad, self.state[p]
+                buf = state.setdefault("momentum_buffer", torch.zeros_like(grad))
+                buf.lerp_(grad, 1 - momentum)
+                direction = whole(grad.lerp(buf, momentum) if group["nesterov"] else buf, p, self.tp_group)
+                update = local_slice(orthogonalise(direction, group["ns_coefficients"], group["ns_steps"],
+                                                   group["eps"]), p)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], direction.shape))
+
+
+class _States(MutableMapping):
+    """The inner optimizers' `state` as one mapping, each parameter's read and written in its owner's."""
+
+    def __init__(self, optimizers):
+        self.owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+        self.optimizers = optimizers
+
+    def __getitem__(self, param):
+        if id(param) not in self.owner:
+            raise KeyError(param)
+        return self.owner[id(param)].state[param]
+
+    def __setitem__(self, param, value):
+        self.owner[id(param)].state[param] = value
+
+    def __delitem__(self, param):
+        del self.owner[id(param)].state[param]
+
+    def __iter__(self):
+        return (p for o in self.optimizers for p in o.state)
+
+    def __len__(self):
+        return sum(len(o.state) for o in self.optimizers)
+
+
+class MuonWithAdamW:
+    """One optimizer over torch-style `groups` (with their lr_scale and weight decay): each group is split into
+    its Muon part (`takes_muon`, by `names`: id -> value name) and its AdamW part. `param_groups` are both
+    optimizers' (set `g["lr"]` before `step()`), `state` holds each parameter's by key (momentum_buffer;
+    exp_avg, exp_avg_sq, step), `defaults` are AdamW's."""
+
+    def __init__(self, groups: list[dict], names: dict, adamw: dict, muon: dict, tp_group=None):
+        def part(muon_side: bool) -> list[dict]:
+            parts = [{**g, "params": [p for p in g["params"] if takes_muon(names[id(p)], p) == muon_side]}
+                     for g in groups]
+            return [g for g in parts if g["params"]]
+
+        self.adamw = torch.optim.AdamW(part(False), **adamw)
+        self.muon = TensorParallelMuon(part(True), **muon, tp_group=tp_group) if part(True) else None
+        self.optimizers = [self.adamw] + ([self.muon] if self.muon else [])
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.state, self.defaults = _States(self.optimizers), self.adamw.defaults
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict() if self.muon else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adamw.load_state_dict(state["adamw"])
+        if self.muon:
+            self.muon.load_state_dict(state["muon"])
