@@ -78,6 +78,16 @@ class MoeConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 linears through torchao (nanoexp/numerics/fp8.py, docs/fp8.md); names after torchtitan's `float8`."""
+    enabled: bool = False
+    recipe: str = "tensorwise"   # tensorwise | rowwise (torchao's recipe names)
+    # a linear whose module name contains one of these stays in high precision (the LM head, MoE routers)
+    filter_fqns: List[str] = field(default_factory=lambda: ["lm_head", "router"])
+    gather_in_fp8: bool = False  # ZeRO-3 gathers weights in FP8: not built yet, must stay false
+
+
+@dataclass
 class ModelConfig:
     dtype: str = "float32"   # float32 | bfloat16 (bf16 autocast, float32 master weights and grads)
     init_method: InitMethod = field(default_factory=InitMethod)
@@ -90,6 +100,7 @@ class ModelConfig:
     attention_kernel: str = "auto"   # auto | sdpa | flash (nanoexp/model/attention.py; auto: flash-attn where it runs)
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
 @dataclass

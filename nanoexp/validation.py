@@ -13,6 +13,7 @@ from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.model.moe import ROUTERS
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
+from nanoexp.numerics.fp8 import RECIPES as FP8_RECIPES, torchao_available
 from nanoexp.runtime.optim import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
@@ -67,7 +68,19 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
         one_of(cfg, "model.attention_kernel", tuple(ATTENTION_KERNELS)),
         (cfg.model.attention_kernel != "flash" or flash_attn_func is not None, "model.attention_kernel=flash needs "
          "flash-attn, which is not importable here: pip install -e '.[flash]' on a CUDA machine, or use auto"),
-    ] + parametrization_rules(cfg) + moe_rules(cfg)
+    ] + parametrization_rules(cfg) + moe_rules(cfg) + fp8_rules(cfg)
+
+
+def fp8_rules(cfg: Any) -> list[Rule]:
+    """model.fp8: a recipe torchao has, torchao installed when on, and nothing asked that is not built."""
+    fp8 = cfg.model.fp8
+    return [
+        one_of(cfg, "model.fp8.recipe", FP8_RECIPES),
+        (not fp8.enabled or torchao_available(), "model.fp8.enabled=true needs torchao, which is not importable "
+         "here: pip install -e '.[fp8]'"),
+        (not fp8.gather_in_fp8, "model.fp8.gather_in_fp8=true: ZeRO-3 gathers in FP8 are not built yet; set it to "
+         "false (weights are gathered in float32 and cast to FP8 per matmul)"),
+    ]
 
 
 def moe_rules(cfg: Any) -> list[Rule]:

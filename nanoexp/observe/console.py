@@ -73,9 +73,11 @@ def resume_command(overrides: list[str], run_dir: str) -> str:
     return shlex.join(["python", script, *kept, f"hydra.run.dir={run_dir}"])
 
 
-def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak) -> list[str]:
-    """The lines that say what a run is: model, parametrization, initial weights, layout, global batch, data
-    (`data`: describe_data's words) and the peak MFU is measured against."""
+def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak,
+              converted_linears: int = 0) -> list[str]:
+    """The lines that say what a run is: model, parametrization, number format (`converted_linears`: how many
+    linears of rank 0's model a format converted), initial weights, layout, global batch, data (`data`:
+    describe_data's words) and the peak MFU is measured against."""
     p, t = cfg.parallelism, cfg.tokens
     global_batch = layout.dp * t.micro_batch_size * accumulation
     active = count_active_parameters(shape)
@@ -89,6 +91,10 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
                      f"{moe.num_shared_experts} shared, losses aux x {moe.aux_loss_coef:g}, z x {moe.z_loss_coef:g}")
     if cfg.model.parametrization == "mup":
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
+    if cfg.model.fp8.enabled:
+        fp8, where = cfg.model.fp8, " (rank 0's stage)" if layout.pp > 1 else ""
+        lines.append(f"FP8: {converted_linears} linears{where} in FP8 (torchao, {fp8.recipe} scaling); in high "
+                     f"precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}")
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
     parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]

@@ -63,7 +63,7 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = parallelize(LlamaForCausalLM(shape), ctx)
     model.recompute_layer = cfg.parallelism.recompute_layer
-    convert_linears(model, cfg, ctx)   # number formats (nanoexp/numerics/converters.py)
+    model.converted_linears = convert_linears(model, cfg, ctx)   # number formats (nanoexp/numerics/converters.py)
     materialize(model, ctx.device)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights

@@ -292,7 +292,7 @@ class Trainer:
         stage, stages = self.batches.stage, self.batches.stages
         named = f"stage {stage.name!r} of {len(stages)}, from step {stage.start_step}: " if self.batches.named else ""
         for line in run_facts(self.cfg, self.ctx.layout, self.shape, num_parameters, self.accumulation,
-                              named + self.describe_data(), self.peak):
+                              named + self.describe_data(), self.peak, len(self.model.converted_linears)):
             log.info(line)
 
     def announce_stage(self, stage) -> None:

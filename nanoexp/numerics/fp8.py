@@ -1,0 +1,169 @@
+"""FP8 linears (model.fp8): torchao's casts, scales and scaled matmuls in an autograd function of nanoexp's own,
+so that every layout computes what one process computes.
+
+A dynamic scale is the amax of the tensor one process would see: the whole tensor (tensorwise) or each row or
+column along the matmul's inner dimension (rowwise). A rank holds a shard of some of those tensors, so each
+amax is computed locally and all-reduced with MAX over exactly the groups that split the dimensions it spans
+(`Split`, read from how the layer is placed). Data and pipeline parallelism need none: one process runs the
+same micro-batches one at a time. The table of which group reduces which amax is in docs/fp8.md.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nanoexp.numerics.converters import CONVERTERS, Converter
+from nanoexp.parallel.context import Axis
+from nanoexp.parallel.placement import placement
+
+RECIPES = ("tensorwise", "rowwise")   # torchao's recipe names (Float8LinearConfig.from_recipe_name)
+
+
+def torchao_available() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def import_float8() -> None:
+    """Import torchao.float8 (on first use only: seconds), without its import-time warnings (optional kernels
+    float8 training does not use, a deprecation inside torchao)."""
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        importlib.import_module("torchao.float8")
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The groups (by name, in `axes`) that split each dimension of a layer's matmul y[M, N] = x[M, K] W[N, K]^T."""
+    rows: tuple[str, ...] = ()    # M, tokens: cp; tp where sequence parallelism gives the layer part of them
+    out: tuple[str, ...] = ()     # N: tp of a column-parallel layer
+    inner: tuple[str, ...] = ()   # K: tp of a row-parallel layer
+    axes: dict[str, Axis] | None = None
+
+    def __str__(self) -> str:
+        spans = [f"{dim} over {'+'.join(names)}" for dim, names in (("M", self.rows), ("N", self.out),
+                                                                     ("K", self.inner)) if names]
+        return ", ".join(spans)
+
+
+class Fp8Matmul:
+    """`Linear.matmul` in FP8 with `recipe`'s casts (torchao's Float8LinearConfig): the forward x W^T, and in
+    backward grad_out W and grad_out^T x, each from two float8 operands with scales agreed over `split`."""
+
+    def __init__(self, recipe: str, split: Split):
+        import_float8()
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        self.recipe, self.split = recipe, split
+        self.config = c = Float8LinearConfig.from_recipe_name(recipe)
+        gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+        self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
+                                          for g in gemms))
+        # which groups split dims 0 and 1 of each operand: x [M, K], W^T [K, N], grad_out [M, N]
+        self.dims = {"x": (split.rows, split.inner), "w": (split.inner, split.out), "g": (split.rows, split.out)}
+        self.__name__ = f"fp8 {recipe}" + (f" (amax reduced: {split})" if str(split) else "")
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, layer) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):   # the product in autocast's dtype, as F.linear's would be
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return _Fp8Linear.apply(x, weight, self)
+
+    def cast(self, tensor: torch.Tensor, operand: str, cast_config, dim: int, scales: dict):
+        """`tensor` (2-D) as torchao's float8 tensor; axiswise scales take the amax along `dim`. A scale is
+        computed once per (operand, dim, dtype) in `scales` (tensorwise: the forward's serves backward too)."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+
+        dim = dim if cast_config.scaling_granularity is ScalingGranularity.AXISWISE else None
+        dtype, key = cast_config.target_dtype, (operand, dim, cast_config.target_dtype)
+        if key not in scales:
+            scales[key] = self.scale(tensor, operand, dtype, dim)
+        role = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "g": GemmInputRole.GRAD_OUTPUT}[operand]
+        return hp_tensor_and_scale_to_float8(tensor, scales[key], dtype, self.mm_config, role, dim)
+
+    def scale(self, tensor: torch.Tensor, operand: str, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+        """The scale one process would use: the local amax, all-reduced (MAX) over the groups splitting the
+        dimensions it spans (both for a tensorwise amax, `dim` for an axiswise one)."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+        if tensor.numel() == 0:   # an expert with no rows here still takes part in its groups' reductions
+            shape = () if dim is None else [1 if d == dim % 2 else n for d, n in enumerate(tensor.shape)]
+            amax = tensor.new_zeros(shape)
+        elif dim is None:
+            amax = tensor_to_amax(tensor)
+        else:
+            amax = tensor_to_amax(tensor, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim)
+        amax = amax.float()   # max is exact in any dtype; float32 reduces on every backend
+        for d in (0, 1) if dim is None else (dim % 2,):
+            for name in self.dims[operand][d]:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.split.axes[name].group)
+        return amax_to_scale(amax, dtype, self.config.round_scales_to_power_of_2)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T from float8 operands; backward: grad_x = grad_out W and grad_W = grad_out^T x, likewise. The
+    products are torchao's (`torch.mm` of its float8 tensors: torch._scaled_mm), in the dtype of x (or grad_out)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, mm: Fp8Matmul):
+        c, scales = mm.config, {}
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            y = torch.mm(mm.cast(x2, "x", c.cast_config_input, -1, scales),
+                         mm.cast(weight.t(), "w", c.cast_config_weight, 0, scales))
+        ctx.save_for_backward(x, weight)
+        ctx.mm, ctx.scales = mm, scales
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mm, scales = ctx.mm, ctx.scales
+        c, g, x2 = mm.config, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        with torch.autocast(grad.device.type, enabled=False):
+            grad_x = torch.mm(mm.cast(g, "g", c.cast_config_grad_output, -1, scales),
+                              mm.cast(weight.t(), "w", c.cast_config_weight_for_grad_input, -1, scales).t())
+            grad_w = torch.mm(mm.cast(g, "g", c.cast_config_grad_output_for_grad_weight, 0, scales).t(),
+                              mm.cast(x2, "x", c.cast_config_input_for_grad_weight, 0, scales))
+        return grad_x.reshape(x.shape), grad_w.to(weight.dtype), None
+
+
+def split_of(layer, ctx) -> Split:
+    """Which groups split the layer's matmul dimensions, from the placement of its weight: tp splits N of a
+    column-parallel layer (weight split on dim 0), K of a row-parallel one (dim 1), and under sequence
+    parallelism M of a MoE block's linears (placed sequence_parallel); cp splits M everywhere except for routed
+    experts under ep, whose rows the ep exchange brings from other ranks (docs/fp8.md). Groups of one rank
+    are left out: they reduce nothing."""
+    p = placement(layer.weight)
+    axes = {"tp": getattr(layer, "axis", None) or ctx.axis("tp"), "cp": ctx.axis("cp")}
+    rows = (() if p.expert else ("cp",)) + (("tp",) if p.sequence_parallel else ())
+    out, inner = ("tp",) if p.split_dim == 0 else (), ("tp",) if p.split_dim == 1 else ()
+    kept = tuple(name for name in axes if axes[name].size > 1)
+    return Split(*(tuple(n for n in names if n in kept) for names in (rows, out, inner)), axes=axes)
+
+
+def convert(name: str, layer, cfg, ctx) -> None:
+    """Every linear whose name contains none of model.fp8.filter_fqns computes in FP8."""
+    fp8 = cfg.model.fp8
+    if not any(part in name for part in fp8.filter_fqns):
+        layer.matmul = Fp8Matmul(fp8.recipe, split_of(layer, ctx))
+
+
+def enabled(cfg) -> bool:
+    """model.fp8.enabled (false for the config of a checkpoint saved before the key existed)."""
+    return bool(cfg.model.get("fp8", {}).get("enabled", False))
+
+
+CONVERTERS["fp8"] = Converter(enabled, convert)
