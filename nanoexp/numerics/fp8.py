@@ -68,8 +68,10 @@ class Fp8Matmul:
         self.recipe, self.split = recipe, split
         self.config = c = Float8LinearConfig.from_recipe_name(recipe)
         gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
-        self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
-                                          for g in gemms))
+        self.mm_config, self.padded_config = (
+            LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim or pad)
+                             for g, pad in zip(gemms, (False, False, padded))))
+            for padded in (False, True))
         # which groups split dims 0 and 1 of each operand: x [M, K], W^T [K, N], grad_out [M, N]
         self.dims = {"x": (split.rows, split.inner), "w": (split.inner, split.out), "g": (split.rows, split.out)}
         self.__name__ = f"fp8 {recipe}" + (f" (amax reduced: {split})" if str(split) else "")
@@ -79,7 +81,7 @@ class Fp8Matmul:
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return _Fp8Linear.apply(x, weight, self)
 
-    def cast(self, tensor: torch.Tensor, operand: str, cast_config, dim: int, scales: dict):
+    def cast(self, tensor: torch.Tensor, operand: str, cast_config, dim: int, scales: dict, mm_config=None):
         """`tensor` (2-D) as torchao's float8 tensor; axiswise scales take the amax along `dim`. A scale is
         computed once per (operand, dim, dtype) in `scales` (tensorwise: the forward's serves backward too)."""
         from torchao.float8.config import ScalingGranularity
@@ -90,7 +92,7 @@ class Fp8Matmul:
         if key not in scales:
             scales[key] = self.scale(tensor, operand, dtype, dim)
         role = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "g": GemmInputRole.GRAD_OUTPUT}[operand]
-        return hp_tensor_and_scale_to_float8(tensor, scales[key], dtype, self.mm_config, role, dim)
+        return hp_tensor_and_scale_to_float8(tensor, scales[key], dtype, mm_config or self.mm_config, role, dim)
 
     def scale(self, tensor: torch.Tensor, operand: str, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
         """The scale one process would use: the local amax, all-reduced (MAX) over the groups splitting the
@@ -121,8 +123,8 @@ class _Fp8Linear(torch.autograd.Function):
         c, scales = mm.config, {}
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            y = torch.mm(mm.cast(x2, "x", c.cast_config_input, -1, scales),
-                         mm.cast(weight.t(), "w", c.cast_config_weight, 0, scales))
+            y = _mm(mm.cast(x2, "x", c.cast_config_input, -1, scales),
+                    mm.cast(weight.t(), "w", c.cast_config_weight, 0, scales))
         ctx.save_for_backward(x, weight)
         ctx.mm, ctx.scales = mm, scales
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -132,12 +134,23 @@ class _Fp8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         mm, scales = ctx.mm, ctx.scales
         c, g, x2 = mm.config, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        # grad_weight sums over the rows: _scaled_mm on CUDA needs that inner dimension a multiple of 16, which an
+        # expert's row count need not be, so it is padded with zeros there (which add nothing)
+        padded = mm.padded_config if x2.shape[0] % 16 else None
         with torch.autocast(grad.device.type, enabled=False):
-            grad_x = torch.mm(mm.cast(g, "g", c.cast_config_grad_output, -1, scales),
-                              mm.cast(weight.t(), "w", c.cast_config_weight_for_grad_input, -1, scales).t())
-            grad_w = torch.mm(mm.cast(g, "g", c.cast_config_grad_output_for_grad_weight, 0, scales).t(),
-                              mm.cast(x2, "x", c.cast_config_input_for_grad_weight, 0, scales))
+            grad_x = _mm(mm.cast(g, "g", c.cast_config_grad_output, -1, scales),
+                         mm.cast(weight.t(), "w", c.cast_config_weight_for_grad_input, -1, scales).t())
+            grad_w = _mm(mm.cast(g, "g", c.cast_config_grad_output_for_grad_weight, 0, scales, padded).t(),
+                         mm.cast(x2, "x", c.cast_config_input_for_grad_weight, 0, scales, padded))
         return grad_x.reshape(x.shape), grad_w.to(weight.dtype), None
+
+
+def _mm(a, b) -> torch.Tensor:
+    """a b of two torchao float8 tensors (torch._scaled_mm), in a's high-precision dtype; zeros when a dimension is
+    empty (an expert without rows here), which needs no kernel."""
+    if a.numel() and b.numel():
+        return torch.mm(a, b)
+    return torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
 
 
 def split_of(layer, ctx) -> Split:
