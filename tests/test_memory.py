@@ -3,6 +3,9 @@ measured peak, and ZeRO-1's saving in the measured peak (model=small, 2 steps: t
 from step 2, when AdamW's moments exist); ZeRO-2/3 in the estimate and make_config's choice of stage,
 counted without a run."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,9 @@ from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.memory import saved_activation_bytes
 from tests.distributed import run_distributed
-from tests.helpers import compose_config, train
+from tests.helpers import compose_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = [["model.model_config.num_key_value_heads=2"], ["model.model_config.num_key_value_heads=4"]]   # GQA, MHA
 SMALL = ["model=small", "tokens.train_steps=2", "tokens.val_check_interval=0", "tokens.limit_val_batches=1",
@@ -102,8 +107,13 @@ def test_layer_formula_with_context_parallelism(overrides, world):
 
 
 def measured_and_estimated(tmp_path, overrides) -> list[tuple[float, float]]:
-    """(peak above the baseline, estimate) per rank, MB."""
-    train(tmp_path, SMALL + overrides)
+    """(peak above the baseline, estimate) per rank, MB. The run is a fresh `python train.py`: forked from this
+    pytest process, the ranks would inherit the heap every earlier test left, and reuse it without their RSS
+    growing (the suite failed these bounds in sequence while they held alone)."""
+    os.makedirs(tmp_path, exist_ok=True)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *SMALL, *overrides,
+                             f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     cfg = compose_config(SMALL + overrides)
     layout = Layout.from_config(cfg)
