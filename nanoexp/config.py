@@ -137,6 +137,9 @@ class OptimizerConfig:
     zero_stage: int = 0                  # 0 | 1 optimizer state | 2 + gradients | 3 + parameters, sharded over dp x cp
     zero3_prefetch: int = 1              # ZeRO-3: units (layers) gathered ahead of the one computing
     zero3_reshard_after_forward: bool = True   # ZeRO-3: free a layer after its forward (false: until its backward)
+    # ZeRO-2/3: a unit's reduce-scatter stays in flight during the next unit's backward (null: on CUDA, whose
+    # collectives run on their own stream; on CPU waited at once, as FSDP2 does there: less memory)
+    zero_overlap_reduce_scatter: Optional[bool] = None
     skip_nonfinite_steps: bool = False   # true: skip an update whose loss or gradient is NaN/Inf
     learning_rate_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
 

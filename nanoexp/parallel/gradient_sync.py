@@ -30,7 +30,8 @@ class GradientSync:
     """
 
     def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], ctx, stage: int = 0,
-                 bucket_cap_mb: float = 25.0, prefetch: int = 1, reshard_after_forward: bool = True, trace=NO_TRACE):
+                 bucket_cap_mb: float = 25.0, prefetch: int = 1, reshard_after_forward: bool = True, trace=NO_TRACE,
+                 overlap_reduce_scatter: bool = True):
         self.ctx, self.stage = ctx, stage if ctx.dp_cp > 1 else min(stage, 1)
         self.shard = self.stage >= 1
         chunks = [chunk if chunk and isinstance(chunk[0], tuple) else [(None, list(chunk))] for chunk in chunks]
@@ -41,7 +42,8 @@ class GradientSync:
         count = Counter(map(id, uses))
         twice = [p for p in params if count[id(p)] > 1]   # tied on one stage
         whole = dict(kept_whole=self.sequence_parallel + self.tied + twice, deferred=self.sequence_parallel,
-                     bucket_cap_mb=bucket_cap_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+                     bucket_cap_mb=bucket_cap_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                     overlap_reduce_scatter=overlap_reduce_scatter)
         self.engines, self.expert_engines = [], []
         for c, chunk in enumerate(chunks):
             expert = [(module, [p for p in unit if placement(p).expert]) for module, unit in chunk]

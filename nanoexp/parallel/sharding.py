@@ -43,7 +43,7 @@ class Unit:
         for p in params:
             self.offsets[id(p)] = offset
             offset += p.numel()
-        self.values = self.shard = self.grads = self.shard_grad = None
+        self.values = self.shard = self.grads = self.shard_grad = self._pieces = None
         self.num_ready, self.handle = 0, None
         self.gather_work, self.gathered, self.pending_backwards = None, True, 0   # stage 3
 
@@ -65,7 +65,13 @@ class Unit:
         return flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()].view_as(p)
 
     def pieces(self) -> list[ShardPiece]:
-        """The parts of its parameters in this rank's shard, in buffer order."""
+        """The parts of its parameters in this rank's shard, in buffer order (made once: their views of
+        `shard_grad` stay valid while its storage is freed between steps)."""
+        if self._pieces is None:
+            self._pieces = self._make_pieces()
+        return self._pieces
+
+    def _make_pieces(self) -> list[ShardPiece]:
         out, lo, hi = [], self.shard_lo, self.shard_lo + self.shard_size
         for p in self.params:
             offset = self.offsets[id(p)]
@@ -109,8 +115,9 @@ class Sharding:
 
     def __init__(self, units, group, size: int, rank: int, stage: int, bucket_cap_mb: float = 25.0,
                  kept_whole=(), deferred=(), alone=(), prefetch: int = 1, reshard_after_forward: bool = True,
-                 trace=NO_TRACE, average_over: int | None = None):
+                 trace=NO_TRACE, average_over: int | None = None, overlap_reduce_scatter: bool = True):
         self.group, self.size, self.rank = group, size, rank
+        self.overlap_reduce_scatter = overlap_reduce_scatter
         self.enabled = group is not None and size > 1
         self.stage = Stage(stage if self.enabled else min(stage, 1))   # one rank: nothing to reduce or gather
         self.prefetch, self.reshard_after_forward, self.trace = prefetch, reshard_after_forward, trace
@@ -121,11 +128,8 @@ class Sharding:
         device = next((p.device for _, params in units for p in params), torch.device("cpu"))
         for unit in self.accumulated + self.scattered:
             unit.build(device, own_shard=self.stage.shards_parameters and not unit.accumulate)
-        self.shard_grads = torch.zeros(sum(u.shard_size for u in self.scattered), dtype=torch.float32, device=device)
-        offset = 0
-        for unit in self.scattered:
-            unit.shard_grad = self.shard_grads[offset:offset + unit.shard_size]
-            offset += unit.shard_size
+        for unit in self.scattered:   # each its own storage, held from its first landing to zero_grad (as FSDP2)
+            unit.shard_grad = torch.zeros(unit.shard_size, dtype=torch.float32, device=device)
         self.unit_of = {id(p): unit for unit in self.accumulated + self.scattered for p in unit.params}
         self.params = [p for unit in self.accumulated + self.scattered for p in unit.params]
         for p in self.params:
@@ -137,6 +141,7 @@ class Sharding:
                 unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._before_forward(unit))
                 unit.module.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
         self._ready, self.in_backward, self.in_flight = None, False, []   # _ready: the last backward's gradients in
+        self.scattered_pieces()   # before zero_grad frees the gradient shards
         self.zero_grad()
 
     # -- planning -------------------------------------------------------------------------------------
@@ -226,7 +231,8 @@ class Sharding:
     @torch.no_grad()
     def _launch_scattered(self, flush: bool, stop: int = 0) -> None:
         """Reduce-scatter complete every_backward units in backward order, down to unit `stop` (all of them with
-        `flush`: a gradient that never came counts as zeros); one in flight at a time."""
+        `flush`: a gradient that never came counts as zeros); with `overlap_reduce_scatter` one stays in flight
+        during the next unit's backward, without it each is waited for at once."""
         while self._next_scattered >= stop:
             unit = self.scattered[self._next_scattered]
             if not flush and unit.num_ready < len(unit.params):
@@ -234,7 +240,7 @@ class Sharding:
             self._after_backward_of(unit)   # its backward is done: its parameters can go before its gradients
             while self.in_flight:   # one in flight: its copies (gloo's too) live until it lands
                 self._land(*self.in_flight.pop())
-            flat = torch.zeros(unit.padded, dtype=torch.float32, device=self.shard_grads.device)
+            flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard_grad.device)
             for p in unit.params:
                 if p.grad is not None:
                     unit.view(flat, p).copy_(p.grad)
@@ -243,11 +249,17 @@ class Sharding:
             work = reduce_scatter_into(summed, flat, self.group, async_op=True)
             self.trace.mark("reduce_scatter_launch", unit=unit.index)
             self.in_flight.append((unit, work, summed, flat))
+            if not self.overlap_reduce_scatter:
+                self._land(*self.in_flight.pop())
             self._next_scattered -= 1
 
     def _land(self, unit: Unit, work, summed: torch.Tensor, flat: torch.Tensor) -> None:
         with self.trace.span("reduce_scatter_wait", unit=unit.index):
             work.wait()
+        storage = unit.shard_grad.untyped_storage()
+        if storage.size() == 0:   # the step's first: the optimizer's views of it see the new storage
+            storage.resize_(unit.shard_size * unit.shard_grad.element_size())
+            unit.shard_grad.zero_()
         unit.shard_grad.add_(summed)
 
     @torch.no_grad()
@@ -287,18 +299,19 @@ class Sharding:
     @torch.no_grad()
     def finish_scattered(self) -> None:
         """The step's backwards are done: average the summed gradient shards."""
-        self.shard_grads.div_(self.average_over)
+        for unit in self.scattered:
+            unit.shard_grad.div_(self.average_over)
 
     def zero_grad(self) -> None:
-        """Zero every gradient in place: an accumulate unit's `.grad` views of its buffer (re-attached if
-        replaced), a sharded unit's gradient shard."""
+        """Zero every gradient: an accumulate unit's `.grad` views of its buffer in place (re-attached if
+        replaced); a sharded unit's gradient shard is freed until its next reduce-scatter lands."""
         for unit in self.accumulated:
             unit.grads.zero_()
             for p in unit.params:
                 if p.grad is None or p.grad.data_ptr() != unit.view(unit.grads, p).data_ptr():
                     p.grad = unit.view(unit.grads, p)
-        self.shard_grads.zero_()
         for unit in self.scattered:
+            unit.shard_grad.untyped_storage().resize_(0)
             for p in unit.params:
                 p.grad = None
 
@@ -382,7 +395,7 @@ class Sharding:
         """(parameter, gradient) bytes held between steps."""
         values = sum(u.shard_size if self.stage.shards_parameters else u.padded for u in self.scattered)
         values += sum(u.padded for u in self.accumulated)
-        return 4 * values, 4 * (sum(u.padded for u in self.accumulated) + self.shard_grads.numel())
+        return 4 * values, 4 * (sum(u.padded for u in self.accumulated) + sum(u.shard_size for u in self.scattered))
 
 
 def bucket_full(params: list[nn.Parameter], p: nn.Parameter, cap_mb: float) -> bool:

@@ -108,6 +108,8 @@ def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRA
         model.moe_losses.scale = ctx.cp / batch_accumulation(cfg)
     o = cfg.optimizer
     bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
+    overlap = o.zero_overlap_reduce_scatter
     grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
-                             o.zero3_reshard_after_forward, trace)
+                             o.zero3_reshard_after_forward, trace,
+                             ctx.device.type == "cuda" if overlap is None else overlap)
     return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync))
