@@ -28,7 +28,7 @@ from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_
                             lost_peer, setup_device, spawn_local)
 from nanoexp.observe.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
-from nanoexp.observe.peak import Peak, job_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
 from nanoexp.launch.signals import handle_stop_signals
 from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
@@ -130,7 +130,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak
         return_freed_memory()
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    peak = job_peak(device, cfg.model.dtype, cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
+    peak = job_peak(device, peak_dtype(cfg), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
     faults = FaultInjection(cfg.fault_injection, rank)   # the robustness tests' faults, off by default
     return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()
 
@@ -150,8 +150,8 @@ def node_cpu_peak(cfg) -> Peak | None:
     if torch.cuda.is_available() or cfg.logging.peak_tflops:
         return None
     threads = os.cpu_count() or 1
-    peak = node_peak(cfg.model.dtype, threads)
-    warning = slow_dtype_warning(cfg.model.dtype, threads, peak)
+    peak = node_peak(peak_dtype(cfg), threads)
+    warning = slow_dtype_warning(peak_dtype(cfg), threads, peak)
     if warning:
         log.warning("%s", warning)
     return peak

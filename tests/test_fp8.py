@@ -294,3 +294,33 @@ def test_an_fp8_checkpoint_loads_into_a_float32_run(reference, tmp_path):
         f"checkpoint.resume_checkpoint_path={tmp_path}/fp8/checkpoints/2"]) if "loss" in r]
     assert [r["step"] for r in resumed] == [3]
     assert 0 < abs(resumed[0]["loss"] - fp8_loss[2]) < 0.1
+
+
+def test_fp8_composes_with_bf16_recomputation_evaluation_resume_and_export(tmp_path):
+    """FP8 linears inside bf16 autocast: recomputation re-runs a layer's forward in its backward with the same
+    inputs, so the same scales and the same numbers (bit for bit); in-loop evaluation runs through them; a resume
+    continues bit for bit; the checkpoint (float32 masters) exports to Hugging Face with the logits it gives."""
+    from transformers import LlamaForCausalLM as HFLlama
+    from nanoexp.checkpoint.load import load_single_process
+    from nanoexp.interop.hf_checkpoint import convert_to_hf
+    from tests.test_hf_conversion import LOGITS_ATOL
+
+    run = FAST + FP8 + ["model.dtype=bfloat16", "tokens.train_steps=3", "tokens.val_check_interval=2",
+                        "checkpoint.checkpoint_interval=2", "optimizer.learning_rate_scheduler.learning_rate=1e-3"]
+    plain = train(tmp_path / "plain", run)
+    recomputed = train(tmp_path / "recompute", run + ["parallelism.recompute_layer=true"])
+    evals = [r["eval_loss"] for r in plain if "eval_loss" in r]
+    assert len(evals) == 2 and evals == [r["eval_loss"] for r in recomputed if "eval_loss" in r]
+    np.testing.assert_array_equal(np.stack(curves(recomputed)), np.stack(curves(plain)))
+    checkpoint = tmp_path / "plain" / "checkpoints" / "2"
+    resumed = train(tmp_path / "resumed", run + [f"checkpoint.resume_checkpoint_path={checkpoint}"])
+    assert [(r["step"], r["loss"]) for r in resumed if "loss" in r] == [(3, curves(plain)[0][2])]
+    convert_to_hf(str(checkpoint), str(tmp_path / "hf"))
+    ours, _ = load_single_process(str(checkpoint))   # as trained: FP8 linears
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, in_fp8 = HFLlama.from_pretrained(str(tmp_path / "hf")).eval()(ids).logits, ours(input_ids=ids)
+        for layer in (m for m in ours.modules() if isinstance(m, Linear)):
+            layer.matmul = plain_matmul
+        torch.testing.assert_close(theirs, ours(input_ids=ids), atol=LOGITS_ATOL, rtol=0)
+    assert (theirs - in_fp8).abs().max() > 100 * LOGITS_ATOL   # the FP8 model was the one loaded

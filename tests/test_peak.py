@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.observe.peak import Peak, job_peak, measure_cpu_peak, node_peak, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.observe.peak import Peak, job_peak, measure_cpu_peak, node_peak, peak_dtype, slow_dtype_warning, \
+    sum_of_node_peaks
 from nanoexp.runtime.trainer import Trainer
 from tests.helpers import FAST, compose_config
 
@@ -18,6 +19,8 @@ def test_peak_table_matches_names_and_dtypes(monkeypatch):
     gpu = torch.device("cuda", 0)   # only the device type is read; no GPU needed
     for name, dtype, peak in [("NVIDIA H200", "bfloat16", 989.0), ("NVIDIA H100 80GB HBM3", "bfloat16", 989.0),
                               ("NVIDIA H100 PCIe", "bfloat16", 756.0), ("NVIDIA A100-SXM4-80GB", "float32", 19.5),
+                              ("NVIDIA H200", "float8", 1979.0), ("NVIDIA H100 PCIe", "float8", 1513.0),
+                              ("NVIDIA A100-SXM4-80GB", "float8", None),
                               ("NVIDIA GeForce RTX 4090", "bfloat16", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         job = job_peak(gpu, dtype, None, world_size=8, nodes=1)
@@ -75,3 +78,14 @@ def test_a_dtype_far_slower_than_float32_is_warned_about():
     warning = slow_dtype_warning("bfloat16", 1, Peak(1e-9, "a tiny bf16 peak"))
     assert "model.dtype=bfloat16" in warning and "slower than float32" in warning
     assert slow_dtype_warning("bfloat16", 1, Peak(1e6, "a huge bf16 peak")) is None
+
+
+def test_fp8_runs_are_measured_against_the_fp8_peak():
+    """model.fp8 moves nearly all of the FLOPs into FP8 matmuls: MFU divides by the FP8 peak (a GPU's datasheet
+    figure above; on CPU torch._scaled_mm's measured rate), and a CPU much slower in FP8 than in float32 says so."""
+    assert peak_dtype(compose_config(FAST)) == "float32"
+    assert peak_dtype(compose_config(FAST + ["model.fp8.enabled=true"])) == "float8"
+    measured = measure_cpu_peak("float8", threads=1, max_size=512)
+    assert 1e-4 < measured.tflops < 1e3 and "float8 matmuls on 1 threads" in measured.source
+    warning = slow_dtype_warning("float8", 1, Peak(1e-9, "a tiny FP8 peak"))
+    assert warning.startswith("model.fp8.enabled=true") and "model.fp8.enabled=false is faster" in warning

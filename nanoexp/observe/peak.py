@@ -27,11 +27,12 @@ import torch
 # Sources, NVIDIA datasheets: "H200 Tensor Core GPU" (H200 SXM), "H100 Tensor Core GPU" (H100 SXM
 # and PCIe), "A100 Tensor Core GPU" (A100 SXM/PCIe). bfloat16 is the tensor-core BF16 figure (the
 # datasheets print it with sparsity: 1979 / 1513 / 624, halved here); float32 is the plain FP32
-# (non-tensor-core) figure, since PyTorch does not use TF32 for matmuls by default.
+# (non-tensor-core) figure, since PyTorch does not use TF32 for matmuls by default. float8 (model.fp8) is the
+# FP8 tensor-core figure, also printed with sparsity (3958 / 3026) and halved; the A100 has no FP8.
 PEAK_TFLOPS = [
-    ("H200", "bfloat16", 989.0), ("H200", "float32", 67.0),
-    ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "float32", 51.0),
-    ("H100", "bfloat16", 989.0), ("H100", "float32", 67.0),
+    ("H200", "float8", 1979.0), ("H200", "bfloat16", 989.0), ("H200", "float32", 67.0),
+    ("H100 PCIe", "float8", 1513.0), ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "float32", 51.0),
+    ("H100", "float8", 1979.0), ("H100", "bfloat16", 989.0), ("H100", "float32", 67.0),
     ("A100", "bfloat16", 312.0), ("A100", "float32", 19.5),
 ]
 SLOW_DTYPE = 0.25   # a dtype whose CPU peak is below this share of float32's is worth a warning
@@ -77,20 +78,27 @@ def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]
     return None, f"{name} is not in PEAK_TFLOPS: set logging.peak_tflops"
 
 
+def peak_dtype(cfg) -> str:
+    """The number format of the matmuls MFU is measured against: float8 when model.fp8 converts the linears
+    (they hold nearly all of the FLOPs; attention and the LM head stay in model.dtype), else model.dtype."""
+    return "float8" if cfg.model.fp8.enabled else cfg.model.dtype
+
+
 def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: int = 3,
                      min_seconds: float = 0.05) -> Peak:
-    """This node's matmul peak now: square matmuls in `dtype` on `threads` threads, the size doubling from 256
-    until one takes `min_seconds` (or reaches max_size), then the best of `repeats` at that size. The operands
-    are built without any random generator, so the training RNG is untouched; nothing is written."""
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    """This node's matmul peak now: square matmuls in `dtype` on `threads` threads (float8: torch._scaled_mm
+    of e4m3 operands into float32, as model.fp8 runs them), the size doubling from 256 until one takes
+    `min_seconds` (or reaches max_size), then the best of `repeats` at that size. The operands are built
+    without any random generator, so the training RNG is untouched; nothing is written."""
+    torch_dtype = {"bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}.get(dtype, torch.float32)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         size = 256
         while True:
             a = torch.linspace(-1.0, 1.0, size * size).reshape(size, size).to(torch_dtype)
-            b = a.t().contiguous()
-            torch.mm(a, b)   # warm-up: thread pool, caches
+            b = a.t().contiguous().t() if dtype == "float8" else a.t().contiguous()   # _scaled_mm: b column-major
+            _timed_mm(a, b)   # warm-up: thread pool, caches
             times = [_timed_mm(a, b)]
             if size >= max_size or times[0] >= min_seconds:
                 break
@@ -104,7 +112,11 @@ def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: in
 
 def _timed_mm(a: torch.Tensor, b: torch.Tensor) -> float:
     start = time.perf_counter()
-    torch.mm(a, b)
+    if a.dtype == torch.float8_e4m3fn:
+        one = torch.ones((), dtype=torch.float32)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    else:
+        torch.mm(a, b)
     return time.perf_counter() - start
 
 
@@ -133,9 +145,11 @@ def slow_dtype_warning(dtype: str, threads: int, peak: Peak) -> str | None:
     float32 = measure_cpu_peak("float32", threads)
     if peak.tflops >= SLOW_DTYPE * float32.tflops:
         return None
-    return (f"model.dtype={dtype}: this CPU's {dtype} matmuls run at {peak.tflops * 1e3:.3g} GFLOP/s, "
+    key, fix = ("model.fp8.enabled=true", "model.fp8.enabled=false") if dtype == "float8" else \
+        (f"model.dtype={dtype}", "model.dtype=float32")
+    return (f"{key}: this CPU's {dtype} matmuls run at {peak.tflops * 1e3:.3g} GFLOP/s, "
             f"{float32.tflops / peak.tflops:.0f}x slower than float32's {float32.tflops * 1e3:.3g} (no native "
-            f"{dtype} here): training will be that much slower; model.dtype=float32 is faster on this machine")
+            f"{dtype} here): training will be that much slower; {fix} is faster on this machine")
 
 
 def cpu_model() -> str:
