@@ -218,7 +218,7 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
 
 def muon_rules(cfg: Any) -> list[Rule]:
     """Muon's settings, and the layouts its whole-matrix update is not built for yet (docs/optimizers.md)."""
-    f, o = cfg.optimizer.optimizer_factory, cfg.optimizer
+    f = cfg.optimizer.optimizer_factory
     if f.name.lower() != "muon":
         return []
     not_yet = "with optimizer.optimizer_factory.name=muon is not built yet (docs/optimizers.md)"
@@ -226,8 +226,6 @@ def muon_rules(cfg: Any) -> list[Rule]:
         one_of(cfg, ADAM + "muon_adjust_lr_fn", ("original", "match_rms_adamw")),
         (len(f.muon_ns_coefficients) == 3, f"{ADAM}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be "
          "three numbers (a, b, c)"),
-        (o.zero_stage == 0, f"optimizer.zero_stage={o.zero_stage} {not_yet}: ZeRO's flat pieces cut across "
-         "matrices; use zero_stage=0"),
         (cfg.parallelism.ep == 1, f"parallelism.ep={cfg.parallelism.ep} {not_yet}: use ep=1"),
         (cfg.model.get("parametrization", "standard") != "mup", f"model.parametrization=mup {not_yet}: "
          "µP's rates are AdamW's; use standard"),

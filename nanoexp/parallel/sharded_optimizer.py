@@ -28,6 +28,7 @@ class ShardedOptimizer:
         group_of = {id(p): piece_groups[i] for i, g in enumerate(groups) for p in g["params"]}
         for piece in self.pieces:
             piece.value.grad = piece.grad   # the optimizer reads the averaged shard from here
+            piece.value.piece = piece       # and which parameter, which range (Muon puts matrices together)
             group_of[id(piece.param)]["params"].append(piece.value)
         self.inner = optimizer_class([g for g in piece_groups if g["params"]], **options)
         self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults

@@ -4,8 +4,9 @@ Muon (torch.optim.Muon's update: momentum, Nesterov, a Newton–Schulz orthogona
 its learning-rate adjustment, decoupled weight decay) takes the parameters `takes_muon` names; torch's AdamW takes
 the others. Under tensor parallelism the momentum stays sharded like its weight (element-wise, and checkpoints
 reshard it by placement), while the orthogonalisation needs the whole matrix: the update direction's shards are
-all-gathered over tp, every tp rank orthogonalises the same whole matrix and keeps its slice. The rule, the
-choice of gathering and what is not built yet: docs/optimizers.md.
+all-gathered over tp, every tp rank orthogonalises the same whole matrix and keeps its slice; under ZeRO the
+direction is first put together from the dp x cp ranks' flat pieces. The rule, the choice of gathering and what
+is not built yet: docs/optimizers.md.
 """
 from __future__ import annotations
 
@@ -64,6 +65,14 @@ def whole(shard: torch.Tensor, param, tp_group) -> torch.Tensor:
     return torch.cat(shards, dim=p.split_dim)
 
 
+def momentum_direction(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+    """Element-wise (so it runs on any shard): the momentum buffer's update, and the direction to orthogonalise
+    (Nesterov's look-ahead, or the buffer itself)."""
+    buf = state.setdefault("momentum_buffer", torch.zeros_like(grad))
+    buf.lerp_(grad, 1 - group["momentum"])
+    return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+
 class TensorParallelMuon(torch.optim.Optimizer):
     """torch.optim.Muon's update on matrices that may be tp shards (their `placement`): the momentum is kept per
     shard, the orthogonalisation and the learning-rate adjustment see the whole matrix."""
@@ -78,16 +87,52 @@ class TensorParallelMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None) -> None:
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
+            lr = group["lr"]
             for p in (p for p in group["params"] if p.grad is not None):
-                grad, state = p.grad, self.state[p]
-                buf = state.setdefault("momentum_buffer", torch.zeros_like(grad))
-                buf.lerp_(grad, 1 - momentum)
-                direction = whole(grad.lerp(buf, momentum) if group["nesterov"] else buf, p, self.tp_group)
+                direction = whole(momentum_direction(p.grad, self.state[p], group), p, self.tp_group)
                 update = local_slice(orthogonalise(direction, group["ns_coefficients"], group["ns_steps"],
                                                    group["eps"]), p)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], direction.shape))
+
+
+class ShardedMuon(TensorParallelMuon):
+    """TensorParallelMuon's update under ZeRO, over this rank's shard `pieces` (parallel/sharding.py ShardPiece: a
+    range of a parameter's flattened elements) of the Muon `matrices`. The momentum stays sharded (element-wise);
+    each matrix's update direction is put together from the pieces of every rank of `dp_group` (an all-reduce of
+    the pieces placed in zeros: every element is in exactly one rank's piece), then over tp, orthogonalised whole
+    on every rank, and each rank applies its pieces' part. Every rank walks all `matrices` in one order, also
+    those it holds no piece of, so the collectives pair."""
+
+    def __init__(self, pieces, matrices, dp_group=None, tp_group=None, **settings):
+        super().__init__(pieces, tp_group=tp_group, **settings)
+        self.matrices, self.dp_group = matrices, dp_group
+        self.pieces_of = {id(m): [] for m in matrices}
+        for group in self.param_groups:
+            for value in group["params"]:
+                self.pieces_of[id(value.piece.param)].append((value, group))
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for matrix in self.matrices:
+            flat = torch.zeros(matrix.numel(), dtype=torch.float32, device=matrix.device)
+            settings = None
+            for value, group in self.pieces_of[id(matrix)]:
+                flat[value.piece.start:value.piece.end] = momentum_direction(value.grad, self.state[value], group)
+                settings = group
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                dist.all_reduce(flat, group=self.dp_group)
+            direction = whole(flat.view(matrix.shape), matrix, self.tp_group)
+            if settings is None:   # no piece here: the collectives above were this rank's part
+                continue
+            g = settings
+            update = local_slice(orthogonalise(direction, g["ns_coefficients"], g["ns_steps"], g["eps"]),
+                                 matrix).reshape(-1)
+            for value, group in self.pieces_of[id(matrix)]:
+                lr = group["lr"]
+                value.mul_(1 - lr * group["weight_decay"])
+                value.add_(update[value.piece.start:value.piece.end],
+                           alpha=-adjusted_lr(lr, group["adjust_lr_fn"], direction.shape))
 
 
 class _States(MutableMapping):
@@ -121,14 +166,24 @@ class MuonWithAdamW:
     optimizers' (set `g["lr"]` before `step()`), `state` holds each parameter's by key (momentum_buffer;
     exp_avg, exp_avg_sq, step), `defaults` are AdamW's."""
 
-    def __init__(self, groups: list[dict], names: dict, adamw: dict, muon: dict, tp_group=None):
+    def __init__(self, groups: list[dict], names: dict, adamw: dict, muon: dict, tp_group=None, zero=None):
+        """`zero`: under ZeRO, (the Muon matrices in model order, the dp x cp group); `groups` then hold shard
+        pieces' values (`value.piece`), named by their parameter."""
+        def matrix(p):
+            return p.piece.param if zero else p
+
         def part(muon_side: bool) -> list[dict]:
-            parts = [{**g, "params": [p for p in g["params"] if takes_muon(names[id(p)], p) == muon_side]}
-                     for g in groups]
+            parts = [{**g, "params": [p for p in g["params"]
+                                      if takes_muon(names[id(matrix(p))], matrix(p)) == muon_side]} for g in groups]
             return [g for g in parts if g["params"]]
 
         self.adamw = torch.optim.AdamW(part(False), **adamw)
-        self.muon = TensorParallelMuon(part(True), **muon, tp_group=tp_group) if part(True) else None
+        if zero:
+            matrices, dp_group = zero
+            pieces = part(True) or [{"params": []}]   # a rank may hold no piece yet take part in the gathers
+            self.muon = ShardedMuon(pieces, matrices, dp_group, tp_group, **muon) if matrices else None
+        else:
+            self.muon = TensorParallelMuon(part(True), **muon, tp_group=tp_group) if part(True) else None
         self.optimizers = [self.adamw] + ([self.muon] if self.muon else [])
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
         self.state, self.defaults = _States(self.optimizers), self.adamw.defaults

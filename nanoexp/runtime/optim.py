@@ -12,7 +12,7 @@ from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.placement import value_name
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
-from nanoexp.runtime.muon import MuonWithAdamW
+from nanoexp.runtime.muon import MuonWithAdamW, takes_muon
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
@@ -46,7 +46,7 @@ def muon(cfg) -> tuple[type, dict]:
 
 
 # optimizer.optimizer_factory.name (lowercased) -> its torch class and options. ZeRO shards any of them whose
-# update is element-wise (parallel/sharding.py); Muon's is not (validation refuses it with ZeRO).
+# update is element-wise (parallel/sharding.py); Muon puts its matrices together from the shards (runtime/muon.py).
 OPTIMIZERS = {"adamw": adamw, "muon": muon}
 
 
@@ -56,13 +56,16 @@ def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None
     o = cfg.optimizer
     optimizer_class, options = OPTIMIZERS[o.optimizer_factory.name.lower()](cfg)
     groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
-    if o.zero_stage >= 1:
-        if grad_sync is None:
-            raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
-        return ShardedOptimizer(grad_sync, groups, optimizer_class, **options)
-    if optimizer_class is MuonWithAdamW:   # it picks its matrices by name and gathers tp shards
+    if o.zero_stage >= 1 and grad_sync is None:
+        raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
+    if optimizer_class is MuonWithAdamW:   # it picks its matrices by name and gathers tp (and ZeRO) shards
         names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
-        return MuonWithAdamW(groups, names, tp_group=grad_sync.ctx.tp_group if grad_sync else None, **options)
+        options |= dict(names=names, tp_group=grad_sync.ctx.tp_group if grad_sync else None)
+        if o.zero_stage >= 1:
+            matrices = [p for p in model.parameters() if takes_muon(names[id(p)], p)]
+            options["zero"] = (matrices, grad_sync.ctx.dp_cp_group)
+    if o.zero_stage >= 1:
+        return ShardedOptimizer(grad_sync, groups, optimizer_class, **options)
     return optimizer_class(groups, **options)
 
 
