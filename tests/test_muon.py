@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanoexp.checkpoint import CheckpointReader
+from nanoexp.observe.lr_table import lr_table
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.placement import value_name
 from nanoexp.runtime.build import build_model
@@ -175,3 +176,14 @@ def test_momentum_moves_between_zero_stages_and_layouts(tmp_path):
                                      f"checkpoint.resume_checkpoint_path={tmp_path}/b/checkpoints/4"])
     losses = train_losses(a) + train_losses(b) + train_losses(c)
     np.testing.assert_allclose(losses, train_losses(reference), atol=MUON_LOSS_ATOL, rtol=0)
+
+
+def test_show_lrs_lists_which_optimizer_takes_each_parameter():
+    """make_config.py --show-lrs splits each group by optimizer with takes_muon's rule: on moe_tiny the embedding,
+    the head and the routers go to AdamW with the norms, every other matrix to Muon."""
+    cfg = compose_config(["model=moe_tiny"] + MUON)
+    rows = {tuple(line.split()[:3]): line for line in lr_table(cfg).splitlines()}
+    muon, adamw = rows["matrices", "muon", "76"], rows["matrices", "adamW", "4"]
+    assert "mlp.router" in adamw and "model.embed_tokens" in adamw and "lm_head" in adamw
+    assert "mlp.router" not in muon and "self_attn.q_proj" in muon and "mlp.experts.7.down_proj" in muon
+    assert ("vectors", "adamW", "9") in rows and "muon_adjust_lr_fn=original" in lr_table(cfg)

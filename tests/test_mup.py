@@ -90,7 +90,7 @@ def test_show_lrs_prints_the_rates_the_optimizer_uses():
     validate(cfg)
     out = lr_table(cfg)   # what make_config.py --show-lrs prints
     assert "m = 96 / 32 = 3" in out
-    printed = {match[0]: float(match[1]) for match in re.findall(r"^(\w+)\s+\d+\s+[\d,]+\s+\S+\s+\S+\s+(\S+)", out,
+    printed = {match[0]: float(match[1]) for match in re.findall(r"^(\w+)\s+adamW\s+\d+\s+[\d,]+\s+\S+\s+\S+\s+(\S+)", out,
                                                                  re.MULTILINE)}
     expected = group_lrs(overrides, 3e-3)
     assert printed.keys() == expected.keys() == {"matrices", "hidden", "vectors"}

@@ -5,33 +5,43 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.model.mup import GROUPS, describe, parametrization_of
 from nanoexp.runtime.build import model_shape
+from nanoexp.runtime.muon import takes_muon
 from nanoexp.runtime.optim import min_decay_lr
 
 
 def lr_table(cfg) -> str:
     """The parametrization, then one line per parameter group of the (normalized, valid) config `cfg`."""
     shape, mup, sched = model_shape(cfg), parametrization_of(cfg), cfg.optimizer.learning_rate_scheduler
-    members: dict[str, list] = {}
+    factory = cfg.optimizer.optimizer_factory
+    muon = factory.name.lower() == "muon"
+    members: dict[tuple[str, str], list] = {}
     for name, full in parameter_shapes(shape).items():
-        members.setdefault(mup.group(name, len(full)), []).append((name, full))
+        optimizer = ("muon" if takes_muon(name, SimpleNamespace(ndim=len(full))) else "adamW") if muon \
+            else factory.name
+        members.setdefault((mup.group(name, len(full)), optimizer), []).append((name, full))
     lines = [f"parametrization: {describe(mup, shape.hidden_size, shape.head_dim)}",
-             f"{'group':<10}{'tensors':>8}{'parameters':>12}{'init std':>10}{'lr scale':>10}{'peak lr':>11}"
-             f"{'final lr':>11}{'decay':>7}  holds"]
-    for group in (g for g in GROUPS if g in members):
-        name, full = members[group][0]
+             f"{'group':<10}{'optimizer':>10}{'tensors':>8}{'parameters':>12}{'init std':>10}{'lr scale':>10}"
+             f"{'peak lr':>11}{'final lr':>11}{'decay':>7}  holds"]
+    for group, optimizer in sorted(members, key=lambda key: (GROUPS.index(key[0]), key[1])):
+        rows = members[group, optimizer]
+        name, full = rows[0]
         std = "ones" if group == "vectors" else f"{mup.init_std(name, len(full), cfg.model.init_method.std):.4g}"
         scale = mup.lr_scale(group)
         decay = mup.weight_decay(group, cfg.optimizer.weight_decay)
-        held = dict.fromkeys(re.sub(r"^model\.layers\.\d+\.", "", n).removesuffix(".weight") for n, _ in members[group])
+        held = dict.fromkeys(re.sub(r"^model\.layers\.\d+\.", "", n).removesuffix(".weight") for n, _ in rows)
         held = [n for n in held if n.startswith(("model.", "lm_head"))] + [   # the layers' tensors in one entry
             "model.layers.*.{" + ", ".join(n for n in held if not n.startswith(("model.", "lm_head"))) + "}"]
-        parameters = sum(math.prod(f) for _, f in members[group])
-        lines.append(f"{group:<10}{len(members[group]):>8}{parameters:>12,}{std:>10}{scale:>10.4g}"
+        parameters = sum(math.prod(f) for _, f in rows)
+        lines.append(f"{group:<10}{optimizer:>10}{len(rows):>8}{parameters:>12,}{std:>10}{scale:>10.4g}"
                      f"{sched.learning_rate * scale:>11.4g}{min_decay_lr(cfg) * scale:>11.4g}{decay:>7g}  "
                      + ", ".join(n for n in held if not n.endswith("{}"))
-                     + (" (= lm_head, tied)" if shape.tie_word_embeddings and group == "matrices" else ""))
+                     + (" (= lm_head, tied)" if shape.tie_word_embeddings and "model.embed_tokens" in held else ""))
+    if muon:
+        lines.append(f"muon: each matrix's rate is also scaled by its shape (muon_adjust_lr_fn="
+                     f"{factory.muon_adjust_lr_fn}; docs/optimizers.md)")
     return "\n".join(lines)
