@@ -57,6 +57,7 @@ class HeldModule(NamedTuple):
     sharded: int
     whole: int
     experts: int = 0
+    hidden_matrices: int = 0   # of all of these, the elements of hidden matrices: what Muon updates (muon.py)
 
 
 def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
@@ -70,15 +71,18 @@ def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldMo
     for n in (n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk):
         if shape.is_moe_layer(n):   # experts whole on every tp rank; under SP kept whole, as the norms (moe.py)
             moe = sum(math.prod(s) for s in moe_layer_shapes(h, shape.moe, "").values())
+            experts = moe - shape.moe.num_experts * h   # all but the router
             if layout.ep > 1:   # the routed experts split over ep (HeldModule.experts); router and shared ones whole
                 routed = 3 * h * shape.moe.intermediate_size * shape.moe.num_experts
-                held.append(HeldModule(attention, norms + moe - routed, routed // layout.ep) if sp
-                            else HeldModule(attention + norms + moe - routed, 0, routed // layout.ep))
+                matrices = attention + experts - routed + routed // layout.ep
+                held.append(HeldModule(attention, norms + moe - routed, routed // layout.ep, matrices) if sp
+                            else HeldModule(attention + norms + moe - routed, 0, routed // layout.ep, matrices))
                 continue
-            held.append(HeldModule(attention, norms + moe) if sp else HeldModule(attention + moe + norms, 0))
+            held.append(HeldModule(attention, norms + moe, 0, attention + experts) if sp
+                        else HeldModule(attention + moe + norms, 0, 0, attention + experts))
         else:
             matrices = attention + 3 * h * i // layout.tp
-            held.append(HeldModule(matrices, norms) if sp else HeldModule(matrices + norms, 0))
+            held.append(HeldModule(matrices, norms, 0, matrices) if sp else HeldModule(matrices + norms, 0, 0, matrices))
     head = layout.lm_head_weight(pp_rank, tied)
     if head is not None:
         held.append(HeldModule(0, h) if sp else HeldModule(h, 0))   # the final norm
@@ -157,10 +161,12 @@ def zero_stage(cfg, layout: Layout) -> int:
 
 
 def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = None,
-                sequence_parallel: bool = False) -> dict[str, float]:
-    """Persistent bytes (parameters, gradients, AdamW moments) and the update's temporaries, for ZeRO `stage`
-    over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard is
-    ceil(sharded / d). What a replica holds twice stays whole at every stage, its state sharded from stage 1."""
+                sequence_parallel: bool = False, muon: bool = False) -> dict[str, float]:
+    """Persistent bytes (parameters, gradients, the optimizer's state) and the update's temporaries, for ZeRO
+    `stage` over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard
+    is ceil(sharded / d). What a replica holds twice stays whole at every stage, its state sharded from stage 1.
+    AdamW keeps two moments (8 bytes an element); with `muon` the hidden matrices keep one momentum (4), a rank's
+    shard of them in proportion."""
     edp, experts = edp or d, sum(u.experts for u in held)
     full = sum(u.sharded + u.whole for u in held) + experts
     kept = sum(u.whole for u in held) + (experts if sequence_parallel else 0)
@@ -169,8 +175,9 @@ def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = No
     shard = scattered + kept   # what ZeRO-2/3 keep of the gradients (ZeRO-3: and of the parameters)
     updated = {0: full, 1: (full - experts) / d + experts / edp}.get(   # what the optimizer steps
         stage, scattered + sum(u.whole for u in held) / d + (experts / edp if sequence_parallel else 0))
+    muon_share = sum(u.hidden_matrices for u in held) / full if muon and full else 0.0
     return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
-            "optimizer": 8 * updated, "update_workspace": 4 * updated}
+            "optimizer": (8 - 4 * muon_share) * updated, "update_workspace": 4 * updated}
 
 
 def most_consecutive(sizes: list[int], count: int) -> int:
@@ -222,7 +229,8 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     layout = Layout.from_config(cfg)
     stage, held = zero_stage(cfg, layout), held_modules(shape, layout, pp_rank)
     _, chunks = held_parameters(shape, layout, pp_rank)
-    return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel),
+    muon = cfg.optimizer.optimizer_factory.name.lower() == "muon"
+    return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, muon),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}
