@@ -226,7 +226,6 @@ def muon_rules(cfg: Any) -> list[Rule]:
         one_of(cfg, ADAM + "muon_adjust_lr_fn", ("original", "match_rms_adamw")),
         (len(f.muon_ns_coefficients) == 3, f"{ADAM}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be "
          "three numbers (a, b, c)"),
-        (cfg.parallelism.ep == 1, f"parallelism.ep={cfg.parallelism.ep} {not_yet}: use ep=1"),
         (cfg.model.get("parametrization", "standard") != "mup", f"model.parametrization=mup {not_yet}: "
          "µP's rates are AdamW's; use standard"),
     ]

@@ -99,14 +99,15 @@ class TensorParallelMuon(torch.optim.Optimizer):
 class ShardedMuon(TensorParallelMuon):
     """TensorParallelMuon's update under ZeRO, over this rank's shard `pieces` (parallel/sharding.py ShardPiece: a
     range of a parameter's flattened elements) of the Muon `matrices`. The momentum stays sharded (element-wise);
-    each matrix's update direction is put together from the pieces of every rank of `dp_group` (an all-reduce of
-    the pieces placed in zeros: every element is in exactly one rank's piece), then over tp, orthogonalised whole
+    each matrix's update direction is put together from the pieces of every rank of `dp_group` (a routed expert's:
+    of `expert_group`, the edp ranks holding it; an all-reduce of the pieces placed in zeros: every element is in
+    exactly one rank's piece), then over tp, orthogonalised whole
     on every rank, and each rank applies its pieces' part. Every rank walks all `matrices` in one order, also
     those it holds no piece of, so the collectives pair."""
 
-    def __init__(self, pieces, matrices, dp_group=None, tp_group=None, **settings):
+    def __init__(self, pieces, matrices, dp_group=None, tp_group=None, expert_group=None, **settings):
         super().__init__(pieces, tp_group=tp_group, **settings)
-        self.matrices, self.dp_group = matrices, dp_group
+        self.matrices, self.dp_group, self.expert_group = matrices, dp_group, expert_group
         self.pieces_of = {id(m): [] for m in matrices}
         for group in self.param_groups:
             for value in group["params"]:
@@ -120,8 +121,9 @@ class ShardedMuon(TensorParallelMuon):
             for value, group in self.pieces_of[id(matrix)]:
                 flat[value.piece.start:value.piece.end] = momentum_direction(value.grad, self.state[value], group)
                 settings = group
-            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-                dist.all_reduce(flat, group=self.dp_group)
+            group = self.expert_group if placement(matrix).expert else self.dp_group   # who shards it (ZeRO)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
             direction = whole(flat.view(matrix.shape), matrix, self.tp_group)
             if settings is None:   # no piece here: the collectives above were this rank's part
                 continue
@@ -167,8 +169,8 @@ class MuonWithAdamW:
     exp_avg, exp_avg_sq, step), `defaults` are AdamW's."""
 
     def __init__(self, groups: list[dict], names: dict, adamw: dict, muon: dict, tp_group=None, zero=None):
-        """`zero`: under ZeRO, (the Muon matrices in model order, the dp x cp group); `groups` then hold shard
-        pieces' values (`value.piece`), named by their parameter."""
+        """`zero`: under ZeRO, (the Muon matrices in model order, the dp x cp group, the edp group that shards
+        routed experts); `groups` then hold shard pieces' values (`value.piece`), named by their parameter."""
         def matrix(p):
             return p.piece.param if zero else p
 
@@ -179,9 +181,9 @@ class MuonWithAdamW:
 
         self.adamw = torch.optim.AdamW(part(False), **adamw)
         if zero:
-            matrices, dp_group = zero
+            matrices, dp_group, expert_group = zero
             pieces = part(True) or [{"params": []}]   # a rank may hold no piece yet take part in the gathers
-            self.muon = ShardedMuon(pieces, matrices, dp_group, tp_group, **muon) if matrices else None
+            self.muon = ShardedMuon(pieces, matrices, dp_group, tp_group, expert_group, **muon) if matrices else None
         else:
             self.muon = TensorParallelMuon(part(True), **muon, tp_group=tp_group) if part(True) else None
         self.optimizers = [self.adamw] + ([self.muon] if self.muon else [])

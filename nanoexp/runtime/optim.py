@@ -63,7 +63,7 @@ def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None
         options |= dict(names=names, tp_group=grad_sync.ctx.tp_group if grad_sync else None)
         if o.zero_stage >= 1:
             matrices = [p for p in model.parameters() if takes_muon(names[id(p)], p)]
-            options["zero"] = (matrices, grad_sync.ctx.dp_cp_group)
+            options["zero"] = (matrices, grad_sync.ctx.dp_cp_group, grad_sync.ctx.edp_group)
     if o.zero_stage >= 1:
         return ShardedOptimizer(grad_sync, groups, optimizer_class, **options)
     return optimizer_class(groups, **options)
