@@ -117,16 +117,17 @@ def test_coord_check_mup_keeps_logits_steady_as_width_grows():
         assert standard == sorted(standard) and standard[-1] / standard[0] > 2, (activation, standard)
 
 
-def fake_job(folder, number: int, parametrization: str, width: int, lr: float, eval_loss: float | None) -> None:
+def fake_job(folder, number: int, parametrization: str, width: int, lr: float, eval_loss: float | None,
+             optimizer: str = "adamW") -> None:
     """A finished sweep job as summarize_sweep.py reads it: .hydra/ config and overrides, summary.json."""
     job = folder / str(number)
     (job / ".hydra").mkdir(parents=True)
     config = {"parallelism": {"dp": 1, "tp": 1, "pp": 1},
-              "optimizer": {"learning_rate_scheduler": {"learning_rate": lr}},
+              "optimizer": {"learning_rate_scheduler": {"learning_rate": lr}, "optimizer_factory": {"name": optimizer}},
               "model": {"parametrization": parametrization, "model_config": {"hidden_size": width}}}
     (job / ".hydra" / "config.yaml").write_text(json.dumps(config))   # JSON is YAML
     (job / ".hydra" / "overrides.yaml").write_text(json.dumps([f"model.parametrization={parametrization}",
-                                                               f"width={width}", f"lr={lr}"]))
+                                                               f"width={width}", f"lr={lr}", f"name={optimizer}"]))
     status = {"status": "completed", "eval_loss": eval_loss} if eval_loss else {"status": "failed", "error": "NaN"}
     (job / "summary.json").write_text(json.dumps(status))
 
@@ -145,3 +146,17 @@ def test_summarize_sweep_prints_the_best_lr_per_width_and_plots_the_transfer(tmp
     assert best == [("standard", "64", "0.003906", "-8", "1.9000"), ("standard", "256", "0.001953", "-9", "1.8000"),
                     ("mup", "64", "0.003906", "-8", "1.9000"), ("mup", "256", "0.003906", "-8", "1.7000")]
     assert (tmp_path / "out" / "lr_transfer.png").stat().st_size > 10_000
+
+
+def test_a_sweep_over_optimizers_gets_the_best_lr_of_each(tmp_path):
+    """A sweep that tries AdamW and Muon (optimizer.optimizer_factory.name) ranks each optimizer's learning rates
+    apart: one row and one panel per optimizer."""
+    lrs = [2 ** -9, 2 ** -8, 2 ** -7]
+    for number, (optimizer, lr, loss) in enumerate([("adamW", lr, loss) for lr, loss in zip(lrs, [2.0, 1.9, 2.1])]
+                                                    + [("muon", lr, loss) for lr, loss in zip(lrs, [1.9, 1.8, 1.7])]):
+        fake_job(tmp_path / "sweep", number, "standard", 64, lr, loss, optimizer)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "summarize_sweep.py"), str(tmp_path / "sweep"),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    best = re.findall(r"^standard, (adamW|muon)\s+64\s+(\S+) \(2\^\S+\)\s+(\S+)", result.stdout, re.MULTILINE)
+    assert best == [("adamW", "0.003906", "1.9000"), ("muon", "0.007812", "1.7000")]

@@ -90,6 +90,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         row["lr"] = cfg["optimizer"]["learning_rate_scheduler"]["learning_rate"]
         row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
         row["parametrization"] = cfg["model"].get("parametrization", "standard")
+        row["optimizer"] = cfg["optimizer"].get("optimizer_factory", {}).get("name", "adamW")
     records = []
     if os.path.exists(os.path.join(folder, "metrics.jsonl")):
         with open(os.path.join(folder, "metrics.jsonl")) as f:
@@ -212,14 +213,17 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 def lr_sweep(rows: list[dict], metric: str = "eval_loss") -> dict[tuple[str, int], list[tuple[float, float | None]]]:
-    """{(parametrization, width): [(lr, the metric or None), ...] sorted by lr}, or {} if one lr was tried."""
+    """{(parametrization, width): [(lr, the metric or None), ...] sorted by lr}, or {} if one lr was tried; when
+    the jobs try several optimizers, each is a parametrization of its own ("standard, muon")."""
     if len({row.get("lr") for row in rows if row.get("lr")}) < 2:
         return {}
+    several = len({row.get("optimizer") for row in rows if row.get("lr")}) > 1
     curves: dict = {}
     for row in rows:
         if row.get("lr"):
-            curves.setdefault((row["parametrization"], row["width"]), []).append((row["lr"], row.get(metric)))
-    order = sorted(curves, key=lambda key: (key[0] != "standard", key))   # standard first, then by width
+            name = f"{row['parametrization']}, {row['optimizer']}" if several else row["parametrization"]
+            curves.setdefault((name, row["width"]), []).append((row["lr"], row.get(metric)))
+    order = sorted(curves, key=lambda key: (not key[0].startswith("standard"), key))   # standard first, by width
     return {key: sorted(curves[key]) for key in order}
 
 
