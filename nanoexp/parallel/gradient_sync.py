@@ -129,8 +129,8 @@ class GradientSync:
         return [g for g, _ in used], [g for g, p in used if counted_here(p, ctx.tp_rank)], group
 
     def buffer_bytes(self) -> tuple[int, int]:
-        """(parameter, gradient) bytes held between steps."""
-        sizes = [engine.persistent_bytes() for engine in self.all_engines]
+        """(parameter, gradient) bytes of the buffers (Sharding.buffer_bytes)."""
+        sizes = [engine.buffer_bytes() for engine in self.all_engines]
         return sum(v for v, _ in sizes), sum(g for _, g in sizes)
 
 

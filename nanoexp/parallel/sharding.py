@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoexp.parallel.buckets import bucket_full, size_buckets
 from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
 from nanoexp.observe.trace import NO_TRACE
 
@@ -391,24 +392,10 @@ class Sharding:
         """Stage 3: the ids of the parameters held only as shard pieces."""
         return {id(p) for unit in self.scattered for p in unit.params} if self.stage.shards_parameters else set()
 
-    def persistent_bytes(self) -> tuple[int, int]:
-        """(parameter, gradient) bytes held between steps."""
+    def buffer_bytes(self) -> tuple[int, int]:
+        """(parameter, gradient) bytes of the buffers: the parameters held between steps, the gradients from
+        backward to the update (ZeRO-2/3 free their gradient shards between steps)."""
         values = sum(u.shard_size if self.stage.shards_parameters else u.padded for u in self.scattered)
         values += sum(u.padded for u in self.accumulated)
         return 4 * values, 4 * (sum(u.padded for u in self.accumulated) + sum(u.shard_size for u in self.scattered))
-
-
-def bucket_full(params: list[nn.Parameter], p: nn.Parameter, cap_mb: float) -> bool:
-    """Whether adding `p` takes a bucket of float32 `params` past cap_mb."""
-    return sum(q.numel() for q in params) + p.numel() > max(1, int(cap_mb * 2**20) // 4)
-
-
-def size_buckets(params: list[nn.Parameter], cap_mb: float) -> list[list[nn.Parameter]]:
-    """Consecutive parameters in buckets of about `cap_mb` (a parameter larger than that alone)."""
-    buckets = [[]]
-    for p in params:
-        if buckets[-1] and bucket_full(buckets[-1], p, cap_mb):
-            buckets.append([])
-        buckets[-1].append(p)
-    return [bucket for bucket in buckets if bucket]
 
