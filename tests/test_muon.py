@@ -263,3 +263,37 @@ def test_the_memory_estimate_counts_one_momentum_for_muons_matrices(world, overr
     optimizer bytes are what the state holds, to the padding of ZeRO's flat units (under 0.1 %)."""
     for held, estimated in run_distributed(_state_bytes, world, overrides):
         assert abs(held - estimated) <= 1e-3 * held, (held, estimated)
+
+
+def _muon_bytes(rank, world, overrides):
+    """Bytes Muon's own update sends per step on this rank, by group, and the analytic figures (docs/optimizers.md):
+    tp, an all-gather of each matrix's direction, (tp-1) x its shard; ZeRO, an all-reduce over dp x cp of each
+    (tp-local) matrix, 2(d-1)/d of it."""
+    from nanoexp.verify.comm_counter import CommCounter
+    from nanoexp.runtime.trainer import Trainer
+    from nanoexp.run import check_config
+    cfg = compose_config(FAST + MUON + overrides)
+    check_config(cfg, world)
+    ctx = ParallelContext(Layout.from_config(cfg))
+    trainer = Trainer(cfg, ctx, run_dir=os.devnull)
+    trainer.compute_gradients(trainer.batches.next_step())
+    trainer.batches.close()
+    optimizer = getattr(trainer.optimizer, "inner", trainer.optimizer)   # ZeRO's ShardedOptimizer wraps it
+    with CommCounter({"tp": ctx.tp_group, "dp_cp": ctx.dp_cp_group}) as comm:
+        optimizer.muon.step()
+    names = {id(p): value_name(n, p) for n, p in trainer.model.named_parameters()}
+    local = sum(4 * p.numel() for p in trainer.model.parameters() if takes_muon(names[id(p)], p))
+    d = ctx.dp_cp
+    analytic = {"tp": (ctx.tp - 1) * local, "dp_cp": 2 * (d - 1) * local // d if cfg.optimizer.zero_stage else 0}
+    totals = comm.totals()
+    return {group: (totals.get(group, {}).get("sent_bytes", 0), analytic[group]) for group in ("tp", "dp_cp")}
+
+
+@pytest.mark.parametrize("overrides", [["parallelism=dp1tp2pp1"], ["parallelism=dp2tp1pp1", "optimizer.zero_stage=1"],
+                                       ["parallelism=dp2tp2pp1", "optimizer.zero_stage=3"]],
+                         ids=["tp2", "dp2-zero1", "dp2tp2-zero3"])
+def test_muon_sends_the_analytic_bytes(overrides):
+    """Counted by verify/comm_counter around Muon's step alone, against the figures of docs/optimizers.md."""
+    for rank in run_distributed(_muon_bytes, 4 if "dp2tp2" in overrides[0] else 2, overrides):
+        for group, (sent, analytic) in rank.items():
+            assert sent == analytic, (group, sent, analytic)
