@@ -217,17 +217,14 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
 
 
 def muon_rules(cfg: Any) -> list[Rule]:
-    """Muon's settings, and the layouts its whole-matrix update is not built for yet (docs/optimizers.md)."""
+    """Muon's settings (docs/optimizers.md)."""
     f = cfg.optimizer.optimizer_factory
     if f.name.lower() != "muon":
         return []
-    not_yet = "with optimizer.optimizer_factory.name=muon is not built yet (docs/optimizers.md)"
     return [
         one_of(cfg, ADAM + "muon_adjust_lr_fn", ("original", "match_rms_adamw")),
         (len(f.muon_ns_coefficients) == 3, f"{ADAM}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be "
          "three numbers (a, b, c)"),
-        (cfg.model.get("parametrization", "standard") != "mup", f"model.parametrization=mup {not_yet}: "
-         "µP's rates are AdamW's; use standard"),
     ]
 
 

@@ -24,6 +24,7 @@ class Parametrization:
     mup: bool = False
     width_multiplier: float = 1.0   # m = hidden_size / base_width (1 under standard)
     attention_multiplier: float = 1.0   # α in α·q·k / d_head (µP only)
+    hidden_update: str = "adamw"   # how the hidden matrices' update grows with width: adamw | muon_<adjust_lr_fn>
 
     def group(self, name: str, ndim: int) -> str:
         """The optimizer group of a parameter, named by the values it holds (see placement.value_name)."""
@@ -33,15 +34,25 @@ class Parametrization:
         return "hidden" if self.mup and not output_like else "matrices"
 
     def lr_scale(self, group: str) -> float:
-        """The group's learning rate over the scheduled one."""
-        return 1.0 / self.width_multiplier if group == "hidden" else 1.0
+        """The group's learning rate over the scheduled one. Hidden matrices: AdamW's update moves every entry by
+        about lr, its spectral norm grows as m: 1/m. Muon's (optimizer_factory.name=muon, docs/optimizers.md) is
+        orthogonal, spectral norm 1, times lr·sqrt(max(1, rows/cols)) with muon_adjust_lr_fn=original: the same at
+        every width, the size µP's spectral condition asks (Yang, Simon and Bernstein, "A Spectral Condition for
+        Feature Learning", 2023), so 1; match_rms_adamw multiplies it by 0.2·sqrt(max(rows, cols)): 1/sqrt(m)."""
+        if group != "hidden":
+            return 1.0
+        return {"muon_original": 1.0, "muon_match_rms_adamw": self.width_multiplier ** -0.5}.get(
+            self.hidden_update, 1.0 / self.width_multiplier)
 
     def weight_decay(self, group: str, weight_decay: float) -> float:
-        """The group's weight decay, from optimizer.weight_decay: none on vectors (norm weights), times m on
-        the hidden matrices (so that lr·wd does not depend on the width, see the module docstring)."""
+        """The group's weight decay, from optimizer.weight_decay: none on vectors (norm weights), over the lr
+        scale on the hidden matrices (so that lr·wd does not depend on the width, see the module docstring)."""
         if group == "vectors":
             return 0.0
-        return weight_decay * self.width_multiplier if group == "hidden" else weight_decay
+        if group != "hidden":
+            return weight_decay
+        return weight_decay * self.width_multiplier if self.hidden_update == "adamw" else \
+            weight_decay / self.lr_scale(group)
 
     def init_std(self, name: str, ndim: int, std: float) -> float:
         """The std a matrix is drawn with (vectors are norm weights: ones)."""
@@ -64,8 +75,11 @@ def parametrization_of(cfg: Any) -> Parametrization:
     model = cfg.model
     if model.get("parametrization", "standard") != "mup":
         return STANDARD
+    factory = cfg.get("optimizer", {}).get("optimizer_factory", {})
+    muon = str(factory.get("name", "adamW")).lower() == "muon"
     return Parametrization(mup=True, width_multiplier=model.model_config.hidden_size / model.mup.base_width,
-                           attention_multiplier=model.mup.get("attention_multiplier", 1.0))
+                           attention_multiplier=model.mup.get("attention_multiplier", 1.0),
+                           hidden_update=f"muon_{factory.get('muon_adjust_lr_fn', 'original')}" if muon else "adamw")
 
 
 def describe(p: Parametrization, hidden_size: int, head_dim: int) -> str:
