@@ -326,3 +326,17 @@ def test_mup_rates_of_muons_matrices():
         model = build_model(cfg, ParallelContext())
         hidden = [g for g in build_optimizer(cfg, model).param_groups if g.get("group") == "hidden"]
         assert hidden and all(g["lr_scale"] == scale and g["weight_decay"] == 0.1 / scale for g in hidden)
+
+
+@pytest.mark.parametrize("layout", [["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
+                                    ["parallelism=dp2tp1pp1", "optimizer.zero_stage=1"]], ids=["dp2tp2pp2-SP", "zero1"])
+def test_bf16_layout_matches_one_bf16_process(layout, tmp_path):
+    """Muon under bf16 autocast, against one bf16 process, to tests/test_bf16_parity.py's contract (measured: loss
+    within 6.6e-4 absolute, about 1.1e-4 relative, grad_norm 1.7e-3 relative on dp2 tp2 pp2 SP; ZeRO-1 3.7e-5 and
+    6.5e-6)."""
+    from tests.test_bf16_parity import GRAD_NORM_RTOL, LOSS_RTOL
+    bf16 = FAST + STEPS + MUON + ["model.dtype=bfloat16"]
+    expected, records = train(tmp_path / "one", bf16), train(tmp_path / "layout", bf16 + layout)
+    np.testing.assert_allclose(train_losses(records), train_losses(expected), rtol=LOSS_RTOL, atol=0)
+    np.testing.assert_allclose([r["grad_norm"] for r in records if "loss" in r],
+                               [r["grad_norm"] for r in expected if "loss" in r], rtol=GRAD_NORM_RTOL, atol=0)
