@@ -40,7 +40,9 @@ else), each with S = 25 and 50; tokens/s = 25 steps' tokens / (wall(50) - wall(2
 the end of the run cancel out. The four runs alternate, `--repeats` times; medians are reported.
 
 Variants switch the same option on both sides: compile (each decoder block compiled),
-recompute (activation checkpointing per block), fused (fused AdamW); the saved-activation
+recompute (activation checkpointing per block), fused (fused AdamW), fp8 and fp8_rowwise (model.fp8; the
+reference converts the same linears with torchao's convert_to_float8_training; MFU stays against the float32
+peak, so that the variants compare); the saved-activation
 bytes of one micro-batch are reported for every variant (recompute saves most of them).
 """
 from __future__ import annotations
@@ -77,6 +79,8 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
     "compile": ["model.compile=true"],
     "recompute": ["parallelism.recompute_layer=true"],
     "fused": ["optimizer.optimizer_factory.torch_adam_is_fused=true"],
+    "fp8": ["model.fp8.enabled=true"],
+    "fp8_rowwise": ["model.fp8.enabled=true", "model.fp8.recipe=rowwise"],
 }
 
 
@@ -141,6 +145,11 @@ class PlainLoop:
         self.aux_weight = 0.0 if s.moe is None else s.moe.aux_loss_coef * s.num_hidden_layers / s.moe.top_k
         if cfg.parallelism.recompute_layer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.fp8.enabled:   # torchao's own Float8Linear on the same linears: the peer of nanoexp's FP8
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            kept = list(cfg.model.fp8.filter_fqns)
+            convert_to_float8_training(self.model, config=Float8LinearConfig.from_recipe_name(cfg.model.fp8.recipe),
+                                       module_filter_fn=lambda module, fqn: not any(part in fqn for part in kept))
         if cfg.model.compile:
             for layer in self.model.model.layers:
                 layer.compile()

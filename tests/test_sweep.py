@@ -214,3 +214,17 @@ def test_jobs_on_a_busy_machine_are_flagged():
     assert not machine_was_busy(summary(0.2, 3.9, processes=2))   # its own two processes, nothing else
     assert busy_note([{"job": 0, "busy": False}]) is None
     assert "jobs [1, 3]" in busy_note([{"job": j, "busy": j % 2 == 1} for j in range(4)])
+
+
+def test_plot_runs_draws_each_run_against_the_first(tmp_path):
+    """scripts/plot_runs.py: the curves and their difference to the first run, and one line per run."""
+    for name, offset in (("a", 0.0), ("b", 0.25)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"step": s, "loss": 3.0 - 0.1 * s + offset} for s in range(1, 6)] + [{"step": 5, "eval_loss": 2.6 + offset}]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    out = tmp_path / "plot.png"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_runs.py"), str(tmp_path / "a"),
+                             str(tmp_path / "b"), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "b: final loss 2.7500, eval losses 5: 2.8500" in result.stdout and out.stat().st_size > 10_000
