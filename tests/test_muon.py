@@ -340,3 +340,16 @@ def test_bf16_layout_matches_one_bf16_process(layout, tmp_path):
     np.testing.assert_allclose(train_losses(records), train_losses(expected), rtol=LOSS_RTOL, atol=0)
     np.testing.assert_allclose([r["grad_norm"] for r in records if "loss" in r],
                                [r["grad_norm"] for r in expected if "loss" in r], rtol=GRAD_NORM_RTOL, atol=0)
+
+
+def test_the_optimizer_bench_times_both_optimizers(tmp_path):
+    """benchmarks/bench_optimizer.py: each optimizer's step and its share of the step, from the real Trainer."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_optimizer.py"), "--layouts",
+                             "dp1tp1pp1", "--steps", "1", "--warmup", "0", *FAST], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("dp1tp1pp1 ")]
+    assert [row[1] for row in rows] == ["adamW", "muon"] and all(row[-1].endswith("%") for row in rows), result.stdout
