@@ -17,4 +17,3 @@ def size_buckets(params: list[nn.Parameter], cap_mb: float) -> list[list[nn.Para
             buckets.append([])
         buckets[-1].append(p)
     return [bucket for bucket in buckets if bucket]
-

@@ -101,8 +101,8 @@ class ShardedMuon(TensorParallelMuon):
     range of a parameter's flattened elements) of the Muon `matrices`. The momentum stays sharded (element-wise);
     each matrix's update direction is put together from the pieces of every rank of `dp_group` (a routed expert's:
     of `expert_group`, the edp ranks holding it; an all-reduce of the pieces placed in zeros: every element is in
-    exactly one rank's piece), then over tp, orthogonalised whole
-    on every rank, and each rank applies its pieces' part. Every rank walks all `matrices` in one order, also
+    exactly one rank's piece), then over tp, orthogonalised whole on every rank, and each rank applies its pieces'
+    part. Every rank walks all `matrices` in one order, also
     those it holds no piece of, so the collectives pair."""
 
     def __init__(self, pieces, matrices, dp_group=None, tp_group=None, expert_group=None, **settings):
@@ -116,21 +116,20 @@ class ShardedMuon(TensorParallelMuon):
     @torch.no_grad()
     def step(self, closure=None) -> None:
         for matrix in self.matrices:
+            pieces = self.pieces_of[id(matrix)]
             flat = torch.zeros(matrix.numel(), dtype=torch.float32, device=matrix.device)
-            settings = None
-            for value, group in self.pieces_of[id(matrix)]:
+            for value, group in pieces:
                 flat[value.piece.start:value.piece.end] = momentum_direction(value.grad, self.state[value], group)
-                settings = group
-            group = self.expert_group if placement(matrix).expert else self.dp_group   # who shards it (ZeRO)
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(flat, group=group)
+            shard_group = self.expert_group if placement(matrix).expert else self.dp_group   # who shards it (ZeRO)
+            if shard_group is not None and dist.get_world_size(shard_group) > 1:
+                dist.all_reduce(flat, group=shard_group)
             direction = whole(flat.view(matrix.shape), matrix, self.tp_group)
-            if settings is None:   # no piece here: the collectives above were this rank's part
+            if not pieces:   # no piece here: the collectives above were this rank's part
                 continue
-            g = settings
-            update = local_slice(orthogonalise(direction, g["ns_coefficients"], g["ns_steps"], g["eps"]),
+            ns = pieces[0][1]   # the Newton–Schulz settings are the optimizer's, the same in every group
+            update = local_slice(orthogonalise(direction, ns["ns_coefficients"], ns["ns_steps"], ns["eps"]),
                                  matrix).reshape(-1)
-            for value, group in self.pieces_of[id(matrix)]:
+            for value, group in pieces:
                 lr = group["lr"]
                 value.mul_(1 - lr * group["weight_decay"])
                 value.add_(update[value.piece.start:value.piece.end],
