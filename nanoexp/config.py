@@ -84,7 +84,7 @@ class Fp8Config:
     recipe: str = "tensorwise"   # tensorwise | rowwise (torchao's recipe names)
     # a linear whose module name contains one of these stays in high precision (the LM head, MoE routers)
     filter_fqns: List[str] = field(default_factory=lambda: ["lm_head", "router"])
-    gather_in_fp8: bool = False  # ZeRO-3 gathers weights in FP8: not built yet, must stay false
+    gather_in_fp8: bool = False  # ZeRO-3 gathers FP8 layers' weights in FP8 (tensorwise only)
 
 
 @dataclass

@@ -78,9 +78,13 @@ def fp8_rules(cfg: Any) -> list[Rule]:
         one_of(cfg, "model.fp8.recipe", FP8_RECIPES),
         (not fp8.enabled or torchao_available(), "model.fp8.enabled=true needs torchao, which is not importable "
          "here: pip install -e '.[fp8]'"),
-        (not fp8.gather_in_fp8, "model.fp8.gather_in_fp8=true: ZeRO-3 gathers in FP8 are not built yet; set it to "
-         "false (weights are gathered in float32 and cast to FP8 per matmul)"),
-    ]
+    ] + ([] if not fp8.gather_in_fp8 else [
+        (fp8.enabled, "model.fp8.gather_in_fp8=true needs model.fp8.enabled=true (it gathers FP8 layers' weights)"),
+        (fp8.recipe == "tensorwise", f"model.fp8.gather_in_fp8=true needs model.fp8.recipe=tensorwise, not "
+         f"{fp8.recipe} (a rowwise recipe casts each weight per row and per column: no one FP8 copy serves both)"),
+        (cfg.optimizer.zero_stage == 3 and cfg.parallelism.dp * cfg.parallelism.cp > 1, "model.fp8.gather_in_fp8=true "
+         "gathers ZeRO-3's weights: it needs optimizer.zero_stage=3 and parallelism.dp*cp > 1, else set it to false"),
+    ])
 
 
 def moe_rules(cfg: Any) -> list[Rule]:

@@ -127,7 +127,6 @@ def test_the_matmul_is_torchaos_float8_linear(recipe):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.fp8.recipe=blockwise"], "model.fp8.recipe=blockwise: allowed values are tensorwise, rowwise"),
-    (["model.fp8.gather_in_fp8=true"], "model.fp8.gather_in_fp8=true: ZeRO-3 gathers in FP8 are not built yet"),
 ])
 def test_a_bad_fp8_config_is_named(overrides, message):
     assert message in start_error(compose_config(FAST + overrides))

@@ -20,6 +20,8 @@ class Converter:
     enabled: Callable[[object], bool]                # cfg -> whether this run uses the format
     convert: Callable[[str, Linear, object, object], None]   # (module name, layer, cfg, ParallelContext):
     #                                                            replace layer.matmul or leave it
+    gather_format: Callable[[nn.Module, object], object] | None = None   # (converted model, cfg) -> how ZeRO-3
+    #                                                 gathers the converted weights (parallel/units.GatherFormat)
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -38,3 +40,12 @@ def convert_linears(model: nn.Module, cfg, ctx) -> list[str]:
                 if module.matmul is not before:
                     converted.append(name)
     return converted
+
+
+def gather_format(model: nn.Module, cfg):
+    """The GatherFormat an enabled format offers for ZeRO-3's gathers of its weights, or None (float32)."""
+    for converter in CONVERTERS.values():
+        made = converter.gather_format(model, cfg) if converter.enabled(cfg) and converter.gather_format else None
+        if made is not None:
+            return made
+    return None

@@ -75,11 +75,18 @@ class Fp8Matmul:
         # which groups split dims 0 and 1 of each operand: x [M, K], W^T [K, N], grad_out [M, N]
         self.dims = {"x": (split.rows, split.inner), "w": (split.inner, split.out), "g": (split.rows, split.out)}
         self.__name__ = f"fp8 {recipe}" + (f" (amax reduced: {split})" if str(split) else "")
+        self.precast = None   # W as gathered in FP8 by ZeRO-3 (fp8_gather.py) while its unit is whole, else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, layer) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):   # the product in autocast's dtype, as F.linear's would be
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return _Fp8Linear.apply(x, weight, self)
+
+    def weight_t(self, weight: torch.Tensor, cast_config, dim: int, scales: dict):
+        """W^T as a float8 operand: the FP8 weight ZeRO-3 gathered (tensorwise: the same bytes and scale), or a cast."""
+        if self.precast is not None:
+            return self.precast.t()
+        return self.cast(weight.t(), "w", cast_config, dim, scales)
 
     def cast(self, tensor: torch.Tensor, operand: str, cast_config, dim: int, scales: dict, mm_config=None):
         """`tensor` (2-D) as torchao's float8 tensor; axiswise scales take the amax along `dim`. A scale is
@@ -124,7 +131,7 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             y = _mm(mm.cast(x2, "x", c.cast_config_input, -1, scales),
-                    mm.cast(weight.t(), "w", c.cast_config_weight, 0, scales))
+                    mm.weight_t(weight, c.cast_config_weight, 0, scales))
         ctx.save_for_backward(x, weight)
         ctx.mm, ctx.scales = mm, scales
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -139,7 +146,7 @@ class _Fp8Linear(torch.autograd.Function):
         padded = mm.padded_config if x2.shape[0] % 16 else None
         with torch.autocast(grad.device.type, enabled=False):
             grad_x = _mm(mm.cast(g, "g", c.cast_config_grad_output, -1, scales),
-                         mm.cast(weight.t(), "w", c.cast_config_weight_for_grad_input, -1, scales).t())
+                         mm.weight_t(weight, c.cast_config_weight_for_grad_input, -1, scales).t())
             grad_w = _mm(mm.cast(g, "g", c.cast_config_grad_output_for_grad_weight, 0, scales, padded).t(),
                          mm.cast(x2, "x", c.cast_config_input_for_grad_weight, 0, scales, padded))
         return grad_x.reshape(x.shape), grad_w.to(weight.dtype), None
@@ -179,4 +186,14 @@ def enabled(cfg) -> bool:
     return bool(cfg.model.get("fp8", {}).get("enabled", False))
 
 
-CONVERTERS["fp8"] = Converter(enabled, convert)
+def gather_format(model, cfg):
+    """ZeRO-3's FP8 gather of the converted weights (model.fp8.gather_in_fp8), else None."""
+    from nanoexp.numerics.fp8_gather import Fp8Gather
+
+    if not cfg.model.fp8.get("gather_in_fp8", False):
+        return None
+    return Fp8Gather({id(m.weight): m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None),
+                                                                                    Fp8Matmul)})
+
+
+CONVERTERS["fp8"] = Converter(enabled, convert, gather_format)

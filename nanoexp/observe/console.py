@@ -94,7 +94,8 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     if cfg.model.fp8.enabled:
         fp8, where = cfg.model.fp8, " (rank 0's stage)" if layout.pp > 1 else ""
         lines.append(f"FP8: {converted_linears} linears{where} in FP8 (torchao, {fp8.recipe} scaling); in high "
-                     f"precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}")
+                     f"precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}"
+                     + ("; ZeRO-3 gathers their weights in FP8" if fp8.gather_in_fp8 else ""))
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
     parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]

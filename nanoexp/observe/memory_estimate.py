@@ -58,6 +58,16 @@ class HeldModule(NamedTuple):
     whole: int
     experts: int = 0
     hidden_matrices: int = 0   # of all of these, the elements of hidden matrices: what Muon updates (muon.py)
+    wire_bytes: int = 4        # bytes per element of its ZeRO-3 gathers (1: FP8 weights, model.fp8.gather_in_fp8)
+
+
+def gathered_in_fp8(module: HeldModule) -> HeldModule:
+    """A decoder layer under model.fp8.gather_in_fp8: its dp x cp-sharded matrices gathered in FP8, one byte an
+    element, and the rest beside them (norms, router) kept whole (gradient_sync.py)."""
+    matrices = module.hidden_matrices - module.experts
+    if matrices <= 0:
+        return module
+    return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=1)
 
 
 def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
@@ -198,9 +208,10 @@ def units_in_flight(cfg, stage: int, held: list[HeldModule], device_type: str, b
     """Bytes ZeRO-2/3 hold only while units compute, beside the activations (docs/memory.md), and on gloo its
     copy of one unit's gradients in the reduce-scatter:
     * ZeRO-2: two buckets' gradients (of at most `bucket` floats each), the one filling and the one reduced;
-    * ZeRO-3: the gathered units and one unit's gradients. Its backward's peak is at its first unit, where all
-      the activations are held and no reduce-scatter has started; a later unit holds two units' gradients (and
-      gloo's copy) beside the activations of the layers before it only (measured in docs/zero.md)."""
+    * ZeRO-3: the gathered units (a byte an element where gathered in FP8) and one unit's gradients. Its
+      backward's peak is at its first unit, where all the activations are held and no reduce-scatter has started;
+      a later unit holds two units' gradients (and gloo's copy) beside the activations of the layers before it
+      only (measured in docs/zero.md)."""
     if stage < 2:
         return 0
     sizes = [u.sharded for u in held]   # whole parameters are neither gathered nor reduce-scattered by unit
@@ -209,8 +220,9 @@ def units_in_flight(cfg, stage: int, held: list[HeldModule], device_type: str, b
         sizes = [min(size, bucket) for size in sizes]
         return 4 * (most_consecutive(sizes, 2) + min(gloo, bucket))
     keep_all = not cfg.optimizer.zero3_reshard_after_forward   # every unit waits, whole, for its backward
-    gathered = sum(sizes) if keep_all else most_consecutive(sizes, 1 + cfg.optimizer.zero3_prefetch)
-    return 4 * (max(sizes, default=0) + gathered + gloo)
+    wire = [u.sharded * u.wire_bytes for u in held]
+    gathered = sum(wire) if keep_all else most_consecutive(wire, 1 + cfg.optimizer.zero3_prefetch)
+    return 4 * (max(sizes, default=0) + gloo) + gathered
 
 
 def communication_bytes(stage: int, held: list[HeldModule], device_type: str) -> float:
@@ -228,6 +240,8 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     (gloo) or CUDA (NCCL) device, by kind (see `total` for what coexists)."""
     layout = Layout.from_config(cfg)
     stage, held = zero_stage(cfg, layout), held_modules(shape, layout, pp_rank)
+    if stage == 3 and cfg.model.fp8.get("gather_in_fp8", False):
+        held = [gathered_in_fp8(u) for u in held]
     _, chunks = held_parameters(shape, layout, pp_rank)
     muon = cfg.optimizer.optimizer_factory.name.lower() == "muon"
     return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, muon),

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.placement import counted_here, placement
-from nanoexp.parallel.sharding import ShardPiece, Sharding
+from nanoexp.parallel.sharding import Sharding
+from nanoexp.parallel.units import ShardPiece
 from nanoexp.observe.trace import NO_TRACE
 
 
@@ -26,12 +27,13 @@ class GradientSync:
 
     `chunks[c]` are the units of chunk c of the model, (module, its parameters) in forward order (a plain list
     of parameters is one unit without a module: enough below stage 3). With dp x cp = 1 there is nothing to
-    shard: stages 2 and 3 run as stage 1.
+    shard: stages 2 and 3 run as stage 1. `gather_format`: how stage 3 gathers the weights a number format takes
+    (model.fp8.gather_in_fp8).
     """
 
     def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], ctx, stage: int = 0,
                  bucket_cap_mb: float = 25.0, prefetch: int = 1, reshard_after_forward: bool = True, trace=NO_TRACE,
-                 overlap_reduce_scatter: bool = True):
+                 overlap_reduce_scatter: bool = True, gather_format=None):
         self.ctx, self.stage = ctx, stage if ctx.dp_cp > 1 else min(stage, 1)
         self.shard = self.stage >= 1
         chunks = [chunk if chunk and isinstance(chunk[0], tuple) else [(None, list(chunk))] for chunk in chunks]
@@ -41,9 +43,12 @@ class GradientSync:
         self.tied = [p for p in params if placement(p).tied_across_stages]
         count = Counter(map(id, uses))
         twice = [p for p in params if count[id(p)] > 1]   # tied on one stage
-        whole = dict(kept_whole=self.sequence_parallel + self.tied + twice, deferred=self.sequence_parallel,
+        # a unit travels in one format: beside weights gathered in another (FP8), the rest (norms) stays whole
+        beside = [p for chunk in chunks for _module, unit in chunk if gather_format and any(map(gather_format.takes,
+                  unit)) for p in unit if not gather_format.takes(p)] if self.stage == 3 else []
+        whole = dict(kept_whole=self.sequence_parallel + self.tied + twice + beside, deferred=self.sequence_parallel,
                      bucket_cap_mb=bucket_cap_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                     overlap_reduce_scatter=overlap_reduce_scatter)
+                     overlap_reduce_scatter=overlap_reduce_scatter, gather_format=gather_format)
         self.engines, self.expert_engines = [], []
         for c, chunk in enumerate(chunks):
             expert = [(module, [p for p in unit if placement(p).expert]) for module, unit in chunk]

@@ -6,99 +6,14 @@ shard; at stage 3 the parameters are gathered only while their module runs). Col
 module order, never in gradient-arrival order, as NCCL requires. Design and measurements: docs/zero.md."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.buckets import bucket_full, size_buckets
 from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
+from nanoexp.parallel.units import GatherFormat, ShardPiece, Stage, Unit
 from nanoexp.observe.trace import NO_TRACE
-
-
-@dataclass
-class ShardPiece:
-    """The part [start, end) of a parameter's flattened elements in this rank's shard, with the views of the
-    buffers holding its values and its averaged gradient."""
-    param: nn.Parameter
-    start: int
-    end: int
-    value: torch.Tensor
-    grad: torch.Tensor
-
-
-class Unit:
-    """Parameters moved by one collective. `values` is the padded flat buffer the parameters view; `shard` this
-    rank's part of it (its own tensor when the whole is freed outside use); `grads` the whole gradients
-    (accumulate units only); `shard_grad` this rank's averaged gradient."""
-
-    def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter], size: int, rank: int,
-                 sharded: bool, accumulate: bool, deferred: bool = False, alone: bool = False):
-        self.index, self.module, self.params = index, module, params
-        self.sharded, self.accumulate, self.deferred, self.alone = sharded, accumulate, deferred, alone
-        numel = sum(p.numel() for p in params)
-        self.padded = -(-numel // size) * size if sharded else numel
-        self.shard_lo, self.shard_size = (rank * (self.padded // size), self.padded // size) if sharded else (0, numel)
-        self.offsets, offset = {}, 0
-        for p in params:
-            self.offsets[id(p)] = offset
-            offset += p.numel()
-        self.values = self.shard = self.grads = self.shard_grad = self._pieces = None
-        self.num_ready, self.handle = 0, None
-        self.gather_work, self.gathered, self.pending_backwards = None, True, 0   # stage 3
-
-    def build(self, device, own_shard: bool) -> None:
-        """Move the parameters into `values` (their .data becomes a view of it); an accumulate unit's gradients
-        into `grads`."""
-        self.values = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        for p in self.params:
-            self.values[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.view(self.values, p)
-        self.shard = self.values[self.shard_lo:self.shard_lo + self.shard_size]
-        if own_shard:
-            self.shard = self.shard.clone()
-        if self.accumulate:
-            self.grads = torch.zeros_like(self.values)
-            self.shard_grad = self.grads[self.shard_lo:self.shard_lo + self.shard_size]
-
-    def view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        return flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()].view_as(p)
-
-    def pieces(self) -> list[ShardPiece]:
-        """The parts of its parameters in this rank's shard, in buffer order (made once: their views of
-        `shard_grad` stay valid while its storage is freed between steps)."""
-        if self._pieces is None:
-            self._pieces = self._make_pieces()
-        return self._pieces
-
-    def _make_pieces(self) -> list[ShardPiece]:
-        out, lo, hi = [], self.shard_lo, self.shard_lo + self.shard_size
-        for p in self.params:
-            offset = self.offsets[id(p)]
-            a, b = max(lo, offset), min(hi, offset + p.numel())
-            if a < b:
-                out.append(ShardPiece(p, a - offset, b - offset, self.shard[a - lo:b - lo],
-                                      self.shard_grad[a - lo:b - lo]))
-        return out
-
-
-@dataclass(frozen=True)
-class Stage:
-    """optimizer.zero_stage: what each rank keeps of the optimizer state, the gradients and the parameters."""
-    number: int
-
-    @property
-    def shards_state(self) -> bool:
-        return self.number >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        return self.number >= 2
-
-    @property
-    def shards_parameters(self) -> bool:
-        return self.number == 3
 
 
 class Sharding:
@@ -108,7 +23,8 @@ class Sharding:
     module: enough below stage 3). `kept_whole`: parameters that stay whole and accumulate at any stage (held
     twice in a replica: summed over another group first); `deferred`: parameters whose reduction starts only in
     `finish()` (after a tp sum); `alone`: parameters all-reduced whole in a unit of their own even when sharded.
-    Gradients are summed over the group and divided by `average_over` (default: the group's size).
+    Gradients are summed over the group and divided by `average_over` (default: the group's size). Stage 3 gathers
+    a unit whose parameters `gather_format` all takes in that format (units.GatherFormat), others in float32.
 
     The step: `before_backward(last)` / `after_backward()` around each backward through the chunk, `finish()`
     after the last, the optimizer on `shard_pieces()`, `gather_parameters()`, `zero_grad()`.
@@ -116,8 +32,9 @@ class Sharding:
 
     def __init__(self, units, group, size: int, rank: int, stage: int, bucket_cap_mb: float = 25.0,
                  kept_whole=(), deferred=(), alone=(), prefetch: int = 1, reshard_after_forward: bool = True,
-                 trace=NO_TRACE, average_over: int | None = None, overlap_reduce_scatter: bool = True):
-        self.group, self.size, self.rank = group, size, rank
+                 trace=NO_TRACE, average_over: int | None = None, overlap_reduce_scatter: bool = True,
+                 gather_format: GatherFormat | None = None):
+        self.group, self.size, self.rank, self.gather_format = group, size, rank, gather_format
         self.overlap_reduce_scatter = overlap_reduce_scatter
         self.enabled = group is not None and size > 1
         self.stage = Stage(stage if self.enabled else min(stage, 1))   # one rank: nothing to reduce or gather
@@ -180,7 +97,14 @@ class Sharding:
         if self.stage.number == 2:
             units = [(None, bucket) for bucket in size_buckets([p for _, params in units for p in params], cap_mb)]
         units = [(module, params) for module, params in units if params]
-        return [Unit(i, module, params, self.size, self.rank, True, False) for i, (module, params) in enumerate(units)]
+        return [Unit(i, module, params, self.size, self.rank, True, False, wire=self._wire(params))
+                for i, (module, params) in enumerate(units)]
+
+    def _wire(self, params):
+        """The gather format of a stage-3 unit whose parameters it all takes, else None (float32)."""
+        fmt = self.gather_format
+        takes = fmt is not None and self.stage.shards_parameters and all(map(fmt.takes, params))
+        return fmt if takes else None
 
     # -- gradients ------------------------------------------------------------------------------------
     def before_backward(self, last: bool) -> None:
@@ -329,8 +253,11 @@ class Sharding:
         """Post the all-gather of `unit` (nothing if it is whole or on its way)."""
         if unit.gathered or unit.gather_work is not None:
             return
-        unit.values.untyped_storage().resize_(unit.padded * unit.values.element_size())
-        unit.gather_work = all_gather_into(unit.values, unit.shard, self.group, async_op=True)
+        whole, shard = (unit.values, unit.shard) if unit.wire is None else (unit.wire_values,
+                                                                          unit.wire.encode(unit, self.group))
+        whole.untyped_storage().resize_(unit.padded * whole.element_size())
+        unit.gather_work = all_gather_into(whole, shard, self.group, async_op=True)
+        unit.wire_shard = shard   # kept until the gather lands
         self.trace.mark("gather_launch", unit=unit.index)
 
     def _wait_gathered(self, unit: Unit) -> None:
@@ -338,11 +265,16 @@ class Sharding:
         if unit.gather_work is not None:
             with self.trace.span("gather_wait", unit=unit.index):
                 unit.gather_work.wait()
-            unit.gather_work, unit.gathered = None, True
+            unit.gather_work, unit.gathered, unit.wire_shard = None, True, None
+            if unit.wire is not None:
+                unit.wire.decode(unit)
 
     def _free(self, unit: Unit) -> None:
         if unit.gather_work is not None:   # a prefetch nobody used: let it land first
             self._wait_gathered(unit)
+        if unit.wire is not None:
+            unit.wire.release(unit)
+            unit.wire_values.untyped_storage().resize_(0)
         unit.values.untyped_storage().resize_(0)
         unit.gathered = False
 

@@ -19,7 +19,7 @@ from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
 from nanoexp.model.moe import MoeShape
 from nanoexp.model.mup import parametrization_of
-from nanoexp.numerics.converters import convert_linears
+from nanoexp.numerics.converters import convert_linears, gather_format
 from nanoexp.numerics.precision import autocast
 from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
@@ -111,5 +111,5 @@ def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRA
     overlap = o.zero_overlap_reduce_scatter
     grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
                              o.zero3_reshard_after_forward, trace,
-                             ctx.device.type == "cuda" if overlap is None else overlap)
+                             ctx.device.type == "cuda" if overlap is None else overlap, gather_format(model, cfg))
     return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync))
