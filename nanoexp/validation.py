@@ -160,7 +160,23 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         *[(False, problem) for problem in (SCHEDULES[layout.schedule].problems(layout.schedule, p.pp, v, micro,
                                                                                m.num_hidden_layers)
                                            if layout.schedule in SCHEDULES else [])],
-    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout)
+    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) + split_backward_rules(cfg, layout)
+
+
+def split_backward_rules(cfg: Any, layout) -> list[Rule]:
+    """A schedule that splits backwards into B and W (zb_h1) defers the plain linears' weight gradients: not yet
+    a number format's, a compiled block's, or ZeRO-2/3's per-backward reductions."""
+    name = layout.schedule
+    if name not in SCHEDULES or not SCHEDULES[name].splits_backward:
+        return []
+    why = f"parallelism.pp_engine={name} splits each backward into B and W"
+    return [
+        (not cfg.model.fp8.enabled, f"{why}, which FP8 linears do not support yet: set model.fp8.enabled=false or "
+         "use parallelism.pp_engine=1f1b"),
+        (not cfg.model.compile, f"{why}, which torch.compile does not trace: set model.compile=false"),
+        (cfg.optimizer.zero_stage <= 1, f"{why}; optimizer.zero_stage={cfg.optimizer.zero_stage} reduces gradients "
+         "at each backward, not yet at each W: use optimizer.zero_stage=0 or 1 with it"),
+    ]
 
 
 def eval_rules(cfg: Any) -> list[Rule]:

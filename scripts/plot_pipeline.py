@@ -3,7 +3,7 @@
     python scripts/plot_pipeline.py RUN [--step N] [--out FILE.png]
 
 One row per pipeline stage (the ranks of data-parallel replica 0, tensor-parallel rank 0):
-forwards in blue and backwards in green, one shade per chunk, the micro-batch number inside,
+forwards in blue, backwards in green and zb_h1's W steps in orange, one shade per chunk, the micro-batch number inside,
 as in the GPipe / 1F1B / Megatron-LM figures; blocking point-to-point communication as thin
 grey bars under each row; data-parallel gradient buckets as a red triangle when their
 all-reduce was launched and a red bar while it was waited on.
@@ -48,7 +48,7 @@ def draw(path, metas, events, title):
             left, width = ms(e["start"]), ms(e["end"]) - ms(e["start"])
             if e["kind"] in COMPUTE:
                 shade = 0.45 + 0.4 * (e.get("chunk") or 0) / max(v - 1, 1)
-                color = plt.cm.Blues(shade) if e["kind"] == "forward" else plt.cm.Greens(shade)
+                color = {"forward": plt.cm.Blues, "backward": plt.cm.Greens, "weight": plt.cm.Oranges}[e["kind"]](shade)
                 ax.barh(row, width, left=left, height=0.6, color=color, edgecolor="black", linewidth=0.3)
                 if width > span / 150:
                     ax.text(left + width / 2, row, str(e["mb"]), ha="center", va="center", fontsize=7)
@@ -63,9 +63,11 @@ def draw(path, metas, events, title):
     ax.set_xlabel("time since the step's first event (ms)")
     ax.set_title(title, fontsize=10, loc="left")
     handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.Blues(0.6)), plt.Rectangle((0, 0), 1, 1, color=plt.cm.Greens(0.6)),
-               plt.Rectangle((0, 0), 1, 1, color="grey"), plt.Line2D([], [], color="red", marker="v", linestyle="")]
-    ax.legend(handles, ["forward (darker: later chunk)", "backward", "send / receive", "DP bucket all-reduce"],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False)
+               plt.Rectangle((0, 0), 1, 1, color=plt.cm.Oranges(0.6)), plt.Rectangle((0, 0), 1, 1, color="grey"),
+               plt.Line2D([], [], color="red", marker="v", linestyle="")]
+    ax.legend(handles, ["forward (darker: later chunk)", "backward (B of zb_h1)", "W (zb_h1's weight gradients)",
+                        "send / receive", "DP bucket all-reduce"],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=5, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,7 +11,7 @@ from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
 from nanoexp.parallel.context_parallel import blocks as attention_blocks
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.pipeline.schedules import schedule
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
 
 MB = 2**20
 
@@ -108,15 +108,17 @@ def held_parameters(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[in
 
 def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tuple[int, int]:
     """(most layers' activations held at once, most loss-chunk micro-batches held at once) on this
-    pp rank, replaying its engine's schedule for one step."""
+    pp rank, replaying its engine's schedule for one step. A schedule with W steps holds a micro-batch until its
+    W (the linears' inputs and output gradients wait for it; the rest is freed at B: an upper bound)."""
     m = batch_accumulation(cfg)
     held, most, heads, most_heads = set(), 0, 0, 0
     loss_chunk = len(chunks) - 1 if pp_rank == layout.pp - 1 else None
+    freed_at = "W" if SCHEDULES[layout.schedule].splits_backward else "B"
     for step in schedule(layout.schedule, layout.pp, layout.virtual_stages, m, pp_rank):
         if step[0] == "F":
             held.add(step[1:])
             heads += step[1] == loss_chunk
-        elif step[0] == "B":
+        elif step[0] == freed_at:
             held.discard(step[1:])
             heads -= step[1] == loss_chunk
         most = max(most, sum(chunks[c] for c, _ in held))

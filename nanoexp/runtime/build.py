@@ -26,6 +26,8 @@ from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.parallelize import parallelize
 from nanoexp.parallel.pipeline import PipelineEngine
+from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
 from nanoexp.observe.trace import NO_TRACE
 from nanoexp.runtime.step import StepRunner
 
@@ -99,7 +101,9 @@ def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRA
     """This rank's model shard and step runner, and for training its gradient sync (flat buffers, one set of
     buckets per chunk: a chunk's gradients are final after its own last backward) and optimizer."""
     model = build_model(cfg, ctx)
-    engine = PipelineEngine(ctx, ctx.layout.schedule, ctx.layout.virtual_stages, trace)
+    # zero-bubble schedules run each backward as B and W: the linears keep their weight gradients for W
+    weights = defer_weight_gradients(model) if training and SCHEDULES[ctx.layout.schedule].splits_backward else None
+    engine = PipelineEngine(ctx, ctx.layout.schedule, ctx.layout.virtual_stages, trace, weights)
     t = cfg.tokens
     runner = StepRunner(model, ctx, engine, autocast(cfg, ctx.device), t.micro_batch_size, t.sequence_length)
     if not training:

@@ -8,7 +8,7 @@ import os
 
 from nanoexp.observe.trace import TRACE_DIR
 
-COMPUTE = ("forward", "backward")   # the event kinds that are work; everything else is waiting
+COMPUTE = ("forward", "backward", "weight")   # the event kinds that are work (weight: W); the rest is waiting
 
 def read_trace(run_dir: str) -> tuple[list[dict], list[dict]]:
     """All ranks' (metas, events) from a run folder; events get their rank's meta fields."""

@@ -3,30 +3,35 @@
 Stage 0 owns the token embedding and the first layers, the last stage the last layers, the final norm and the
 LM head (it computes the loss); stages in between hold only layers. Activations travel forward between
 neighbouring stages and their gradients backward, point to point. Every engine of `parallelism.pp_engine`
-(afab, 1f1b, interleaved_1f1b) gives exactly the gradients of plain gradient accumulation; they differ only
+(afab, 1f1b, interleaved_1f1b, zb_h1) gives exactly the gradients of plain gradient accumulation; they differ only
 in their schedule, which this executor takes from `schedule` and runs step by step. The caller's
 `forward_step` runs the chunk's modules and, on the last stage, the loss: the engine knows no model.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
-from nanoexp.parallel.pipeline.schedules import check_shape, peer, schedule
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, check_shape, peer, schedule
 from nanoexp.observe.trace import NO_TRACE
 
 
 class PipelineEngine:
     """Runs one optimizer step's micro-batches through this rank's pipeline stage by the schedule named
-    `schedule` (afab, 1f1b, interleaved_1f1b: Layout.schedule) with `num_chunks` chunks of
+    `schedule` (afab, 1f1b, interleaved_1f1b, zb_h1: Layout.schedule) with `num_chunks` chunks of
     layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b); chunk `num_chunks - 1` of the
     last stage computes the loss. It keeps the per-micro-batch forward and backward steps and their
     bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch
     chunks whose activations were held at once), the trace."""
 
-    def __init__(self, ctx, schedule: str, num_chunks: int = 1, trace=NO_TRACE):
+    def __init__(self, ctx, schedule: str, num_chunks: int = 1, trace=NO_TRACE, weight_gradients=None):
         check_shape(schedule, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
         self.ctx, self.schedule, self.num_chunks, self.trace = ctx, schedule, num_chunks, trace
+        self.weight_gradients = weight_gradients   # WeightGradients of the model's linears: schedules with W steps
+        if SCHEDULES[schedule].splits_backward and weight_gradients is None:
+            raise ValueError(f"the {schedule} schedule splits backwards: it needs the model's WeightGradients")
         self.max_in_flight = 0
 
     def run(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype,
@@ -45,9 +50,15 @@ class PipelineEngine:
         if not micro_batches:
             raise ValueError("PipelineEngine.run needs at least one micro-batch")
         self._sync, self._backwards_done, self.max_in_flight = grad_sync, [0] * self.num_chunks, 0
+        self._weights_done = [0] * self.num_chunks
         losses = self._execute(forward_step, micro_batches, tensor_shape, dtype, forward_only=False)
         assert self._backwards_done == [len(micro_batches)] * self.num_chunks
+        assert self._weights_done == [len(micro_batches) if self.splits_backward else 0] * self.num_chunks
         return losses
+
+    @property
+    def splits_backward(self) -> bool:
+        return SCHEDULES[self.schedule].splits_backward
 
     @torch.no_grad()
     def forward_only(self, forward_step, micro_batches: list, tensor_shape: tuple, dtype) -> list[torch.Tensor]:
@@ -87,11 +98,13 @@ class PipelineEngine:
                     if not forward_only:
                         stash[chunk, mb] = (x, y)
                         self.max_in_flight = max(self.max_in_flight, len(stash))
-                else:
+                elif kind == "B":
                     x, y = stash.pop((chunk, mb))
                     input_grad = self._backward(mb, x, y, inbox.pop(step, None), chunk)
                     if input_grad is not None:
                         outbox[step] = input_grad
+                else:
+                    self._weight_step(mb, chunk)
         finally:
             self._forward_fn = self._micro_batches = None
         assert not (inbox or outbox or stash), "the schedule left messages or activations behind"
@@ -146,19 +159,33 @@ class PipelineEngine:
         (None for chunk 0 of the first stage)."""
         self._backwards_done[chunk] += 1
         last = self._backwards_done[chunk] == self._num_micro
-        if self._sync is not None:
-            self._sync.before_backward(chunk, last)   # e.g. let the gradient hooks start reductions
-        with self.trace.span("backward", mb=i, chunk=chunk):
+        sync = self._sync if not self.splits_backward else None   # split: the sync hears of the W steps instead
+        if sync is not None:
+            sync.before_backward(chunk, last)   # e.g. let the gradient hooks start reductions
+        deferring = self.weight_gradients.deferring((chunk, i)) if self.splits_backward else nullcontext()
+        with self.trace.span("backward", mb=i, chunk=chunk), deferring:
             if output_grad is None:  # the loss chunk: output is the loss
                 output.backward()
             else:
                 torch.autograd.backward(output, output_grad)
-        if self._sync is not None:
-            self._sync.after_backward(chunk, last)
+        if sync is not None:
+            sync.after_backward(chunk, last)
         if input_tensor is None:
             return None
         # A stage that ignores its input still owes the previous stage a gradient.
         return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
+
+    def _weight_step(self, i, chunk=0):
+        """W of micro-batch i through a chunk: the weight gradients its B left (weight_grad.py). The gradient sync
+        hears of it as of a backward: the chunk's last W is its last gradient (its last B came before)."""
+        self._weights_done[chunk] += 1
+        last = self._weights_done[chunk] == self._num_micro
+        if self._sync is not None:
+            self._sync.before_backward(chunk, last)
+        with self.trace.span("weight", mb=i, chunk=chunk):
+            self.weight_gradients.run((chunk, i))
+        if self._sync is not None:
+            self._sync.after_backward(chunk, last)
 
     def _release(self, output, chunk=0):
         """Free an output activation once it has been sent: the next stage owns a copy and

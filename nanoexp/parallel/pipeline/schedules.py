@@ -1,6 +1,7 @@
 """The pipeline schedules (`parallelism.pp_engine`) of one optimizer step, as data: the steps one pp rank executes in
-order, ("F" | "B", chunk, micro_batch) for compute and ("P2P", messages) for one batch_isend_irecv waited on as a
-whole, each message ("send" | "recv", "F" | "B", chunk, micro_batch) with the next or previous pp rank as peer.
+order, ("F" | "B" | "W", chunk, micro_batch) for compute (W: the weight gradients of a backward split in two, which
+send nothing) and ("P2P", messages) for one batch_isend_irecv waited on as a whole, each message ("send" | "recv",
+"F" | "B", chunk, micro_batch) with the next or previous pp rank as peer.
 Data, because NCCL runs a pair of ranks' point-to-point operations in order, ignores tags and completes a large
 send only once its receive is posted: nanoexp.verify.p2p_plan replays every schedule under those rules and the
 engine posts exactly what was checked. A `Schedule` in `SCHEDULES` states its own rules (`problems`), which
@@ -63,6 +64,26 @@ def interleaved_one_forward_one_backward(pp: int, v: int, m: int, pp_rank: int) 
     return groups, [True] * len(groups)
 
 
+def zero_bubble_h1(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
+    """zb_h1: 1f1b whose backwards are split (weight_grad.py) into B, the input's gradient the previous stage
+    waits for, and W, the weight gradients nobody waits for. Rank r runs 1f1b's pp - r - 1 warm-up forwards and
+    (F, B) pairs, and from its r-th backward on follows each B with the W of its oldest backward still owing
+    one; the r Ws left run at the end, where 1f1b's rank r idles. The Ws fill 1f1b's cool-down bubble, which
+    falls to about a third at 1f1b's activation memory (Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
+    ZB-H1; torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank computes the
+    same order: tests/test_zero_bubble.py)."""
+    warmup = min(pp - pp_rank - 1, m)
+    groups = [[("F", 0, mb)] for mb in range(min(warmup + 1, m))]   # the warm-up and the first steady forward
+    for j in range(m):
+        weight = [("W", 0, j - pp_rank)] if j >= pp_rank else []
+        forward = [("F", 0, warmup + j + 1)] if warmup + j + 1 < m else []
+        # a W shares the group of the next F: the exchange between B and F (one batch, as 1f1b's) comes first
+        groups += [[("B", 0, j)]] + ([weight + forward] if weight or forward else [])
+    groups += [[("W", 0, mb)] for mb in range(max(m - pp_rank, 0), m)]
+    last_forward = max(g for g, group in enumerate(groups) if group[-1][0] == "F")
+    return groups, [warmup <= g <= last_forward for g in range(len(groups))]
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One parallelism.pp_engine: its plan, (pp, v, m, pp_rank) -> (compute groups, merged[g]: one batch between
@@ -70,6 +91,7 @@ class Schedule:
     plan: Callable
     chunks: str = "one"            # chunks of layers per rank: "one" (v = 1) or "several" (v >= 2)
     micro_batches_per_pp: bool = False   # the micro-batches of a step must be a multiple of pp
+    splits_backward: bool = False  # runs B and W apart ("W" steps: weight_grad.py)
 
     def problems(self, name: str, pp: int, v: int, m: int | None = None, layers: int | None = None) -> list[str]:
         """Why this schedule cannot run pp ranks with v chunks each, m micro-batches a step (None: not checked) and
@@ -97,7 +119,8 @@ class Schedule:
 
 SCHEDULES = {"afab": Schedule(all_forward_all_backward), "1f1b": Schedule(one_forward_one_backward),
              "interleaved_1f1b": Schedule(interleaved_one_forward_one_backward, chunks="several",
-                                          micro_batches_per_pp=True)}
+                                          micro_batches_per_pp=True),
+             "zb_h1": Schedule(zero_bubble_h1, splits_backward=True)}
 
 
 def check_shape(name: str, pp: int, v: int, m: int | None = None, forward_only: bool = False) -> None:
@@ -137,10 +160,10 @@ def _with_batches(groups, merged, pp, v, pp_rank) -> list[Step]:
     one batch."""
     steps, sends = [], []
     for g, group in enumerate(groups):
-        recvs = [msg for op in group if _exists(msg := ("recv", *op), pp, v, pp_rank)]
+        recvs = [msg for op in group if op[0] != "W" and _exists(msg := ("recv", *op), pp, v, pp_rank)]
         batches = [sends + recvs] if g > 0 and merged[g - 1] else [sends, recvs]
         steps += [("P2P", tuple(batch)) for batch in batches if batch] + group
-        sends = [msg for op in group if _exists(msg := ("send", *op), pp, v, pp_rank)]
+        sends = [msg for op in group if op[0] != "W" and _exists(msg := ("send", *op), pp, v, pp_rank)]
     return steps + ([("P2P", tuple(sends))] if sends else [])
 
 
