@@ -233,7 +233,22 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
              f">= lr_warmup_steps={lr.lr_warmup_steps} or null (the decay starts when warm-up ends)"),
         (lr.min_decay_lr is None or lr.min_decay_lr <= lr.learning_rate,
          f"{LR_SCHEDULER}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
-    ] + muon_rules(cfg)
+    ] + muon_rules(cfg) + zero_rules(cfg)
+
+
+def zero_rules(cfg: Any) -> list[Rule]:
+    """The ZeRO-3 and ZeRO-2/3 settings: changed at a stage that does not use them, they would be ignored."""
+    o = cfg.optimizer
+    unused = f"has no effect at optimizer.zero_stage={o.zero_stage}"
+    return [
+        (o.zero_stage == 3 or o.zero3_prefetch == 1, f"optimizer.zero3_prefetch={o.zero3_prefetch} {unused}: it "
+         "sets ZeRO-3's gathers; leave it at 1 or set optimizer.zero_stage=3"),
+        (o.zero_stage == 3 or o.zero3_reshard_after_forward, f"optimizer.zero3_reshard_after_forward=false {unused}:"
+         " it sets ZeRO-3's gathers; leave it true or set optimizer.zero_stage=3"),
+        (o.zero_stage >= 2 or o.zero_overlap_reduce_scatter is None, f"optimizer.zero_overlap_reduce_scatter="
+         f"{o.zero_overlap_reduce_scatter} {unused}: it sets ZeRO-2/3's reduce-scatters; leave it null or set "
+         "optimizer.zero_stage=2 or 3"),
+    ]
 
 
 def muon_rules(cfg: Any) -> list[Rule]:
