@@ -312,6 +312,17 @@ def normalize(cfg: Any) -> None:
     lr.lr_decay_style, lr.lr_warmup_style = str(lr.lr_decay_style).lower(), str(lr.lr_warmup_style).lower()
 
 
+def optimizer_name(cfg: Any) -> str:
+    """optimizer.optimizer_factory.name in lower case, as every part of nanoexp compares it (adamw | muon; a config
+    saved before the optimizer group existed: adamw)."""
+    return str(cfg.get("optimizer", {}).get("optimizer_factory", {}).get("name", "adamW")).lower()
+
+
+def uses_muon(cfg: Any) -> bool:
+    """Whether the hidden matrices are Muon's (runtime/muon.py) and the rest AdamW's."""
+    return optimizer_name(cfg) == "muon"
+
+
 def padded_vocab_size(cfg: Any) -> int:
     multiple = cfg.model.make_vocab_size_divisible_by
     return -(-cfg.model.model_config.vocab_size // multiple) * multiple

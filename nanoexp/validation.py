@@ -9,7 +9,8 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, padded_vocab_size, stage_data
+from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size, stage_data, \
+    uses_muon
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.model.moe import ROUTERS
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
@@ -223,7 +224,7 @@ def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
 def optimizer_rules(cfg: Any) -> list[Rule]:
     lr, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
     return [
-        (cfg.optimizer.optimizer_factory.name.lower() in OPTIMIZERS,
+        (optimizer_name(cfg) in OPTIMIZERS,
          f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are {', '.join(OPTIMIZERS)} (any case)"),
         one_of(cfg, LR_SCHEDULER + "lr_decay_style", ("linear", "cosine", "constant")),
         one_of(cfg, LR_SCHEDULER + "lr_warmup_style", ("linear", "constant")),
@@ -254,7 +255,7 @@ def zero_rules(cfg: Any) -> list[Rule]:
 def muon_rules(cfg: Any) -> list[Rule]:
     """Muon's settings (docs/optimizers.md)."""
     f = cfg.optimizer.optimizer_factory
-    if f.name.lower() != "muon":
+    if not uses_muon(cfg):
         return []
     return [
         one_of(cfg, ADAM + "muon_adjust_lr_fn", ("original", "match_rms_adamw")),

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from nanoexp.config import uses_muon
 from nanoexp.model.llama import EMBEDDING, LM_HEAD
 
 ROUTER = ".mlp.router.weight"   # a MoE layer's router: an output layer under µP
@@ -76,10 +77,9 @@ def parametrization_of(cfg: Any) -> Parametrization:
     if model.get("parametrization", "standard") != "mup":
         return STANDARD
     factory = cfg.get("optimizer", {}).get("optimizer_factory", {})
-    muon = str(factory.get("name", "adamW")).lower() == "muon"
     return Parametrization(mup=True, width_multiplier=model.model_config.hidden_size / model.mup.base_width,
                            attention_multiplier=model.mup.get("attention_multiplier", 1.0),
-                           hidden_update=f"muon_{factory.get('muon_adjust_lr_fn', 'original')}" if muon else "adamw")
+                           hidden_update=f"muon_{factory.get('muon_adjust_lr_fn', 'original')}" if uses_muon(cfg) else "adamw")
 
 
 def describe(p: Parametrization, hidden_size: int, head_dim: int) -> str:

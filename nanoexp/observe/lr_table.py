@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.model.mup import GROUPS, describe, parametrization_of
+from nanoexp.config import uses_muon
 from nanoexp.runtime.build import model_shape
 from nanoexp.runtime.muon import takes_muon
 from nanoexp.runtime.optim import min_decay_lr
@@ -18,7 +19,7 @@ def lr_table(cfg) -> str:
     """The parametrization, then one line per parameter group of the (normalized, valid) config `cfg`."""
     shape, mup, sched = model_shape(cfg), parametrization_of(cfg), cfg.optimizer.learning_rate_scheduler
     factory = cfg.optimizer.optimizer_factory
-    muon = factory.name.lower() == "muon"
+    muon = uses_muon(cfg)
     members: dict[tuple[str, str], list] = {}
     for name, full in parameter_shapes(shape).items():
         optimizer = ("muon" if takes_muon(name, SimpleNamespace(ndim=len(full))) else "adamW") if muon \

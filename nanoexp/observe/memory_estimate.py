@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from nanoexp.config import batch_accumulation
+from nanoexp.config import batch_accumulation, uses_muon
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
 from nanoexp.parallel.context_parallel import blocks as attention_blocks
@@ -245,7 +245,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     if stage == 3 and cfg.model.fp8.get("gather_in_fp8", False):
         held = [gathered_in_fp8(u) for u in held]
     _, chunks = held_parameters(shape, layout, pp_rank)
-    muon = cfg.optimizer.optimizer_factory.name.lower() == "muon"
+    muon = uses_muon(cfg)
     return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, muon),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),

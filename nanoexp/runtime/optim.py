@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoexp.config import optimizer_name
 from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization_of
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.placement import value_name
@@ -54,7 +55,7 @@ def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None
     """The configured optimizer over the model's parameter groups, or, with optimizer.zero_stage >= 1, over this
     rank's shard of `grad_sync`'s buffers (ZeRO, parallel/sharded_optimizer.py)."""
     o = cfg.optimizer
-    optimizer_class, options = OPTIMIZERS[o.optimizer_factory.name.lower()](cfg)
+    optimizer_class, options = OPTIMIZERS[optimizer_name(cfg)](cfg)
     groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
     if o.zero_stage >= 1 and grad_sync is None:
         raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
