@@ -88,6 +88,8 @@ CASES = {
     "dp2tp2pp2-reduce_scatter": ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
     "dp1cp2tp1pp2-recompute": ["parallelism=dp1cp2tp1pp2", "parallelism.recompute_layer=true"],
     "dp2tp1pp2-zero1": ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"],
+    # ZeRO-2: B's gradients (norms, embedding) wait in .grad for the next W's reduce-scatters
+    "dp2tp1pp2-zero2": ["parallelism=dp2tp1pp2", "optimizer.zero_stage=2"],
 }
 OTHER_MODELS = {   # name: (the model's overrides, the layout's)
     "tied-dp2tp1pp2-zero1": (TIED, ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"]),
@@ -138,7 +140,7 @@ def test_a_zb_h1_checkpoint_resumes_on_1f1b(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["model.fp8.enabled=true"], "parallelism.pp_engine=zb_h1 splits each backward into B and W, which FP8"),
     (["model.compile=true"], "which torch.compile does not trace: set model.compile=false"),
-    (["optimizer.zero_stage=2", "parallelism=dp2tp1pp2"], "optimizer.zero_stage=2 reduces gradients at each backward"),
+    (["optimizer.zero_stage=3", "parallelism=dp2tp1pp2"], "optimizer.zero_stage=3 gathers and reduces by module"),
 ])
 def test_what_zb_h1_cannot_run_yet_is_named(overrides, message):
     assert message in start_error(compose_config(FAST + ["parallelism=dp1tp1pp2"] + ZB + overrides))

@@ -28,12 +28,13 @@ class GradientSync:
     `chunks[c]` are the units of chunk c of the model, (module, its parameters) in forward order (a plain list
     of parameters is one unit without a module: enough below stage 3). With dp x cp = 1 there is nothing to
     shard: stages 2 and 3 run as stage 1. `gather_format`: how stage 3 gathers the weights a number format takes
-    (model.fp8.gather_in_fp8).
+    (model.fp8.gather_in_fp8). `split_backward`: the pipeline runs B and W apart and calls before/after_backward
+    around W (stages 0-2).
     """
 
     def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], ctx, stage: int = 0,
                  bucket_cap_mb: float = 25.0, prefetch: int = 1, reshard_after_forward: bool = True, trace=NO_TRACE,
-                 overlap_reduce_scatter: bool = True, gather_format=None):
+                 overlap_reduce_scatter: bool = True, gather_format=None, split_backward: bool = False):
         self.ctx, self.stage = ctx, stage if ctx.dp_cp > 1 else min(stage, 1)
         self.shard = self.stage >= 1
         chunks = [chunk if chunk and isinstance(chunk[0], tuple) else [(None, list(chunk))] for chunk in chunks]
@@ -48,7 +49,8 @@ class GradientSync:
                   unit)) for p in unit if not gather_format.takes(p)] if self.stage == 3 else []
         whole = dict(kept_whole=self.sequence_parallel + self.tied + twice + beside, deferred=self.sequence_parallel,
                      bucket_cap_mb=bucket_cap_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                     overlap_reduce_scatter=overlap_reduce_scatter, gather_format=gather_format)
+                     overlap_reduce_scatter=overlap_reduce_scatter, gather_format=gather_format,
+                     split_backward=split_backward)
         self.engines, self.expert_engines = [], []
         for c, chunk in enumerate(chunks):
             expert = [(module, [p for p in unit if placement(p).expert]) for module, unit in chunk]

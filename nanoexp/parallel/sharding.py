@@ -24,7 +24,8 @@ class Sharding:
     twice in a replica: summed over another group first); `deferred`: parameters whose reduction starts only in
     `finish()` (after a tp sum); `alone`: parameters all-reduced whole in a unit of their own even when sharded.
     Gradients are summed over the group and divided by `average_over` (default: the group's size). Stage 3 gathers
-    a unit whose parameters `gather_format` all takes in that format (units.GatherFormat), others in float32.
+    a unit whose parameters `gather_format` all takes in that format (units.GatherFormat), others in float32. With
+    `split_backward` (zb_h1) the before/after calls come around each W step and B's gradients wait for the next.
 
     The step: `before_backward(last)` / `after_backward()` around each backward through the chunk, `finish()`
     after the last, the optimizer on `shard_pieces()`, `gather_parameters()`, `zero_grad()`.
@@ -33,8 +34,9 @@ class Sharding:
     def __init__(self, units, group, size: int, rank: int, stage: int, bucket_cap_mb: float = 25.0,
                  kept_whole=(), deferred=(), alone=(), prefetch: int = 1, reshard_after_forward: bool = True,
                  trace=NO_TRACE, average_over: int | None = None, overlap_reduce_scatter: bool = True,
-                 gather_format: GatherFormat | None = None):
+                 gather_format: GatherFormat | None = None, split_backward: bool = False):
         self.group, self.size, self.rank, self.gather_format = group, size, rank, gather_format
+        self.split_backward = split_backward   # B and W apart (zb_h1): reductions follow the W steps
         self.overlap_reduce_scatter = overlap_reduce_scatter
         self.enabled = group is not None and size > 1
         self.stage = Stage(stage if self.enabled else min(stage, 1))   # one rank: nothing to reduce or gather
@@ -131,6 +133,8 @@ class Sharding:
             self._launch_accumulated(from_hook=True)
             return
         if not self.in_backward:
+            if self.split_backward:   # a B step's (norms, embedding): kept in .grad for the next W's reduce-scatter
+                return
             raise RuntimeError("a sharded parameter got a gradient outside the pipeline's backward")
         if unit.index > self._next_scattered:   # stage 3 reduced it when the module before it began its backward
             raise RuntimeError(f"a gradient of unit {unit.index} came after its reduce-scatter: a parameter used "

@@ -115,5 +115,6 @@ def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRA
     overlap = o.zero_overlap_reduce_scatter
     grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
                              o.zero3_reshard_after_forward, trace,
-                             ctx.device.type == "cuda" if overlap is None else overlap, gather_format(model, cfg))
+                             ctx.device.type == "cuda" if overlap is None else overlap, gather_format(model, cfg),
+                             split_backward=weights is not None)
     return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync))
