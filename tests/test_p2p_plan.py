@@ -111,10 +111,11 @@ def test_checker_follows_nccl_rules():
         check([[[("send", 1, 0, "a"), ("send", 1, 0, "b")]], [[("recv", 0, 0, "b"), ("recv", 0, 0, "a")]]])
 
 
-def makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward):
-    """Run every rank's schedule with chunk compute times t/v and free communication that
-    follows NCCL's rules: a batch completes when the partner of each of its messages has been
-    posted (a send waits for its receive), at the latest of those posting times."""
+def makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward, t_weight=0.0):
+    """Run every rank's schedule with chunk compute times t/v (t_weight: a W step's, zb_h1) and free
+    communication that follows NCCL's rules: a batch completes when the partner of each of its messages
+    has been posted (a send waits for its receive), at the latest of those posting times."""
+    times = {"F": t_forward, "B": t_backward, "W": t_weight}
     steps = [schedule(engine, pp, v, m, r) for r in range(pp)]
     batches = named_plan(engine, pp, v, m)   # the same batches, each op carrying its message's name
     position, batch, clock, posted = [0] * pp, [0] * pp, [0.0] * pp, {}
@@ -124,7 +125,7 @@ def makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward):
         for r in range(pp):
             while position[r] < len(steps[r]):
                 if steps[r][position[r]][0] != "P2P":
-                    clock[r] += (t_forward if steps[r][position[r]][0] == "F" else t_backward) / v
+                    clock[r] += times[steps[r][position[r]][0]] / v
                 else:
                     ops = batches[r][batch[r]]
                     for op in ops:

@@ -74,6 +74,55 @@ def test_zb_h1_plans_pass_nccl_rules():
     assert batches > 15_000
 
 
+def makespan_by_dependencies(engine: str, pp: int, m: int, times: dict) -> float:
+    """Every rank runs its compute order; an op starts when its rank is free and its input is made (F after the
+    previous stage's F, B after the next stage's B or the last stage's own F, W after its B): communication free
+    and never blocking."""
+    orders = [compute_order(engine, pp, 1, m, r) for r in range(pp)]
+    done, position, clock = {}, [0] * pp, [0.0] * pp
+    while position != [len(order) for order in orders]:
+        moved = False
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                kind, _, mb = orders[r][position[r]]
+                needs = {"F": ("F", r - 1, mb) if r else None, "W": ("B", r, mb),
+                         "B": ("B", r + 1, mb) if r < pp - 1 else ("F", r, mb)}[kind]
+                if needs is not None and needs not in done:
+                    break
+                clock[r] = max(clock[r], done.get(needs, 0.0)) + times[kind]
+                done[kind, r, mb], position[r], moved = clock[r], position[r] + 1, True
+        assert moved, "the order deadlocks on its own dependencies"
+    return max(clock)
+
+
+TIMES = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0)]   # (F, B, W): B and W split a backward
+
+
+def test_zb_h1_order_has_the_papers_bubble():
+    """With its data dependencies alone, zb_h1's order idles (p-1)(T_F + T_B - T_W) per rank, ZB-H1's figure
+    (Qi et al. 2024, table 3), against 1f1b's (p-1)(T_F + T_B + T_W): a third of it when the three are equal."""
+    for t_f, t_b, t_w in TIMES:
+        for pp, m in [(2, 2), (2, 8), (4, 4), (4, 8), (8, 16)]:
+            idle = makespan_by_dependencies("zb_h1", pp, m, {"F": t_f, "B": t_b, "W": t_w}) - m * (t_f + t_b + t_w)
+            assert idle == pytest.approx((pp - 1) * (t_f + t_b - t_w), abs=1e-12), (t_f, t_b, t_w, pp, m)
+
+
+def test_with_blocking_exchanges_zb_h1_saves_the_cool_down_ws():
+    """The engine waits on each batch as a whole, as NCCL's blocking sends make it: a rank's steady W then waits
+    behind the exchange that brings its next F's input, and zb_h1 idles (p-1)(T_F + T_B) for m > p (at m = p the
+    paper's figure) — still (p-1)·T_W below 1f1b. Filling the steady waits too needs posting the exchange before W
+    and waiting for it after (not built: docs/parallelism.md)."""
+    from tests.test_p2p_plan import makespan_with_blocking_sends
+    for t_f, t_b, t_w in TIMES:
+        for pp, m in [(2, 2), (2, 8), (4, 4), (4, 8), (8, 16)]:
+            work = m * (t_f + t_b + t_w)
+            zero_bubble = makespan_with_blocking_sends("zb_h1", pp, 1, m, t_f, t_b, t_w) - work
+            one_f_one_b = makespan_with_blocking_sends("1f1b", pp, 1, m, t_f, t_b + t_w) - work
+            assert one_f_one_b == pytest.approx((pp - 1) * (t_f + t_b + t_w), abs=1e-12)
+            expected = (pp - 1) * (t_f + t_b - (t_w if m == pp else 0))
+            assert zero_bubble == pytest.approx(expected, abs=1e-12), (t_f, t_b, t_w, pp, m)
+
+
 def test_w_fills_the_cool_down_of_1f1b():
     """Rank r defers its first r Ws to the end, where 1f1b idles; the last rank's, the most, fill its cool-down."""
     order = compute_order("zb_h1", 4, 1, 8, 3)
