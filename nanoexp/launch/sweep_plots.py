@@ -89,8 +89,9 @@ def plot_lr_transfer(curves: dict, out: str, metric: str = "eval_loss") -> str:
     # The title explains only the markers drawn.
     keys = ([f"star: best ({'lowest' if lower_is_better(metric) else 'highest'}) per width"] if stars else []) + \
         ([f"x at the top: no {'eval loss' if metric == 'eval_loss' else 'score'} (failed or diverged)"] if crosses else [])
-    fig.suptitle(f"{'Eval loss' if metric == 'eval_loss' else metric} against learning rate per width"
-                 + (f" ({'; '.join(keys)})" if keys else ""))
+    title = f"{'Eval loss' if metric == 'eval_loss' else metric} against learning rate per width"
+    fig.suptitle(title + (f"\n({'; '.join(keys)})" if keys and len(panels) == 1 else  # one narrow panel: 2 lines
+                          f" ({'; '.join(keys)})" if keys else ""))
     fig.tight_layout()
     fig.savefig(os.path.join(out, "lr_transfer.png"), dpi=90)
     plt.close(fig)
