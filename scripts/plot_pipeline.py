@@ -3,15 +3,16 @@
     python scripts/plot_pipeline.py RUN [--step N] [--out FILE.png]
 
 One row per pipeline stage (the ranks of data-parallel replica 0, tensor-parallel rank 0):
-forwards in blue, backwards in green and zb_h1's W steps in orange, one shade per chunk, the micro-batch number inside,
-as in the GPipe / 1F1B / Megatron-LM figures; blocking point-to-point communication as thin
-grey bars under each row; data-parallel gradient buckets as a red triangle when their
+forwards in blue, backwards in green and the zero-bubble schedules' W steps in orange, one shade per chunk, the micro-batch number inside,
+as in the GPipe / 1F1B / Megatron-LM figures; posting point-to-point batches and waiting for a received
+tensor as thin grey bars under each row; data-parallel gradient buckets as a red triangle when their
 all-reduce was launched and a red bar while it was waited on.
 
 Prints the measured bubble fraction (median over the steps after the first, which pays for
 warm-up) next to the theoretical (p-1)/(m+p-1) of 1F1B and (p-1)/(v·m+p-1) of interleaved
 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM"), and when each gradient bucket was launched relative to the end of the
+Using Megatron-LM"), the run's own schedule's figure from the step's measured F, B and W times
+(nanoexp/verify/pipeline_bubble.py), and when each gradient bucket was launched relative to the end of the
 last backward.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ import statistics
 import sys
 
 from nanoexp.observe.trace import TRACE_DIR
-from nanoexp.verify.trace_analysis import COMPUTE, bucket_overlap, measured_bubble, read_trace, theoretical_bubble
+from nanoexp.verify.trace_analysis import (COMPUTE, bucket_overlap, measured_bubble, predicted_bubble, read_trace,
+                                           theoretical_bubble)
 
 
 def one_pipeline(metas, events):
@@ -94,13 +96,16 @@ def main(argv=None) -> int:
     steady = [s for s in steps if s > steps[0]] or steps
     median = statistics.median(measured[s] for s in steady)
     one_f_one_b, interleaved = theoretical_bubble(p, num_micro), theoretical_bubble(p, num_micro, v)
+    step_events = [e for e in events if e["step"] == step]
+    predicted = predicted_bubble(step_events, engine, p, v, num_micro)
 
     print(f"pipeline: {engine}, p={p} stages, m={num_micro} micro-batches, v={v} chunk(s) per rank")
     print(f"bubble fraction, measured:  {median:.3f} (median over steps {steady[0]}..{steady[-1]}; "
           f"step {step}: {measured[step]:.3f}); communication counts as idle")
     print(f"bubble fraction, theory:    1F1B (p-1)/(m+p-1) = {one_f_one_b:.3f}   "
           f"interleaved (p-1)/(v*m+p-1) = {interleaved:.3f}   (Narayanan et al. 2021)")
-    step_events = [e for e in events if e["step"] == step]
+    print(f"bubble fraction, {engine} with step {step}'s F/B/W times: {predicted['dependencies']:.3f} by its order, "
+          f"{predicted['nccl']:.3f} under NCCL's rules (nanoexp/verify/pipeline_bubble.py)")
     overlap = bucket_overlap([e for e in step_events if e["rank"] == metas[0]["rank"]])
     if overlap:
         print(f"DP gradient buckets (step {step}, rank {metas[0]['rank']}), ms relative to the end of its last backward:")
@@ -112,7 +117,7 @@ def main(argv=None) -> int:
 
     out = args.out or os.path.join(args.run, TRACE_DIR, f"timeline_step{step}.png")
     title = (f"{engine}: p={p}, m={num_micro}, v={v}, step {step} | bubble measured {measured[step]:.3f}, "
-             f"theory {interleaved if v > 1 else one_f_one_b:.3f}")
+             f"predicted {predicted['dependencies']:.3f}")
     draw(out, metas, step_events, title)
     print(f"timeline: {out}")
     return 0

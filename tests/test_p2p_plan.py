@@ -18,7 +18,8 @@ import torch.nn as nn
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline import PipelineEngine
-from nanoexp.parallel.pipeline.schedules import compute_order, schedule
+from nanoexp.parallel.pipeline.schedules import compute_order
+from nanoexp.verify.pipeline_bubble import idle_under_nccl
 from nanoexp.verify.p2p_plan import PlanError, check, named_plan, plan
 from tests.distributed import run_distributed
 from tests.test_pipeline import (HIDDEN, MB_SIZE, chunk_layers, make_blocks, make_forward_step, make_micro_batches,
@@ -111,47 +112,17 @@ def test_checker_follows_nccl_rules():
         check([[[("send", 1, 0, "a"), ("send", 1, 0, "b")]], [[("recv", 0, 0, "b"), ("recv", 0, 0, "a")]]])
 
 
-def makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward, t_weight=0.0):
-    """Run every rank's schedule with chunk compute times t/v (t_weight: a W step's, zb_h1) and free
-    communication that follows NCCL's rules: a batch completes when the partner of each of its messages
-    has been posted (a send waits for its receive), at the latest of those posting times."""
-    times = {"F": t_forward, "B": t_backward, "W": t_weight}
-    steps = [schedule(engine, pp, v, m, r) for r in range(pp)]
-    batches = named_plan(engine, pp, v, m)   # the same batches, each op carrying its message's name
-    position, batch, clock, posted = [0] * pp, [0] * pp, [0.0] * pp, {}
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(pp):
-            while position[r] < len(steps[r]):
-                if steps[r][position[r]][0] != "P2P":
-                    clock[r] += times[steps[r][position[r]][0]] / v
-                else:
-                    ops = batches[r][batch[r]]
-                    for op in ops:
-                        posted.setdefault((op[0], op[3]), clock[r])
-                    partners = [("recv" if op[0] == "send" else "send", op[3]) for op in ops]
-                    if not all(p in posted for p in partners):
-                        break
-                    clock[r] = max([clock[r]] + [posted[p] for p in partners])
-                    batch[r] += 1
-                position[r] += 1
-                progressed = True
-    assert position == [len(s) for s in steps]
-    return max(clock)
-
-
 @pytest.mark.parametrize("engine,v", [("afab", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in (1, 2, 3, 4)])
 def test_blocking_sends_keep_the_ideal_bubble(engine, v):
-    """The batching costs no bubble: with sends that wait for their receive (NCCL's large
-    messages) and free communication, the idle fraction is still exactly (p-1)/(v*m+p-1), the
+    """The batching costs no bubble: as the engine posts and waits under NCCL's rules (sends wait for their
+    receive, batches run in order on one stream: nanoexp.verify.pipeline_bubble) with free communication, the idle fraction is still exactly (p-1)/(v*m+p-1), the
     figure of the compute order alone (tests/test_pipeline.py). Exact up to float rounding of
     sums of a few hundred terms, hence 1e-12."""
     for pp in range(2, 9):
         step = pp if engine == "interleaved_1f1b" else 1   # interleaved: m a multiple of pp
         for m in range(step, 17, step):
             for t_forward, t_backward in [(1.0, 2.0), (1.0, 1.0)]:
-                span = makespan_with_blocking_sends(engine, pp, v, m, t_forward, t_backward)
+                span = idle_under_nccl(engine, pp, v, m, t_forward, t_backward) + m * (t_forward + t_backward)
                 assert 1 - m * (t_forward + t_backward) / span == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
 
 

@@ -244,7 +244,7 @@ def test_wrong_activation_shape_is_reported():
     ctx = ParallelContext()
     engine = PipelineEngine(ctx, "1f1b")
     # With pp == 1 the stage is also the last stage, so use a fake 2-stage view of it.
-    ctx.pp, ctx.pp_rank = 2, 0
+    ctx.layout, ctx.pp, ctx.pp_rank = Layout(pp=2), 2, 0
     with pytest.raises(ValueError, match="tensor_shape"):
         engine.run(lambda mb, x, chunk: torch.zeros(3, requires_grad=True), [None], (2,), torch.float32)
 

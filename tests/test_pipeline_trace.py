@@ -78,9 +78,11 @@ def test_1f1b_trace_records_compute_and_communication(tmp_path):
             for kind in ("forward", "backward"):
                 assert sorted(e["mb"] for e in mine if e["kind"] == kind) == list(range(m))
             assert all(e["start"] <= e["end"] for e in mine)
-        # 1F1B's steady state sends and receives in one batch (see pipeline/schedules.py).
+        # 1F1B's steady state sends and receives in one batch (see pipeline/schedules.py), posted at once and
+        # waited for when the next op needs the received tensor
         labels = {e["kind"] for e in events if e["rank"] == r}
-        assert ("send_forward recv_backward" if r == 0 else "send_backward recv_forward") in labels
+        assert ("post send_forward recv_backward" if r == 0 else "post send_backward recv_forward") in labels
+        assert ("wait recv_backward" if r == 0 else "wait recv_forward") in labels
 
 
 def test_interleaved_run_trace_and_plot(tmp_path):

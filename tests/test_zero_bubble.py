@@ -10,6 +10,7 @@ from nanoexp.model.linear import Linear
 from nanoexp.parallel.pipeline.schedules import compute_order
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
 from nanoexp.verify.p2p_plan import check, named_plan
+from nanoexp.verify.pipeline_bubble import idle_by_dependencies, idle_under_nccl
 from tests.helpers import FAST, compose_config, start_error, train, train_losses
 from tests.test_parallel import STEPS, TIED, assert_same_curve, assert_same_steps
 
@@ -74,27 +75,6 @@ def test_zb_h1_plans_pass_nccl_rules():
     assert batches > 15_000
 
 
-def makespan_by_dependencies(engine: str, pp: int, m: int, times: dict) -> float:
-    """Every rank runs its compute order; an op starts when its rank is free and its input is made (F after the
-    previous stage's F, B after the next stage's B or the last stage's own F, W after its B): communication free
-    and never blocking."""
-    orders = [compute_order(engine, pp, 1, m, r) for r in range(pp)]
-    done, position, clock = {}, [0] * pp, [0.0] * pp
-    while position != [len(order) for order in orders]:
-        moved = False
-        for r in range(pp):
-            while position[r] < len(orders[r]):
-                kind, _, mb = orders[r][position[r]]
-                needs = {"F": ("F", r - 1, mb) if r else None, "W": ("B", r, mb),
-                         "B": ("B", r + 1, mb) if r < pp - 1 else ("F", r, mb)}[kind]
-                if needs is not None and needs not in done:
-                    break
-                clock[r] = max(clock[r], done.get(needs, 0.0)) + times[kind]
-                done[kind, r, mb], position[r], moved = clock[r], position[r] + 1, True
-        assert moved, "the order deadlocks on its own dependencies"
-    return max(clock)
-
-
 TIMES = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0)]   # (F, B, W): B and W split a backward
 
 
@@ -103,24 +83,21 @@ def test_zb_h1_order_has_the_papers_bubble():
     (Qi et al. 2024, table 3), against 1f1b's (p-1)(T_F + T_B + T_W): a third of it when the three are equal."""
     for t_f, t_b, t_w in TIMES:
         for pp, m in [(2, 2), (2, 8), (4, 4), (4, 8), (8, 16)]:
-            idle = makespan_by_dependencies("zb_h1", pp, m, {"F": t_f, "B": t_b, "W": t_w}) - m * (t_f + t_b + t_w)
+            idle = idle_by_dependencies("zb_h1", pp, 1, m, t_f, t_b, t_w)
             assert idle == pytest.approx((pp - 1) * (t_f + t_b - t_w), abs=1e-12), (t_f, t_b, t_w, pp, m)
 
 
-def test_with_blocking_exchanges_zb_h1_saves_the_cool_down_ws():
-    """The engine waits on each batch as a whole, as NCCL's blocking sends make it: a rank's steady W then waits
-    behind the exchange that brings its next F's input, and zb_h1 idles (p-1)(T_F + T_B) for m > p (at m = p the
-    paper's figure) — still (p-1)·T_W below 1f1b. Filling the steady waits too needs posting the exchange before W
-    and waiting for it after (not built: docs/parallelism.md)."""
-    from tests.test_p2p_plan import makespan_with_blocking_sends
+def test_under_nccl_rules_zb_h1_keeps_the_papers_bubble():
+    """The engine posts each batch without waiting and waits for a received tensor only when its op runs
+    (pipeline/mailbox.py), so a steady W runs while the next input is on the way: under NCCL's rules (batches in
+    order on one stream, a send done once its receive is posted) zb_h1 still idles (p-1)(T_F + T_B - T_W), and 1f1b
+    (p-1)(T_F + T_B + T_W). Waiting for each batch as a whole had cost zb_h1 (p-1)·T_W more for m > p."""
     for t_f, t_b, t_w in TIMES:
         for pp, m in [(2, 2), (2, 8), (4, 4), (4, 8), (8, 16)]:
-            work = m * (t_f + t_b + t_w)
-            zero_bubble = makespan_with_blocking_sends("zb_h1", pp, 1, m, t_f, t_b, t_w) - work
-            one_f_one_b = makespan_with_blocking_sends("1f1b", pp, 1, m, t_f, t_b + t_w) - work
+            zero_bubble = idle_under_nccl("zb_h1", pp, 1, m, t_f, t_b, t_w)
+            one_f_one_b = idle_under_nccl("1f1b", pp, 1, m, t_f, t_b, t_w)
             assert one_f_one_b == pytest.approx((pp - 1) * (t_f + t_b + t_w), abs=1e-12)
-            expected = (pp - 1) * (t_f + t_b - (t_w if m == pp else 0))
-            assert zero_bubble == pytest.approx(expected, abs=1e-12), (t_f, t_b, t_w, pp, m)
+            assert zero_bubble == pytest.approx((pp - 1) * (t_f + t_b - t_w), abs=1e-12), (t_f, t_b, t_w, pp, m)
 
 
 def test_w_fills_the_cool_down_of_1f1b():

@@ -112,7 +112,7 @@ def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tu
     W (the linears' inputs and output gradients wait for it; the rest is freed at B: an upper bound)."""
     m = batch_accumulation(cfg)
     held, most, heads, most_heads = set(), 0, 0, 0
-    loss_chunk = len(chunks) - 1 if pp_rank == layout.pp - 1 else None
+    loss_chunk = len(chunks) - 1 if pp_rank == layout.head_rank else None
     freed_at = "W" if SCHEDULES[layout.schedule].splits_backward else "B"
     for step in schedule(layout.schedule, layout.pp, layout.virtual_stages, m, pp_rank):
         if step[0] == "F":

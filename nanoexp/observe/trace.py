@@ -7,9 +7,10 @@ then one JSON object per event:
 
     {"step": 3, "kind": "forward", "mb": 5, "chunk": 1, "start": 1712.123, "end": 1712.130}
 
-`kind` is forward | backward (compute, per micro-batch and chunk), a communication label
-such as "recv_forward" or "send_forward recv_backward" (one batch of point-to-point messages,
-posted and waited for), "allreduce_launch" (an instant: start == end, when a gradient bucket's
+`kind` is forward | backward | weight (compute, per micro-batch and chunk), a communication label
+such as "post send_forward recv_backward" (posting one batch of point-to-point messages), "wait
+recv_forward" (waiting for a received tensor, with its mb and chunk) or "wait sends" (the step's
+last sends, at its end), "allreduce_launch" (an instant: start == end, when a gradient bucket's
 dp x cp reduction was started, with "bucket" and "in_backward") or "allreduce_wait" (the time
 spent waiting for that reduction). Times are wall-clock seconds (`time.time()`), so ranks on one
 machine share a time axis. `scripts/plot_pipeline.py RUN` draws these files;

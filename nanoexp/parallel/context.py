@@ -107,4 +107,6 @@ class ParallelContext:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        """Whether this rank holds the last virtual stage (the head and the loss): the last rank, or rank 0 under
+        V placement (zbv)."""
+        return self.pp_rank == self.layout.head_rank

@@ -44,10 +44,20 @@ class GradientSync:
         self.tied = [p for p in params if placement(p).tied_across_stages]
         count = Counter(map(id, uses))
         twice = [p for p in params if count[id(p)] > 1]   # tied on one stage
+        # tied on one rank across two chunks (zbv: the embedding in chunk 0, the head in chunk 1): the first chunk's
+        # engine holds it and reduces it after the step's last backward, whichever chunk's backward that is
+        chunks_of = {}
+        for c, chunk in enumerate(chunks):
+            for p in (p for _module, unit in chunk for p in unit):
+                chunks_of.setdefault(id(p), []).append(c)
+        across = [p for p in params if len(set(chunks_of[id(p)])) > 1]
+        chunks = [[(module, [p for p in unit if chunks_of[id(p)][0] == c]) for module, unit in chunk]
+                  for c, chunk in enumerate(chunks)]
         # a unit travels in one format: beside weights gathered in another (FP8), the rest (norms) stays whole
         beside = [p for chunk in chunks for _module, unit in chunk if gather_format and any(map(gather_format.takes,
                   unit)) for p in unit if not gather_format.takes(p)] if self.stage == 3 else []
-        whole = dict(kept_whole=self.sequence_parallel + self.tied + twice + beside, deferred=self.sequence_parallel,
+        whole = dict(kept_whole=self.sequence_parallel + self.tied + twice + beside,
+                     deferred=self.sequence_parallel + across,
                      bucket_cap_mb=bucket_cap_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                      overlap_reduce_scatter=overlap_reduce_scatter, gather_format=gather_format,
                      split_backward=split_backward)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanoexp.parallel.pipeline.schedules import virtual_stage
+from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.parallel.pipeline.stages import StageMap
 
 TP_MODES = ("all_reduce", "reduce_scatter")   # parallelism.tp_mode; reduce_scatter is sequence parallelism
 
@@ -30,7 +31,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"            # parallelism.pp_engine
-    virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b only)
+    virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b, zbv)
     cp_mode: str = "ring"
     sequence_parallel: bool = False   # tp_mode=reduce_scatter: activations between blocks split over tp
     ep: int = 1                       # expert parallel: ranks of dp x cp that split a mixture's experts
@@ -90,13 +91,25 @@ class Layout:
                 + f"tp{self.tp}pp{self.pp}")
 
     # -- pipeline stages ---------------------------------------------------------------------
+    @property
+    def stages(self) -> StageMap:
+        """Which pp rank runs which virtual stage (the schedule's placement: V for zbv, a loop otherwise)."""
+        placement = SCHEDULES[self.schedule].placement if self.schedule in SCHEDULES else "loop"
+        return StageMap(self.pp, self.virtual_stages, placement)
+
+    @property
+    def head_rank(self) -> int:
+        """The pp rank holding the last virtual stage: the final norm, the LM head, the loss (the last rank; rank 0
+        under V placement)."""
+        return self.stages.head_rank
+
     def stage_layers(self, num_layers: int, pp_rank: int) -> list[range]:
         """The global layer indices of each chunk pp rank `pp_rank` holds (one chunk without virtual stages):
         the layers are cut into pp·v contiguous, balanced virtual stages, the earlier ones one layer longer
         when the split is uneven (the last stage also carries the final norm and the LM head), and chunk c of
-        pp rank r is virtual stage c·pp + r. ValueError when a virtual stage would have no layer."""
+        pp rank r is the virtual stage `stages` places there. ValueError when a virtual stage would have no layer."""
         stages = split_layers(num_layers, self.pp * self.virtual_stages)
-        return [stages[virtual_stage(c, pp_rank, self.pp)] for c in range(self.virtual_stages)]
+        return [stages[self.stages.stage(c, pp_rank)] for c in range(self.virtual_stages)]
 
     # -- activations -------------------------------------------------------------------------
     def local_tokens(self, sequence_length: int) -> int:
@@ -113,23 +126,24 @@ class Layout:
     def lm_head_weight(self, pp_rank: int, tied: bool) -> str | None:
         """What the LM head's weight is on pp rank `pp_rank`, `tied` saying whether the model ties it to the
         embedding: None (no head there), "own" (untied), "embedding" (tied on one stage: the embedding tensor
-        itself) or "copy" (tied across stages: the last stage holds a copy of the embedding's values; the two
+        itself) or "copy" (tied across stages: the head's rank holds a copy of the embedding's values; the two
         gradients are summed over `tied_stages`, so the copies never drift, and the copy is neither stored
-        nor counted)."""
-        if pp_rank != self.pp - 1:
+        nor counted). The embedding is on rank 0, the head on `head_rank`: one rank when pp = 1 or under V
+        placement."""
+        if pp_rank != self.head_rank:
             return None
         if not tied:
             return "own"
-        return "embedding" if self.pp == 1 else "copy"
+        return "embedding" if self.head_rank == 0 else "copy"
 
     def embedding_has_copy(self, pp_rank: int, tied: bool) -> bool:
-        """Whether pp rank `pp_rank`'s embedding has a copy on another stage (the first stage, tied, pp > 1)."""
-        return tied and self.pp > 1 and pp_rank == 0
+        """Whether pp rank `pp_rank`'s embedding has a copy on another rank (rank 0, tied, the head elsewhere)."""
+        return tied and self.head_rank != 0 and pp_rank == 0
 
     @property
     def tied_stages(self) -> tuple[int, ...]:
-        """The pp ranks whose embedding copies' gradients are summed: the first and the last."""
-        return tuple(sorted({0, self.pp - 1}))
+        """The pp ranks whose embedding copies' gradients are summed: the embedding's and the head's."""
+        return tuple(sorted({0, self.head_rank}))
 
 
 def split_layers(num_layers: int, stages: int) -> list[range]:

@@ -124,7 +124,7 @@ class Sharding:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         unit = self.unit_of[id(p)]
         if unit.accumulate:
-            if self._ready is None:   # not the last backward: gradients accumulate
+            if self._ready is None or unit.deferred:   # accumulating, or reduced by finish() whenever it comes
                 return
             if id(p) in self._ready:   # its unit may already be on the wire: a second gradient would be lost
                 raise RuntimeError("a parameter received two gradients in the last backward of the step")

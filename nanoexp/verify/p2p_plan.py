@@ -16,18 +16,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from nanoexp.parallel.pipeline.schedules import peer, schedule, virtual_stage
+from nanoexp.parallel.pipeline.schedules import schedule, stage_map
 
 
 class PlanError(RuntimeError):
     """A plan that cannot run under NCCL's rules: a deadlock, or an op without its partner."""
 
 
-def _name(msg, pp: int, pp_rank: int) -> tuple[str, int, int]:
+def _name(msg, stages, pp_rank: int) -> tuple[str, int, int]:
     """What a message carries, the same on both ends: (kind, receiving virtual stage, micro-batch)."""
     verb, kind, chunk, mb = msg
-    stage = virtual_stage(chunk, pp_rank, pp)
-    return kind, stage if verb == "recv" else stage + (1 if kind == "F" else -1), mb
+    receiver = (pp_rank, chunk) if verb == "recv" else stages.other_end(msg, pp_rank)
+    return kind, stages.stage(receiver[1], receiver[0]), mb
 
 
 def named_plan(engine: str, pp: int, v: int, m: int, forward_only: bool = False) -> list:
@@ -36,7 +36,8 @@ def named_plan(engine: str, pp: int, v: int, m: int, forward_only: bool = False)
     out = []
     for r in range(pp):
         batches = [step[1] for step in schedule(engine, pp, v, m, r, forward_only) if step[0] == "P2P"]
-        out.append([[(msg[0], peer(msg, pp, r), 0, _name(msg, pp, r)) for msg in batch] for batch in batches])
+        stages = stage_map(engine, pp, v)
+        out.append([[(msg[0], stages.peer(msg, r), 0, _name(msg, stages, r)) for msg in batch] for batch in batches])
     return out
 
 

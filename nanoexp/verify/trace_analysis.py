@@ -48,6 +48,27 @@ def measured_bubble(events: list[dict]) -> float:
     return 1.0 - sum(busy.values()) / len(busy) / span
 
 
+def stage_times(events: list[dict], virtual_stages: int = 1) -> tuple[float, float, float]:
+    """(T_F, T_B, T_W): the mean time of a whole stage's forward, backward (B alone where W is split off) and W for
+    one micro-batch in these events (a chunk's time x virtual_stages)."""
+    def mean(kind):
+        spans = [e["end"] - e["start"] for e in events if e["kind"] == kind]
+        return virtual_stages * sum(spans) / len(spans) if spans else 0.0
+    return mean("forward"), mean("backward"), mean("weight")
+
+
+def predicted_bubble(events: list[dict], engine: str, pp: int, virtual_stages: int, num_micro: int) -> dict:
+    """The idle fraction that schedule `engine` predicts with the stage times measured in these events (one step
+    of one pipeline): by its order alone ("dependencies") and as the engine runs it under NCCL's rules ("nccl"),
+    communication free (nanoexp.verify.pipeline_bubble)."""
+    from nanoexp.verify.pipeline_bubble import idle_by_dependencies, idle_under_nccl
+    times = stage_times(events, virtual_stages)
+    work = num_micro * sum(times)
+    fraction = lambda idle: idle / (idle + work)  # noqa: E731
+    return {"dependencies": fraction(idle_by_dependencies(engine, pp, virtual_stages, num_micro, *times)),
+            "nccl": fraction(idle_under_nccl(engine, pp, virtual_stages, num_micro, *times))}
+
+
 def bucket_overlap(events: list[dict]) -> list[dict]:
     """For one step of one rank: each gradient bucket all-reduce's launch time and wait, in
     seconds relative to the end of the rank's last backward (negative: launched while

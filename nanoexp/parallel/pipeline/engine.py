@@ -1,9 +1,10 @@
 """The pipeline engine: runs this rank's schedule (schedules.py) for one optimizer step.
 
-Stage 0 owns the token embedding and the first layers, the last stage the last layers, the final norm and the
-LM head (it computes the loss); stages in between hold only layers. Activations travel forward between
-neighbouring stages and their gradients backward, point to point. Every engine of `parallelism.pp_engine`
-(afab, 1f1b, interleaved_1f1b, zb_h1) gives exactly the gradients of plain gradient accumulation; they differ only
+Virtual stage 0 owns the token embedding and the first layers, the last one the last layers, the final norm and
+the LM head (it computes the loss); stages in between hold only layers (stages.py: which rank runs which).
+Activations travel forward between neighbouring stages and their gradients backward, point to point through a
+Mailbox (posted at once, waited for when read). Every engine of `parallelism.pp_engine` (afab, 1f1b,
+interleaved_1f1b, zb_h1, zbv) gives exactly the gradients of plain gradient accumulation; they differ only
 in their schedule, which this executor takes from `schedule` and runs step by step. The caller's
 `forward_step` runs the chunk's modules and, on the last stage, the loss: the engine knows no model.
 """
@@ -12,23 +13,24 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
-from nanoexp.parallel.pipeline.schedules import SCHEDULES, check_shape, peer, schedule
+from nanoexp.parallel.pipeline.mailbox import Mailbox
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, check_shape, schedule, stage_map
 from nanoexp.observe.trace import NO_TRACE
 
 
 class PipelineEngine:
     """Runs one optimizer step's micro-batches through this rank's pipeline stage by the schedule named
-    `schedule` (afab, 1f1b, interleaved_1f1b, zb_h1: Layout.schedule) with `num_chunks` chunks of
-    layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b); chunk `num_chunks - 1` of the
-    last stage computes the loss. It keeps the per-micro-batch forward and backward steps and their
+    `schedule` (afab, 1f1b, interleaved_1f1b, zb_h1, zbv: Layout.schedule) with `num_chunks` chunks of
+    layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b and zbv); chunk `num_chunks - 1` of the
+    head's rank (the last stage) computes the loss. It keeps the per-micro-batch forward and backward steps and their
     bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch
     chunks whose activations were held at once), the trace."""
 
     def __init__(self, ctx, schedule: str, num_chunks: int = 1, trace=NO_TRACE, weight_gradients=None):
         check_shape(schedule, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
         self.ctx, self.schedule, self.num_chunks, self.trace = ctx, schedule, num_chunks, trace
+        self.stages = stage_map(schedule, ctx.pp, num_chunks)
         self.weight_gradients = weight_gradients   # WeightGradients of the model's linears: schedules with W steps
         if SCHEDULES[schedule].splits_backward and weight_gradients is None:
             raise ValueError(f"the {schedule} schedule splits backwards: it needs the model's WeightGradients")
@@ -81,63 +83,53 @@ class PipelineEngine:
         ctx = self.ctx
         self._forward_fn, self._micro_batches, self._losses = forward_step, micro_batches, []
         self._shape, self._dtype, self._num_micro = tuple(tensor_shape), dtype, len(micro_batches)
-        # Keyed by compute op ("F" | "B", chunk, mb): tensors received for it, tensors it made
-        # that are still to be sent, and (input, output) of each forward until its backward.
-        inbox, outbox, stash = {}, {}, {}
+        self.stages = stage_map(self.schedule, ctx.pp, self.num_chunks)
+        mail = Mailbox(ctx.pp_group, self._global_peer, self._shape, dtype, ctx.device, self.trace)
+        # Keyed by compute op ("F" | "B", chunk, mb): tensors it made that are still to be sent, and (input,
+        # output) of each forward until its backward.
+        outbox, stash = {}, {}
+        keep_graph = not forward_only
         try:
             for step in schedule(self.schedule, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
                 if step[0] == "P2P":
-                    self._exchange(step[1], inbox, outbox, keep_graph=not forward_only)
+                    for tensor, msg in zip(mail.post(step[1], outbox.pop), [m for m in step[1] if m[0] == "send"]):
+                        if msg[1] == "F":
+                            self._release(tensor, msg[2])   # the next stage holds its copy
+                    continue
+                if step[0] == "LOCAL":   # zbv's V tip: an output becomes this rank's other chunk's input
+                    kind, chunk, mb = step[1][1:]
+                    receiver = self.stages.other_end(step[1], ctx.pp_rank)[1]
+                    mail.hand_over((kind, receiver, mb), outbox.pop((kind, chunk, mb)).detach())
                     continue
                 kind, chunk, mb = step
                 if kind == "F":
-                    x = inbox.pop(step, None)
+                    x = mail.take(step)
+                    if x is not None and keep_graph:
+                        x.requires_grad_()   # a received activation is this chunk's input: its gradient goes back
                     y = self._forward(mb, x, chunk)
                     if not self.is_loss_chunk(chunk):
                         outbox[step] = y
-                    if not forward_only:
+                    if keep_graph:
                         stash[chunk, mb] = (x, y)
                         self.max_in_flight = max(self.max_in_flight, len(stash))
                 elif kind == "B":
                     x, y = stash.pop((chunk, mb))
-                    input_grad = self._backward(mb, x, y, inbox.pop(step, None), chunk)
+                    input_grad = self._backward(mb, x, y, mail.take(step), chunk)
                     if input_grad is not None:
                         outbox[step] = input_grad
                 else:
                     self._weight_step(mb, chunk)
+            mail.drain()
         finally:
             self._forward_fn = self._micro_batches = None
-        assert not (inbox or outbox or stash), "the schedule left messages or activations behind"
+        assert not (outbox or stash), "the schedule left messages or activations behind"
         losses, self._losses = self._losses, []
         return losses
 
-    def _exchange(self, batch, inbox: dict, outbox: dict, keep_graph: bool) -> None:
-        """Post one batch of the schedule with one batch_isend_irecv and wait for all of it:
-        sends take their tensor from ``outbox``, receives leave theirs in ``inbox``. No tags:
-        as under NCCL, the k-th send to a peer meets the peer's k-th receive from us."""
-        ctx, ops, labels, received, sent = self.ctx, [], [], [], []
-        for msg in batch:
-            verb, op = msg[0], msg[1:]
-            rank = ctx.layout.rank_at(peer(msg, ctx.pp, ctx.pp_rank), ctx.dp_rank, ctx.cp_rank, ctx.tp_rank)
-            if verb == "send":
-                tensor = outbox.pop(op)
-                sent.append((tensor, op))
-                # gloo: sending a non-contiguous tensor fails on the sender and hangs the receiver.
-                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), rank, group=ctx.pp_group))
-            else:
-                buf = torch.empty(self._shape, dtype=self._dtype, device=ctx.device)
-                ops.append(dist.P2POp(dist.irecv, buf, rank, group=ctx.pp_group))
-                received.append((buf, op))
-            labels.append(f"{verb}_{'forward' if op[0] == 'F' else 'backward'}")
-        with self.trace.span(" ".join(labels)):
-            for req in dist.batch_isend_irecv(ops):   # ops (and their buffers) live until here
-                req.wait()
-        for buf, op in received:
-            # A received activation is this chunk's input: a leaf whose gradient goes back.
-            inbox[op] = buf.requires_grad_() if op[0] == "F" and keep_graph else buf
-        for tensor, op in sent:
-            if op[0] == "F":
-                self._release(tensor, op[1])
+    def _global_peer(self, msg) -> int:
+        """The global rank at the other end of a message: the same dp, cp and tp position on the peer's pp rank."""
+        ctx = self.ctx
+        return ctx.layout.rank_at(self.stages.peer(msg, ctx.pp_rank), ctx.dp_rank, ctx.cp_rank, ctx.tp_rank)
 
     # -- one micro-batch through one chunk ----------------------------------------------------
     def _forward(self, i, input_tensor, chunk=0):

@@ -1,7 +1,8 @@
 """The pipeline schedules (`parallelism.pp_engine`) of one optimizer step, as data: the steps one pp rank executes in
 order, ("F" | "B" | "W", chunk, micro_batch) for compute (W: the weight gradients of a backward split in two, which
 send nothing) and ("P2P", messages) for one batch_isend_irecv waited on as a whole, each message ("send" | "recv",
-"F" | "B", chunk, micro_batch) with the next or previous pp rank as peer.
+"F" | "B", chunk, micro_batch) with the rank of the next or previous virtual stage as peer (stages.py), or
+("LOCAL", message) for a message whose two ends are on this rank (zbv's V tip), handed over in memory.
 Data, because NCCL runs a pair of ranks' point-to-point operations in order, ignores tags and completes a large
 send only once its receive is posted: nanoexp.verify.p2p_plan replays every schedule under those rules and the
 engine posts exactly what was checked. A `Schedule` in `SCHEDULES` states its own rules (`problems`), which
@@ -9,7 +10,10 @@ validation asks. The shapes of the schedules: docs/parallelism.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
+
+from nanoexp.parallel.pipeline.stages import StageMap
 
 Step = tuple   # ("F" | "B", chunk, micro_batch) or ("P2P", messages)
 
@@ -84,14 +88,54 @@ def zero_bubble_h1(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
     return groups, [warmup <= g <= last_forward for g in range(len(groups))]
 
 
+def zero_bubble_v(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
+    """zbv: two chunks per rank in V placement (stages.py: rank 0 holds the first and the last stage, the last rank
+    the two middle ones), backwards split into B and W as zb_h1's. Rank r runs 2·(pp − r) − 1 forwards of chunk 0,
+    r pairs (F chunk 1, F chunk 0), pp − r triples (F, B, W) of chunk 1, then (F, B, W) of chunk 0 and of chunk 1
+    in turn until every forward ran, r pairs (B chunk 0, B chunk 1), pp − r pairs (B, W) of chunk 0, and the Ws
+    left, chunk 1's first (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6, ZB-V: about 1f1b's
+    activation memory; by its data dependencies it idles (p − 1)(T_F + T_B − T_W)/2 when T_F <= T_B, half of
+    zb_h1's: nanoexp/verify/pipeline_bubble.py). The order is built for at least 2·pp − 1 micro-batches and those
+    beyond m dropped, as torch.distributed.pipelining's ScheduleZBVZeroBubble does (the same order:
+    tests/test_zero_bubble_v.py). Its messages are placed from every rank's order at once (`_placed_by_senders`),
+    not by groups."""
+    r, padded = pp_rank, max(2 * pp - 1, m)
+    done = {}   # (kind, chunk) -> how many ran
+
+    def take(*ops):
+        for kind, chunk in ops:
+            mb = done.get((kind, chunk), 0)
+            done[kind, chunk] = mb + 1
+            order.append((kind, chunk, mb))
+
+    def count(kind, chunk):
+        return done.get((kind, chunk), 0)
+
+    order = []
+    take(*[("F", 0)] * (2 * (pp - r) - 1))
+    take(*[("F", 1), ("F", 0)] * r)
+    take(*[("F", 1), ("B", 1), ("W", 1)] * (pp - r))
+    while count("F", 1) < count("F", 0) or count("F", 0) < padded:
+        take(*([("F", 0)] if count("F", 0) < padded else []), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    take(*[("B", 0), ("B", 1)] * r)
+    take(*[("B", 0), ("W", 0)] * (pp - r))
+    take(*[("W", 1)] * (count("B", 1) - count("W", 1)), *[("W", 0)] * (count("B", 0) - count("W", 0)))
+    groups = [[op] for op in order if op[2] < m]
+    return groups, [True] * len(groups)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One parallelism.pp_engine: its plan, (pp, v, m, pp_rank) -> (compute groups, merged[g]: one batch between
     groups g and g + 1), and the shapes it runs (its rules, stated here only)."""
     plan: Callable
-    chunks: str = "one"            # chunks of layers per rank: "one" (v = 1) or "several" (v >= 2)
+    chunks: str = "one"            # chunks of layers per rank: "one" (v = 1), "two" (v = 2) or "several" (v >= 2)
     micro_batches_per_pp: bool = False   # the micro-batches of a step must be a multiple of pp
     splits_backward: bool = False  # runs B and W apart ("W" steps: weight_grad.py)
+    placement: str = "loop"        # where each rank's chunks sit among the virtual stages (stages.py)
+
+    def stages(self, pp: int, v: int) -> StageMap:
+        return StageMap(pp, v, self.placement)
 
     def problems(self, name: str, pp: int, v: int, m: int | None = None, layers: int | None = None) -> list[str]:
         """Why this schedule cannot run pp ranks with v chunks each, m micro-batches a step (None: not checked) and
@@ -99,12 +143,15 @@ class Schedule:
         where another schedule runs it), in the keys that set them; [] when it can."""
         if self.chunks == "one":
             return [] if v == 1 else [f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine="
-                                      f"interleaved_1f1b (got {name})"]
+                                      f"interleaved_1f1b (or zbv with 2; got {name})"]
         problems = []
         if pp < 2:
             problems.append(f"parallelism.pp_engine={name} needs parallelism.pp >= 2 (got {pp}): at least 2 "
                             "pipeline ranks interleave their chunks")
-        if v < 2 and layers is not None:
+        if self.chunks == "two" and v != 2:
+            problems.append(f"parallelism.pp_virtual_stages={v}: {name} runs exactly 2 chunks per rank (set "
+                            "parallelism.pp_virtual_stages=2)")
+        if self.chunks == "several" and v < 2 and layers is not None:
             problems.append(f"parallelism.pp_virtual_stages={v}: {name} needs at least 2 chunks per rank (with 1 "
                             "use parallelism.pp_engine=1f1b)")
         if layers is not None and layers < pp * v:
@@ -120,7 +167,13 @@ class Schedule:
 SCHEDULES = {"afab": Schedule(all_forward_all_backward), "1f1b": Schedule(one_forward_one_backward),
              "interleaved_1f1b": Schedule(interleaved_one_forward_one_backward, chunks="several",
                                           micro_batches_per_pp=True),
-             "zb_h1": Schedule(zero_bubble_h1, splits_backward=True)}
+             "zb_h1": Schedule(zero_bubble_h1, splits_backward=True),
+             "zbv": Schedule(zero_bubble_v, chunks="two", splits_backward=True, placement="v")}
+
+
+def stage_map(name: str, pp: int, v: int) -> StageMap:
+    """Where schedule `name` places the chunks of pp ranks with v chunks each."""
+    return SCHEDULES[name].stages(pp, v)
 
 
 def check_shape(name: str, pp: int, v: int, m: int | None = None, forward_only: bool = False) -> None:
@@ -135,55 +188,87 @@ def check_shape(name: str, pp: int, v: int, m: int | None = None, forward_only: 
         raise ValueError(problems[0])
 
 
-def schedule(name: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
+def schedule(name: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> tuple[Step, ...]:
     """Every step pp rank `pp_rank` runs in one optimizer step of schedule `name` with v chunks per rank and m
-    micro-batches. Each received tensor comes in a batch before the op that needs it, each sent tensor leaves
-    in a batch after the op that made it, sends come before receives within a batch, and a message exists
-    only where its neighbouring virtual stage does. forward_only: evaluation, every micro-batch through every
-    chunk, one message per batch. Raises ValueError on a shape the schedule cannot run."""
+    micro-batches. Each received tensor comes in a batch before the op that needs it (under V placement as early
+    as its sender sends it: `_placed_by_senders`), each sent tensor leaves in a batch after the op that made it,
+    and a message exists only where its neighbouring virtual stage does; one whose two ends are on this
+    rank is a ("LOCAL", message) step right after the op that made it. forward_only: evaluation, every
+    micro-batch through every chunk in the order of their stages, one message per batch. Raises ValueError on
+    a shape the schedule cannot run."""
     check_shape(name, pp, v, m, forward_only)
+    return _every_rank(name, pp, v, m, forward_only)[pp_rank]
+
+
+@lru_cache(maxsize=64)
+def _every_rank(name: str, pp: int, v: int, m: int, forward_only: bool) -> tuple[tuple[Step, ...], ...]:
+    stages = stage_map(name, pp, v)
     if forward_only:
-        groups = [[("F", chunk, mb)] for mb in range(m) for chunk in range(v)]
-        return _with_batches(groups, [False] * len(groups), pp, v, pp_rank)
-    groups, merged = SCHEDULES[name].plan(pp, v, m, pp_rank)
-    return _with_batches(groups, merged, pp, v, pp_rank)
+        plans = [[[("F", chunk, mb)] for mb in range(m) for chunk in sorted(range(v), key=lambda c: stages.stage(c, r))]
+                 for r in range(pp)]
+        plans = [(groups, [False] * len(groups)) for groups in plans]
+    else:
+        plans = [SCHEDULES[name].plan(pp, v, m, r) for r in range(pp)]
+    if stages.placement == "v":
+        every_rank = _placed_by_senders([[op for group in groups for op in group] for groups, _ in plans], stages)
+    else:
+        every_rank = [_with_batches(groups, merged, stages, r) for r, (groups, merged) in enumerate(plans)]
+    return tuple(tuple(steps) for steps in every_rank)
 
 
 def compute_order(name: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
     """The compute steps of `schedule`, without its messages."""
-    return [step for step in schedule(name, pp, v, m, pp_rank, forward_only) if step[0] != "P2P"]
+    return [step for step in schedule(name, pp, v, m, pp_rank, forward_only) if step[0] in ("F", "B", "W")]
 
 
-def _with_batches(groups, merged, pp, v, pp_rank) -> list[Step]:
+def _with_batches(groups, merged, stages: StageMap, pp_rank: int) -> list[Step]:
     """The compute groups with their messages: the receives of a group's ops in a batch right before it,
     their sends right after it; where merged[g], the sends after group g and the receives before g + 1 are
-    one batch."""
+    one batch. Messages within this rank become LOCAL steps after their group."""
+    def messages(verb, group):
+        found = [msg for op in group if op[0] != "W" and stages.other_end(msg := (verb, *op), pp_rank)]
+        return ([msg for msg in found if not stages.is_local(msg, pp_rank)],
+                [("LOCAL", msg) for msg in found if stages.is_local(msg, pp_rank)])
+
     steps, sends = [], []
     for g, group in enumerate(groups):
-        recvs = [msg for op in group if op[0] != "W" and _exists(msg := ("recv", *op), pp, v, pp_rank)]
+        recvs, _ = messages("recv", group)
         batches = [sends + recvs] if g > 0 and merged[g - 1] else [sends, recvs]
         steps += [("P2P", tuple(batch)) for batch in batches if batch] + group
-        sends = [msg for op in group if op[0] != "W" and _exists(msg := ("send", *op), pp, v, pp_rank)]
+        sends, local = messages("send", group)
+        steps += local
     return steps + ([("P2P", tuple(sends))] if sends else [])
 
 
-def towards_next(msg) -> bool:
-    """Activations go to the next virtual stage, gradients to the previous one."""
-    verb, kind = msg[0], msg[1]
-    return (verb == "send") == (kind == "F")
-
-
-def virtual_stage(chunk: int, pp_rank: int, pp: int) -> int:
-    """Chunk c of pp rank r is virtual stage c·pp + r: the layers' order runs round the ring of ranks."""
-    return chunk * pp + pp_rank
-
-
-def _exists(msg, pp: int, v: int, pp_rank: int) -> bool:
-    stage = virtual_stage(msg[2], pp_rank, pp)
-    return stage < pp * v - 1 if towards_next(msg) else stage > 0
-
-
-def peer(msg, pp: int, pp_rank: int) -> int:
-    """The pp rank a message goes to or comes from: the next or the previous one round the ring (rank pp-1's
-    chunk c talks to rank 0's chunk c+1)."""
-    return (pp_rank + (1 if towards_next(msg) else -1)) % pp
+def _placed_by_senders(orders: list[list], stages: StageMap) -> list[list[Step]]:
+    """Messages for compute orders that share channels both ways (zbv), placed as torch.distributed.pipelining
+    places them (its `_add_send_recv`): the ranks run their orders in lock-step rounds, each op once its input
+    has come, and when an op sends, its receive is put on the receiver at the same moment. Between two of a
+    rank's compute ops its sends and the receives put there are one batch, so each channel's receives come in
+    the order of its sends, and every receive is posted as soon as its sender can send it."""
+    steps, batch = [[] for _ in orders], [[] for _ in orders]
+    arrived = [set() for _ in orders]   # the ops of each rank whose input is there
+    position = [0] * len(orders)
+    while any(position[r] < len(order) for r, order in enumerate(orders)):
+        progressed = False
+        for rank, order in enumerate(orders):
+            if position[rank] == len(order):
+                continue
+            op = order[position[rank]]
+            if op[0] != "W" and stages.other_end(("recv", *op), rank) and op not in arrived[rank]:
+                continue
+            if batch[rank]:
+                steps[rank].append(("P2P", tuple(batch[rank])))
+            batch[rank] = []
+            steps[rank].append(op)
+            if op[0] != "W" and (end := stages.other_end(msg := ("send", *op), rank)):
+                if end[0] == rank:
+                    steps[rank].append(("LOCAL", msg))
+                else:
+                    batch[rank].append(msg)
+                    batch[end[0]].append(("recv", op[0], end[1], op[2]))
+                arrived[end[0]].add((op[0], end[1], op[2]))
+            position[rank], progressed = position[rank] + 1, True
+        if not progressed:
+            raise ValueError("the compute orders cannot run: every rank waits for an input")
+    return [rank_steps + ([("P2P", tuple(last))] if last else []) for rank_steps, last in zip(steps, batch)]

@@ -1,6 +1,6 @@
-"""The pipeline split of a model: a pp rank keeps its chunks of layers (Layout.stage_layers), the first stage the
-embedding, the last the final norm and the LM head. A tied LM head split from its embedding becomes a copy of
-the embedding's values on the last stage, whose gradient is summed with the embedding's (Layout.lm_head_weight)."""
+"""The pipeline split of a model: a pp rank keeps its chunks of layers (Layout.stage_layers), rank 0 the
+embedding, the head's rank (Layout.head_rank) the final norm and the LM head. A tied LM head split from its
+embedding becomes a copy of the embedding's values on the head's rank, whose gradient is summed with the embedding's (Layout.lm_head_weight)."""
 from __future__ import annotations
 
 import torch
@@ -26,6 +26,6 @@ def apply_pipeline(model: nn.Module, layout: Layout, pp_rank: int) -> nn.Module:
         model.lm_head.weight = place(copy, tied_across_stages=True, tied_copy=True)
     if pp_rank != 0:
         model.model.embed_tokens = None
-    if pp_rank != layout.pp - 1:
+    if pp_rank != layout.head_rank:
         model.model.norm = model.lm_head = None
     return model
