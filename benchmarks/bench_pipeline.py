@@ -14,7 +14,9 @@ with `logging.pipeline_trace=true` through `python train.py`, and reads the last
       (nanoexp.verify.pipeline_bubble.idle_by_dependencies; for afab and 1f1b (p-1)/(m+p-1), interleaved
       (p-1)/(v·m+p-1), zb_h1 (p-1)(T_F+T_B-T_W) over the step);
   nccl      the same under NCCL's rules as the engine posts and waits (idle_under_nccl);
-  peak MB   rank 0's memory peak over the run (metrics.jsonl: pp rank 0, which holds the head under zbv).
+  MB above baseline, measured / estimated: the busiest pp rank's memory peak over the run less the runtime
+      baseline (summary.json), and the memory estimate's figure for that rank (nanoexp/observe/memory_estimate.py,
+      which replays the schedule: a micro-batch held from its F to its B, or to its W where W is split off).
 On CPU the ranks share the cores: with pp above the core count a waiting rank lends its core to the others, so
 compute times move with the number of busy ranks; the figures of such rows say so.
 """
@@ -30,6 +32,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.harness import compose  # noqa: E402
+from nanoexp.observe.memory import MB  # noqa: E402
+from nanoexp.observe.memory_estimate import estimate, total  # noqa: E402
+from nanoexp.runtime.build import model_shape  # noqa: E402
 from nanoexp.verify.trace_analysis import measured_bubble, predicted_bubble, read_trace, stage_times  # noqa: E402
 
 MODEL = ["model.model_config.hidden_size=256", "model.model_config.intermediate_size=768",
@@ -55,11 +61,15 @@ def run_case(engine: str, pp: int, m: int, steps: int, extra: list[str], folder:
     step = [e for e in events if e["step"] == last and e["dp_rank"] == 0 and e["tp_rank"] == 0]
     t_f, t_b, t_w = stage_times(step, v)
     predicted = predicted_bubble(step, engine, pp, v, m)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return {"engine": engine, "pp": pp, "m": m, "v": v, "T_F": t_f, "T_B": t_b, "T_W": t_w,
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    held = [peak - summary["baseline_memory_mb"] for peak in summary["peak_memory_mb_per_rank"]]
+    cfg = compose([o for o in overrides if not o.startswith("hydra.")])
+    estimated = [total(estimate(cfg, model_shape(cfg), r)) / MB for r in range(pp)]
+    busiest = max(range(len(held)), key=held.__getitem__)
+    return {"held_mb": held[busiest], "estimated_mb": estimated[busiest], "busiest": busiest,"engine": engine, "pp": pp, "m": m, "v": v, "T_F": t_f, "T_B": t_b, "T_W": t_w,
             "measured": measured_bubble(step), "deps": predicted["dependencies"], "nccl": predicted["nccl"],
-            "peak_mb": max(r.get("peak_memory_mb", 0) for r in records)}
+            }
 
 
 def main(argv=None) -> int:
@@ -71,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], help="another override for every case")
     args = parser.parse_args(argv)
     print(f"{'engine':<17}{'pp':>3}{'m':>3}{'T_F ms':>8}{'T_B ms':>8}{'T_W ms':>8}{'measured':>10}{'deps':>7}"
-          f"{'nccl':>7}{'peak MB':>9}", flush=True)
+          f"{'nccl':>7}  MB held / estimated (pp rank)", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         for pp in args.pp:
             for m in args.micro:
@@ -79,7 +89,7 @@ def main(argv=None) -> int:
                     row = run_case(engine, pp, m, args.steps, args.set, folder)
                     print(f"{engine:<17}{pp:>3}{m:>3}{row['T_F'] * 1e3:>8.1f}{row['T_B'] * 1e3:>8.1f}"
                           f"{row['T_W'] * 1e3:>8.1f}{row['measured']:>10.3f}{row['deps']:>7.3f}{row['nccl']:>7.3f}"
-                          f"{row['peak_mb']:>9.0f}", flush=True)
+                          f"  {row['held_mb']:>5.0f} / {row['estimated_mb']:>5.0f} ({row['busiest']})", flush=True)
     return 0
 
 

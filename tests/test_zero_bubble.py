@@ -170,3 +170,19 @@ def test_a_zb_h1_checkpoint_resumes_on_1f1b(tmp_path):
 ])
 def test_what_zb_h1_cannot_run_yet_is_named(overrides, message):
     assert message in start_error(compose_config(FAST + ["parallelism=dp1tp1pp2"] + ZB + overrides))
+
+
+def test_the_runtime_counts_a_micro_batch_held_until_its_w(tmp_path):
+    """The memory line's micro-batches in flight (the engine's count) hold each from its F to its W: on pp2 with
+    m = 4, zb_h1's last rank keeps two where 1f1b's keeps one (its W runs after the next B), the same as the
+    memory estimate's replay of the schedule."""
+    import json
+    from nanoexp.observe.memory_estimate import in_flight_layers
+    from nanoexp.parallel.layout import Layout
+    run = FAST + ["tokens.train_steps=2", "tokens.val_check_interval=0", "parallelism=dp1tp1pp2"]
+    train(tmp_path, run + ZB)
+    memory = json.load(open(tmp_path / "summary.json"))["memory"]
+    assert [rank["micro_batches_in_flight"] for rank in memory] == [2, 2]
+    cfg = compose_config(run + ZB)
+    layers, _ = in_flight_layers(cfg, Layout.from_config(cfg), 1, [2])
+    assert layers == 2 * 2   # two micro-batches of the stage's two layers

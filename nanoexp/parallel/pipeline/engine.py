@@ -25,7 +25,7 @@ class PipelineEngine:
     layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b and zbv); chunk `num_chunks - 1` of the
     head's rank (the last stage) computes the loss. It keeps the per-micro-batch forward and backward steps and their
     bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch
-    chunks whose activations were held at once), the trace."""
+    chunks whose saved tensors were held at once: from F to B, or to W where W is split off), the trace."""
 
     def __init__(self, ctx, schedule: str, num_chunks: int = 1, trace=NO_TRACE, weight_gradients=None):
         check_shape(schedule, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
@@ -87,7 +87,7 @@ class PipelineEngine:
         mail = Mailbox(ctx.pp_group, self._global_peer, self._shape, dtype, ctx.device, self.trace)
         # Keyed by compute op ("F" | "B", chunk, mb): tensors it made that are still to be sent, and (input,
         # output) of each forward until its backward.
-        outbox, stash = {}, {}
+        outbox, stash, held = {}, {}, set()   # held: micro-batch chunks whose saved tensors are kept
         keep_graph = not forward_only
         try:
             for step in schedule(self.schedule, ctx.pp, self.num_chunks, len(micro_batches), ctx.pp_rank, forward_only):
@@ -111,14 +111,18 @@ class PipelineEngine:
                         outbox[step] = y
                     if keep_graph:
                         stash[chunk, mb] = (x, y)
-                        self.max_in_flight = max(self.max_in_flight, len(stash))
+                        held.add((chunk, mb))
+                        self.max_in_flight = max(self.max_in_flight, len(held))
                 elif kind == "B":
                     x, y = stash.pop((chunk, mb))
+                    if not self.splits_backward:
+                        held.discard((chunk, mb))
                     input_grad = self._backward(mb, x, y, mail.take(step), chunk)
                     if input_grad is not None:
                         outbox[step] = input_grad
                 else:
                     self._weight_step(mb, chunk)
+                    held.discard((chunk, mb))   # the linears' inputs and output gradients, kept from B to W
             mail.drain()
         finally:
             self._forward_fn = self._micro_batches = None
