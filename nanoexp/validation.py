@@ -165,8 +165,8 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
 
 
 def split_backward_rules(cfg: Any, layout) -> list[Rule]:
-    """A schedule that splits backwards into B and W (zb_h1) defers the plain linears' weight gradients: not yet
-    a number format's, a compiled block's, or ZeRO-3's gathers and reductions by module."""
+    """A schedule that splits backwards into B and W (zb_h1, zbv) defers the plain linears' weight gradients: not
+    yet a number format's or a compiled block's."""
     name = layout.schedule
     if name not in SCHEDULES or not SCHEDULES[name].splits_backward:
         return []
@@ -175,8 +175,6 @@ def split_backward_rules(cfg: Any, layout) -> list[Rule]:
         (not cfg.model.fp8.enabled, f"{why}, which FP8 linears do not support yet: set model.fp8.enabled=false or "
          "use parallelism.pp_engine=1f1b"),
         (not cfg.model.compile, f"{why}, which torch.compile does not trace: set model.compile=false"),
-        (cfg.optimizer.zero_stage <= 2, f"{why}; optimizer.zero_stage=3 gathers and reduces by module in each "
-         "backward, not yet around W: use optimizer.zero_stage=0, 1 or 2 with it"),
     ]
 
 

@@ -114,6 +114,8 @@ CASES = {   # name: (model overrides, layout overrides)
     "dp1cp2tp1pp2-recompute": ([], ["parallelism=dp1cp2tp1pp2", "parallelism.recompute_layer=true"]),
     "dp2tp1pp2-zero1": ([], ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"]),
     "dp2tp1pp2-zero2": ([], ["parallelism=dp2tp1pp2", "optimizer.zero_stage=2"]),
+    "dp2tp1pp2-zero3-recompute": ([], ["parallelism=dp2tp1pp2", "optimizer.zero_stage=3",
+                                       "parallelism.recompute_layer=true"]),
     # tied on one rank across its two chunks: one gradient from the embedding's B, one from the head's W
     "tied-dp2tp1pp2-zero1": (TIED, ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"]),
     "moe-dp2tp1pp2-ep2": (["model=moe_tiny"], ["parallelism=dp2tp1pp2", "parallelism.ep=2"]),
@@ -159,7 +161,7 @@ def test_a_zbv_checkpoint_resumes_on_1f1b(tmp_path):
     (["parallelism.pp_virtual_stages=1"], "zbv runs exactly 2 chunks per rank"),
     (["parallelism=dp1tp1pp4"], "num_hidden_layers=4 is smaller than parallelism.pp * pp_virtual_stages = 8"),
     (["model.fp8.enabled=true"], "parallelism.pp_engine=zbv splits each backward into B and W, which FP8"),
-    (["optimizer.zero_stage=3", "parallelism=dp2tp1pp2"], "optimizer.zero_stage=3 gathers and reduces by module"),
+    (["model.compile=true"], "which torch.compile does not trace: set model.compile=false"),
 ])
 def test_what_zbv_cannot_run_is_named(overrides, message):
     assert message in start_error(compose_config(FAST + ["parallelism=dp1tp1pp2"] + ZBV + overrides))

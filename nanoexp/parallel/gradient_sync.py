@@ -85,6 +85,15 @@ class GradientSync:
         for engine in self.chunk_engines(chunk):
             engine.after_backward()
 
+    def before_input_backward(self, chunk: int) -> None:
+        """Call right before a B step (the input's gradient alone, the weights' waiting for W) through `chunk`."""
+        for engine in self.chunk_engines(chunk):
+            engine.before_input_backward()
+
+    def after_input_backward(self, chunk: int) -> None:
+        for engine in self.chunk_engines(chunk):
+            engine.after_input_backward()
+
     def finish(self) -> None:
         """Every gradient final: sequence-parallel sums over tp, every engine's average, then the tied copies'
         sum over the embedding group (module docstring)."""

@@ -60,7 +60,8 @@ class Sharding:
                 self._free(unit)
                 unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._before_forward(unit))
                 unit.module.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
-        self._ready, self.in_backward, self.in_flight = None, False, []   # _ready: the last backward's gradients in
+        self._ready, self.in_backward, self.in_flight = None, False, []
+        self.in_input_backward, self._whole_for_b = False, []   # split backward: a B step, the units it gathered   # _ready: the last backward's gradients in
         self.scattered_pieces()   # before zero_grad frees the gradient shards
         self.zero_grad()
 
@@ -140,7 +141,7 @@ class Sharding:
             raise RuntimeError(f"a gradient of unit {unit.index} came after its reduce-scatter: a parameter used "
                                "outside its module cannot be sharded by ZeRO-3")
         unit.num_ready += 1
-        if not self.stage.shards_parameters:   # stage 3 launches by module order (_before_backward_of)
+        if not self.stage.shards_parameters or self.split_backward:   # stage 3 in B and W: by W's order
             self._launch_scattered(flush=False)
 
     def _launch_accumulated(self, from_hook: bool) -> None:
@@ -166,7 +167,8 @@ class Sharding:
             unit = self.scattered[self._next_scattered]
             if not flush and unit.num_ready < len(unit.params):
                 return
-            self._after_backward_of(unit)   # its backward is done: its parameters can go before its gradients
+            if not self.split_backward:   # a W needs no weights: B freed them
+                self._after_backward_of(unit)   # its backward is done: its parameters can go before its gradients
             while self.in_flight:   # one in flight: its copies (gloo's too) live until it lands
                 self._land(*self.in_flight.pop())
             flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard_grad.device)
@@ -290,14 +292,25 @@ class Sharding:
             if 0 <= unit.index + step * k < len(self.scattered):
                 self._gather(self.scattered[unit.index + step * k])
 
+    # -- a backward split into B and W (split_backward, stage 3) ------------------------------------------
+    def before_input_backward(self) -> None:
+        """A B step: it gathers each unit's weights as its backward starts and frees them after; the gradients
+        wait in .grad for the reduce-scatters of the next W (which needs the weights of no unit)."""
+        self.in_input_backward = True
+
+    def after_input_backward(self) -> None:
+        while self._whole_for_b:
+            self._after_backward_of(self._whole_for_b.pop())
+        self.in_input_backward = False
+
     def _before_forward(self, unit: Unit) -> None:
-        if self.in_backward:   # a recomputed forward (activation checkpointing): already whole
+        if self.in_backward or self.in_input_backward:   # a recomputed forward (activation checkpointing): already whole
             self._wait_gathered(unit)
         else:
             self._use(unit, +1)
 
     def _after_forward(self, unit: Unit, out) -> None:
-        if self.in_backward:
+        if self.in_backward or self.in_input_backward:
             return
         if isinstance(out, torch.Tensor) and out.requires_grad:
             unit.pending_backwards += 1
@@ -307,8 +320,14 @@ class Sharding:
 
     def _before_backward_of(self, unit: Unit) -> None:
         """Stage 3, as `unit`'s backward starts (its output's gradient is complete, so the units after it are
-        done): reduce-scatter those, then make `unit` whole and prefetch."""
-        self._launch_scattered(flush=True, stop=unit.index + 1)
+        done): reduce-scatter those, then make `unit` whole and prefetch. In a B step: free those instead (their
+        gradients go in W)."""
+        if self.in_input_backward:
+            while self._whole_for_b and self._whole_for_b[-1].index > unit.index:
+                self._after_backward_of(self._whole_for_b.pop())
+            self._whole_for_b.append(unit)
+        else:
+            self._launch_scattered(flush=True, stop=unit.index + 1)
         self._use(unit, -1)
 
     def _after_backward_of(self, unit: Unit) -> None:

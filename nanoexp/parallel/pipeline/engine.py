@@ -158,6 +158,8 @@ class PipelineEngine:
         sync = self._sync if not self.splits_backward else None   # split: the sync hears of the W steps instead
         if sync is not None:
             sync.before_backward(chunk, last)   # e.g. let the gradient hooks start reductions
+        elif self._sync is not None:
+            self._sync.before_input_backward(chunk)   # ZeRO-3 gathers the weights B multiplies by
         deferring = self.weight_gradients.deferring((chunk, i)) if self.splits_backward else nullcontext()
         with self.trace.span("backward", mb=i, chunk=chunk), deferring:
             if output_grad is None:  # the loss chunk: output is the loss
@@ -166,6 +168,8 @@ class PipelineEngine:
                 torch.autograd.backward(output, output_grad)
         if sync is not None:
             sync.after_backward(chunk, last)
+        elif self._sync is not None:
+            self._sync.after_input_backward(chunk)
         if input_tensor is None:
             return None
         # A stage that ignores its input still owes the previous stage a gradient.
