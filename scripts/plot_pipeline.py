@@ -63,11 +63,11 @@ def draw(path, metas, events, title):
     ax.set_yticks(range(len(metas)), [f"stage {m['pp_rank']} (rank {m['rank']})" for m in metas])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first event (ms)")
-    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_title(title, fontsize=10, loc="left", pad=20)   # above the legend
     handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.Blues(0.6)), plt.Rectangle((0, 0), 1, 1, color=plt.cm.Greens(0.6)),
                plt.Rectangle((0, 0), 1, 1, color=plt.cm.Oranges(0.6)), plt.Rectangle((0, 0), 1, 1, color="grey"),
                plt.Line2D([], [], color="red", marker="v", linestyle="")]
-    ax.legend(handles, ["forward (darker: later chunk)", "backward (B of zb_h1)", "W (zb_h1's weight gradients)",
+    ax.legend(handles, ["forward (darker: later chunk)", "backward (B where W is split off)", "W (weight gradients)",
                         "send / receive", "DP bucket all-reduce"],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=5, fontsize=8, frameon=False)
     fig.tight_layout()
