@@ -12,7 +12,7 @@ from nanoexp.verify.p2p_plan import check, named_plan
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies, idle_under_nccl
 from tests.helpers import FAST, compose_config, start_error, train, train_losses
 from tests.test_parallel import STEPS, TIED, assert_same_curve, assert_same_steps
-from tests.test_zero_bubble import TIMES
+from tests.test_zero_bubble import TIMES, one_process  # noqa: F401 (a fixture)
 
 ZBV = ["parallelism.pp_engine=zbv", "parallelism.pp_virtual_stages=2"]
 
@@ -122,22 +122,10 @@ CASES = {   # name: (model overrides, layout overrides)
 }
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    root, runs = tmp_path_factory.mktemp("one_process"), {}
-
-    def run(model: list[str]):
-        key = " ".join(model)
-        if key not in runs:
-            runs[key] = train(root / str(len(runs)), FAST + STEPS + model)
-        return runs[key]
-    return run
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_zbv_trains_the_one_process_model(name, tmp_path, one_process):
     model, layout = CASES[name]
-    assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + ZBV), one_process(model))
+    assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + ZBV), one_process(" ".join(model), model))
 
 
 def test_zbv_in_bf16_keeps_the_bf16_contract(tmp_path):

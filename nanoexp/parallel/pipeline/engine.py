@@ -30,7 +30,6 @@ class PipelineEngine:
     def __init__(self, ctx, schedule: str, num_chunks: int = 1, trace=NO_TRACE, weight_gradients=None):
         check_shape(schedule, ctx.pp, num_chunks)   # the number of micro-batches is checked at each run
         self.ctx, self.schedule, self.num_chunks, self.trace = ctx, schedule, num_chunks, trace
-        self.stages = stage_map(schedule, ctx.pp, num_chunks)
         self.weight_gradients = weight_gradients   # WeightGradients of the model's linears: schedules with W steps
         if SCHEDULES[schedule].splits_backward and weight_gradients is None:
             raise ValueError(f"the {schedule} schedule splits backwards: it needs the model's WeightGradients")
