@@ -266,6 +266,22 @@ class FaultInjectionConfig:
     hang_at_step: Optional[int] = None             # rank `hang_rank` sleeps before this step
     hang_rank: int = 0
     slow_step_s: float = 0.0                       # every rank sleeps this long before each step (a slow host)
+    stall_rank: Optional[int] = None               # this rank sleeps `stall_s` in its compute at `stall_at_step`
+    stall_at_step: int = 3
+    stall_s: float = 3600.0
+    skip_collective_rank: Optional[int] = None     # this rank skips the loss all-reduce of step 3
+    wrong_shape_rank: Optional[int] = None         # this rank posts the loss all-reduce of step 3 with shape [2]
+    short_pipeline_rank: Optional[int] = None      # this rank runs step 3 with one micro-batch too few
+    raise_rank: Optional[int] = None               # this rank raises at step 3
+    slow_checkpoint_s: float = 0.0                 # rank 0 sleeps this long inside each checkpoint save
+
+
+@dataclass
+class DebugConfig:
+    """Hang and desync diagnosis (docs/debugging.md)."""
+    stall_s: Optional[float] = None      # no rank progressed this long: dump and diagnose. null: auto, 0: off
+    flight_recorder_entries: int = 2000  # collectives each process remembers (torch's flight recorder); 0: off
+    collectives: str = "off"             # check: torch checks every collective's op, shape and dtype across ranks
 
 
 @dataclass
@@ -282,6 +298,7 @@ class NanoexpConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:

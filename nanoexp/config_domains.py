@@ -107,6 +107,17 @@ DOMAINS: dict[str, Domain] = {
     "fault_injection.hang_rank": at_least(0),
     # time.sleep raises OverflowError from about 1e10 s; an hour a step is slower than any host to imitate.
     "fault_injection.slow_step_s": Domain(lambda seconds: 0 <= seconds <= 3600, "between 0 and 3600", "seconds"),
+    "fault_injection.stall_rank": at_least(0, "null: off"),
+    "fault_injection.stall_at_step": at_least(1),
+    "fault_injection.stall_s": Domain(lambda seconds: 0 <= seconds <= 3600, "between 0 and 3600", "seconds"),
+    "fault_injection.skip_collective_rank": at_least(0, "null: off"),
+    "fault_injection.wrong_shape_rank": at_least(0, "null: off"),
+    "fault_injection.short_pipeline_rank": at_least(0, "null: off"),
+    "fault_injection.raise_rank": at_least(0, "null: off"),
+    "fault_injection.slow_checkpoint_s": Domain(lambda seconds: 0 <= seconds <= 3600, "between 0 and 3600",
+                                                "seconds"),
+    "debug.stall_s": Domain(lambda seconds: 0 <= seconds <= 1e9, "between 0 and 1e9", "seconds, null: auto, 0: off"),
+    "debug.flight_recorder_entries": at_least(0, "0: off"),
 }
 
 

@@ -2,6 +2,7 @@
 each rank, and report how the run ended."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
+from nanoexp.observe.flight_recorder import recorder_env
 from nanoexp.observe.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
@@ -122,6 +124,7 @@ def stage_error(stage, message: str) -> str:
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
     from nanoexp.launch.fault_injection import FaultInjection
+    from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.trainer import Trainer
 
@@ -132,7 +135,8 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     peak = job_peak(device, peak_dtype(cfg), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
     faults = FaultInjection(cfg.fault_injection, rank)   # the robustness tests' faults, off by default
-    return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()
+    with StallWatchdog(cfg, ctx, run_dir):
+        return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()
 
 
 def fill_wandb_identity(cfg, job: HydraJob) -> None:
@@ -187,7 +191,31 @@ def check_resume_point(cfg, run_dir: str) -> None:
         raise ConfigError(f"checkpoint: {error}") from None
 
 
+@contextlib.contextmanager
+def debug_environment(cfg):
+    """What torch reads when process groups are made, for this run only: the flight recorder's size
+    (debug.flight_recorder_entries) and, with debug.collectives=check, TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    wanted = recorder_env(cfg.debug.flight_recorder_entries)
+    if cfg.debug.collectives == "check":
+        wanted["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
+    with debug_environment(cfg):
+        start_workers(cfg, run_dir, env, world)
+
+
+def start_workers(cfg, run_dir: str, env: dict | None, world: int) -> None:
     if env is not None:   # torchrun or SLURM started us: join their world
         join_launcher_world(cfg, run_dir, env)
     elif world == 1:

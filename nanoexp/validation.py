@@ -31,7 +31,7 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
     if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
                  + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
-                 + fault_rules(cfg))
+                 + fault_rules(cfg) + debug_rules(cfg))
     problems = [message for ok, message in rules if not ok]
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")
@@ -317,6 +317,17 @@ def logging_rules(cfg: Any) -> list[Rule]:
 
 
 def fault_rules(cfg: Any) -> list[Rule]:
-    world = Layout.from_config(cfg).world_size
-    return [must(cfg, "fault_injection.hang_rank", lambda rank: rank < world,
-                 f"below dp*cp*tp*pp = {world} (a rank of the run)")]
+    world, f = Layout.from_config(cfg).world_size, cfg.fault_injection
+    ranks = ["hang_rank"] + [key for key in ("stall_rank", "skip_collective_rank", "wrong_shape_rank",
+                                              "short_pipeline_rank", "raise_rank") if getattr(f, key) is not None]
+    rules = [must(cfg, f"fault_injection.{key}", lambda rank: rank < world, f"below dp*cp*tp*pp = {world} (a rank "
+                  "of the run)") for key in ranks]
+    if f.short_pipeline_rank is not None:
+        rules.append((cfg.parallelism.pp > 1 and batch_accumulation(cfg) > 1,
+                      f"fault_injection.short_pipeline_rank={f.short_pipeline_rank}: needs a pipeline (pp > 1) "
+                      "with at least two micro-batches a step, to drop one of them"))
+    return rules
+
+
+def debug_rules(cfg: Any) -> list[Rule]:
+    return [one_of(cfg, "debug.collectives", ("off", "check"))]

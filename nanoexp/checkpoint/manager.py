@@ -4,7 +4,7 @@
     resume = checkpoints.where_to_start()   # -> Resume(step, consumed_samples, lr_step_offset, ...), from meta.json
     checkpoints.restore(model, optimizer)   # its weights, optimizer state and RNG, from the same checkpoint
     ... after each optimizer step:
-    checkpoints.after_step(step, is_last, stop, model, optimizer, progress)   # saves when due or stopping
+    if checkpoints.due(step, is_last, stop): checkpoints.save(step, model, optimizer, progress)
 
 Where a run starts: its own checkpoint (latest.txt under checkpoint.checkpoints_path) if there is
 one, else checkpoint.resume_checkpoint_path (a seed for the first start only), else step 1.
@@ -206,12 +206,12 @@ class CheckpointManager:
         self.last_saved, self.abandon_after = step, None
         return path
 
-    def after_step(self, step: int, is_last: bool, stop: bool, model, optimizer, progress: "Progress") -> None:
-        """Save when the interval or the end of training asks for it, or `stop` (a stop signal came)."""
+    def due(self, step: int, is_last: bool, stop: bool) -> bool:
+        """Whether step `step` is saved: the interval or the end of training asks for it, or `stop` (a stop signal
+        came), and it is not saved yet."""
         c = self.cfg.checkpoint
-        due = (c.checkpoint_interval and step % c.checkpoint_interval == 0) or (is_last and c.save_final_state)
-        if (due or stop) and self.last_saved != step:
-            self.save(step, model, optimizer, progress)
+        asked = (c.checkpoint_interval and step % c.checkpoint_interval == 0) or (is_last and c.save_final_state)
+        return bool(asked or stop) and self.last_saved != step
 
 
 def optimizer_steps(optimizer) -> int:

@@ -5,16 +5,23 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from nanoexp.runtime.trainer import TrainerHooks
 
 log = logging.getLogger("nanoexp")
 
+FAULT_STEP = 3   # the step at which the one-off desync faults strike (after two good steps)
+
 
 class FaultInjection(TrainerHooks):
-    """`faults.slow_step_s`: every step starts that much later, as on a slow host (a signal sent after a step
-    then arrives well before the end of training, however fast the machine). `faults.hang_at_step`: rank
-    `faults.hang_rank` stops answering before that step, as a stuck GPU or host would.
-    `faults.nonfinite_loss_at_step`: the training loss of that step becomes NaN on the loss stage."""
+    """`slow_step_s`: every step starts that much later, as on a slow host (a signal sent after a step then arrives
+    well before the end of training, however fast the machine). `hang_at_step`: rank `hang_rank` stops answering
+    before that step, as a stuck GPU or host would. `nonfinite_loss_at_step`: the training loss of that step
+    becomes NaN on the loss stage. The desync faults of the stall watchdog's tests, each on one rank:
+    `stall_rank` sleeps `stall_s` in its compute at `stall_at_step`; at step 3, `skip_collective_rank` skips
+    the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one, `short_pipeline_rank`
+    runs one micro-batch too few, `raise_rank` raises. `slow_checkpoint_s`: rank 0 sleeps inside each save."""
 
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
@@ -25,6 +32,33 @@ class FaultInjection(TrainerHooks):
             time.sleep(3600)
         if self.faults.slow_step_s > 0:
             time.sleep(self.faults.slow_step_s)
+
+    def before_compute(self, step: int, micro_batches: list[dict]) -> list[dict]:
+        f = self.faults
+        if self.rank == f.stall_rank and step == f.stall_at_step:
+            log.warning("fault injection: rank %d sleeps %g s in its compute at step %d", self.rank, f.stall_s, step)
+            time.sleep(f.stall_s)
+        if step != FAULT_STEP:
+            return micro_batches
+        if self.rank == f.raise_rank:
+            raise RuntimeError(f"fault injection: rank {self.rank} raises at step {step}")
+        if self.rank == f.short_pipeline_rank:
+            log.warning("fault injection: rank %d runs step %d with one micro-batch too few", self.rank, step)
+            return micro_batches[:-1]
+        return micro_batches
+
+    def loss_to_reduce(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+        if step == FAULT_STEP and self.rank == self.faults.skip_collective_rank:
+            log.warning("fault injection: rank %d skips the loss all-reduce of step %d", self.rank, step)
+            return None
+        if step == FAULT_STEP and self.rank == self.faults.wrong_shape_rank:
+            log.warning("fault injection: rank %d posts the loss all-reduce of step %d with shape [2]", self.rank, step)
+            return torch.stack([loss, torch.zeros_like(loss)])
+        return loss
+
+    def during_checkpoint(self, step: int) -> None:
+        if self.rank == 0 and self.faults.slow_checkpoint_s > 0:
+            time.sleep(self.faults.slow_checkpoint_s)
 
     def training_loss(self, step: int, loss):
         return loss * float("nan") if step == self.faults.nonfinite_loss_at_step else loss

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -125,6 +126,7 @@ def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s
     # Under torchrun's agent store (its default), a store of this round's own: the agent's outlives restarts
     # and would hand a restarted world the dead workers' addresses. Elsewhere env:// as torch does it.
     store = rendezvous.round_store(rank, timeout_s) if rendezvous.uses_agent_store() else None
+    dist.set_debug_level_from_env()   # torch read TORCH_DISTRIBUTED_DEBUG at import; debug.collectives sets it later
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
 
@@ -167,9 +169,31 @@ def _rebuild_log_handlers(described: list, level: int) -> None:
     root.setLevel(level)
 
 
+_failure_channel: dict = {}   # a local worker's rank and its launcher's error queue (end_worker reports there)
+
+
+def end_worker(message: str) -> None:
+    """End this worker now, from any thread, with `message` as its failure: the stall watchdog's way out, since a
+    main thread stuck in a collective cannot raise. A local worker reports to its launcher; a rank of torchrun's
+    or SLURM's world prints the message and writes it where torchrun's report looks."""
+    if _failure_channel:
+        _failure_channel["errors"].put((_failure_channel["rank"], message, ""))
+        _leave(1, _failure_channel["errors"])
+    print(f"nanoexp: {message}", file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
                   timeout_s: float, record_signals: bool, log_handlers: list | None, launcher_pid: int) -> None:
     die_with_parent(launcher_pid)
+    _failure_channel.update(rank=rank, errors=errors)
     worker_records_stop_signals(record_signals)   # first: a stop signal from now on is recorded, not fatal
     if log_handlers is not None:   # spawned: a bare interpreter
         _rebuild_log_handlers(*log_handlers)

@@ -49,6 +49,9 @@ class ParallelContext:
         self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
         self.ep_group = self.edp_group = None   # None also when of one rank
         self.model_parallel_group = self.embedding_group = None
+        # Every group this rank belongs to, by torch's group name: (its description, its global ranks). The flight
+        # recorder's dumps carry the names; the stall diagnosis reads the rest here.
+        self.group_table: dict[str, tuple[str, list[int]]] = {"0": ("world", list(range(self.world_size)))}
         if self.world_size > 1:
             self._build_groups()
 
@@ -91,9 +94,20 @@ class ParallelContext:
                 keep("edp_group", dp_cp[ep_rank::self.ep])
 
     def _maybe_keep(self, name: str, ranks: list[int]):
-        group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
+        description = self.describe_group(name, ranks)
+        group = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s), group_desc=description)
         if self.rank in ranks:
             setattr(self, name, group)
+            self.group_table[group.group_name] = (description, ranks)
+
+    def describe_group(self, name: str, ranks: list[int]) -> str:
+        """A group as the layout names it: "tp group of pp stage 1, dp rank 0" (the coordinates its ranks share)."""
+        positions = [self.layout.position(rank) for rank in ranks]
+        shared = [f"{label} {positions[0][i]}" for i, (label, size) in enumerate(
+            (("pp stage", self.pp), ("dp rank", self.dp), ("cp rank", self.cp), ("tp rank", self.tp)))
+            if size > 1 and len({p[i] for p in positions}) == 1]
+        kind = name.removesuffix("_group").replace("_", " ").replace("model parallel", "model-parallel")
+        return f"{kind} group" + (f" of {', '.join(shared)}" if shared else "")
 
     def replica_rank(self, param) -> int:
         """This rank's place among the ranks that hold `param` whole and identical (0: the one that writes it

@@ -13,6 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.memory import saved_activation_bytes
 from nanoexp.model.llama import IGNORE_INDEX
 from nanoexp.parallel.context_parallel.zigzag import zigzag_indices, zigzag_split
@@ -65,6 +66,7 @@ class StepRunner:
         # target tokens a step, to 6e-8 relative beyond).
         count = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum().float()
         if ctx.dp_cp > 1:
+            HEARTBEAT.at("token-count all-reduce")
             dist.all_reduce(count, group=ctx.dp_cp_group)
         return count.clamp_min(1.0) / ctx.dp_cp
 

@@ -10,6 +10,7 @@ import logging
 import math
 import socket
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
+from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.memory import peak_memory_mb, start_measuring
 from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.runtime.build import build_runtime, model_shape
@@ -45,6 +47,18 @@ class TrainerHooks:
     def before_step(self, step: int) -> None:
         """Called on every rank before optimizer step `step` reads its batch."""
 
+    def before_compute(self, step: int, micro_batches: list[dict]) -> list[dict]:
+        """Called on every rank as step `step`'s forward and backward begin; returns the micro-batches it runs."""
+        return micro_batches
+
+    def loss_to_reduce(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+        """This rank's part of the step's loss, as the loss all-reduce gets it; None: the rank skips that
+        all-reduce."""
+        return loss
+
+    def during_checkpoint(self, step: int) -> None:
+        """Called on every rank inside the save of step `step`'s checkpoint, before it writes."""
+
     def training_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """A training micro-batch's loss on the loss stage, as backward will see it."""
         return loss
@@ -58,6 +72,7 @@ class Trainer:
         self.cfg, self.ctx, self.run_dir, self.hooks = cfg, ctx, run_dir, hooks or TrainerHooks()
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
+        HEARTBEAT.reset()
         torch.manual_seed(cfg.general.seed)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
@@ -104,11 +119,14 @@ class Trainer:
     def step_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean token loss of the global batch, identical on every rank."""
         loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
-        return (self.runner.replica_sum(loss) / self.ctx.dp_cp).item()
+        HEARTBEAT.at("loss all-reduce")
+        reduced = self.hooks.loss_to_reduce(self.step, loss)
+        reduced = loss if reduced is None else self.runner.replica_sum(reduced)
+        return (reduced.sum() / self.ctx.dp_cp).item()
 
     def compute_gradients(self, micro_batches: list[dict]) -> float:
         """Forward and backward of one global batch; leaves the final gradients in .grad."""
-        micro_batches = [self.runner.prepare(mb) for mb in micro_batches]
+        micro_batches = self.hooks.before_compute(self.step, [self.runner.prepare(mb) for mb in micro_batches])
         losses = self.runner.train(micro_batches, self.grad_sync, lambda loss: self.hooks.training_loss(self.step, loss))
         self.grad_sync.finish()
         self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
@@ -119,6 +137,7 @@ class Trainer:
         loss = self.compute_gradients(micro_batches)
         if self.model.moe_losses:
             self.moe_metrics = moe_step_metrics(self.model.moe_losses, self.ctx, self.ctx.dp * self.accumulation)
+        HEARTBEAT.at("gradient norm")
         grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
                                    self.ctx.device)
         # Loss and norm are identical on every rank, so every rank takes the same branch.
@@ -130,6 +149,7 @@ class Trainer:
             self.progress.skipped_steps += 1
             log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
             return loss, grad_norm
+        HEARTBEAT.at("optimizer step")
         self.optimizer.step()
         self.grad_sync.zero_grad()
         return loss, grad_norm
@@ -144,6 +164,7 @@ class Trainer:
         batches = [self.runner.prepare(mb) for mb in batches]
         sums = self.runner.forward_only(batches, TokenLossSum())
         count = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batches) if sums else 0
+        HEARTBEAT.at("evaluation loss all-reduce")
         totals = torch.tensor([float(sum(s.item() for s in sums)), float(count)], dtype=torch.float64,
                               device=self.ctx.device)
         total, tokens = self.runner.replica_sum(totals).tolist()
@@ -164,6 +185,7 @@ class Trainer:
                 if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
                     break
             summary["status"] = "stopped" if stopped else "completed"
+            HEARTBEAT.at("end of training")
             summary.update(self.memory_of_every_rank())
         except Exception as error:
             summary["error"] = f"{type(error).__name__}: {error}"
@@ -179,10 +201,13 @@ class Trainer:
         self.hooks.before_step(step)
         cfg, total = self.cfg, self.cfg.tokens.train_steps
         start = time.perf_counter()
+        HEARTBEAT.at("reading the batch", step=step)
         micro_batches = self.batches.next_step()
         lr = lr_at(step - self.resume.lr_step_offset, cfg)
         self.step = step
-        loss, grad_norm = self.train_step(micro_batches, lr)
+        # The first step warms up (allocations, compilation): the watchdog waits for it.
+        with HEARTBEAT.long_phase("first step") if step == self.resume.step + 1 else nullcontext():
+            loss, grad_norm = self.train_step(micro_batches, lr)
         self.profiler.step()
         if not self.memory:
             self.memory = self.memory_breakdown()
@@ -192,14 +217,20 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.clock.record(step_time)
         self.step_times.append(step_time)
+        if step > self.resume.step + 1:
+            HEARTBEAT.step_took(step_time)   # the stall watchdog's automatic limit follows the slowest step
         self.last_record = self.step_record(step, loss, lr, grad_norm, step_time, self.batches.last_wait_sec)
         stage = {"stage": self.batches.stage.name} if self.batches.named else {}
         self.last_record.update(**stage, **self.moe_metrics)
         if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
         # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
+        HEARTBEAT.at("stop-signal check")
         stop = stop_agreed(self.ctx)   # a collective: every rank stops after the same step
-        self.checkpoints.after_step(step, step == total, stop, self.model, self.optimizer, self.progress)
+        if self.checkpoints.due(step, step == total, stop):
+            with HEARTBEAT.long_phase("checkpoint save"):   # the disk may be slow: the watchdog waits for it
+                self.hooks.during_checkpoint(step)
+                self.checkpoints.save(step, self.model, self.optimizer, self.progress)
         if stop and step != total:   # each rank's log says whether the signal reached it (every node, on SLURM)
             name = received_signal_name()
             log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
@@ -212,11 +243,13 @@ class Trainer:
         """The held-out loss and the downstream tasks, when their intervals (or the end of training) say so."""
         interval, total = self.cfg.tokens.val_check_interval, self.cfg.tokens.train_steps
         if (interval and step % interval == 0) or step == total:
+            HEARTBEAT.at("evaluation")
             self.eval_loss = self.evaluate()
             self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
         if self.downstream and self.downstream.due(step, total):
             start = time.perf_counter()
-            scores, _, errors = self.downstream.run()
+            with HEARTBEAT.long_phase("downstream evaluation"):   # the harness prepares its tasks without progress
+                scores, _, errors = self.downstream.run()
             self.downstream_scores.update(scores)
             self.log_record({"step": step, **scores, "eval/seconds": time.perf_counter() - start})
             for task, error in errors.items():

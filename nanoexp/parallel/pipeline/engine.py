@@ -16,7 +16,10 @@ import torch
 
 from nanoexp.parallel.pipeline.mailbox import Mailbox
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, check_shape, schedule, stage_map
+from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.trace import NO_TRACE
+
+ACTION_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}   # what the heartbeat says a step does
 
 
 class PipelineEngine:
@@ -101,6 +104,8 @@ class PipelineEngine:
                     mail.hand_over((kind, receiver, mb), outbox.pop((kind, chunk, mb)).detach())
                     continue
                 kind, chunk, mb = step
+                HEARTBEAT.at(f"{ACTION_NAMES[kind]} of micro-batch {mb}"
+                             + (f" (chunk {chunk})" if self.num_chunks > 1 else ""))
                 if kind == "F":
                     x = mail.take(step)
                     if x is not None and keep_graph:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.trace import NO_TRACE
 
 
@@ -21,7 +22,7 @@ class Mailbox:
     def __init__(self, group, peer_rank, shape: tuple, dtype, device, trace=NO_TRACE):
         self.group, self.peer_rank, self.shape, self.dtype, self.device = group, peer_rank, shape, dtype, device
         self.trace = trace
-        self.arriving: dict[tuple, tuple] = {}   # op -> (its batch's number, the receive buffer)
+        self.arriving: dict[tuple, tuple] = {}   # op -> (its batch's number, the receive buffer, the sender)
         self.in_hand: dict[tuple, torch.Tensor] = {}   # op -> a tensor handed over in memory (zbv's V tip)
         self.in_flight: list[tuple] = []         # (number, works, sent tensors) of the batches not yet waited for
         self.posted = 0
@@ -39,7 +40,7 @@ class Mailbox:
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buffer, self.peer_rank(msg), self.group))
-                self.arriving[op] = (self.posted, buffer)
+                self.arriving[op] = (self.posted, buffer, self.peer_rank(msg))
             labels.append(f"{verb}_{'forward' if op[0] == 'F' else 'backward'}")
         with self.trace.span("post " + " ".join(labels)):
             works = dist.batch_isend_irecv(ops)   # NCCL: one work for the batch; gloo: one per op
@@ -55,8 +56,10 @@ class Mailbox:
             return self.in_hand.pop(op)
         if op not in self.arriving:
             return None
-        number, buffer = self.arriving.pop(op)
+        number, buffer, sender = self.arriving.pop(op)
         if self.in_flight and self.in_flight[0][0] <= number:
+            what = "activation" if op[0] == "F" else "gradient"
+            HEARTBEAT.at(f"receive of micro-batch {op[2]}'s {what} (chunk {op[1]})", waiting_on=sender)
             with self.trace.span(f"wait recv_{'forward' if op[0] == 'F' else 'backward'}", mb=op[2], chunk=op[1]):
                 self._wait(up_to=number)
         return buffer

@@ -1,0 +1,62 @@
+"""torch's flight recorder as nanoexp uses it: every process group records its last collectives (op, group,
+sequence number, sizes, state, creation time) in a ring of `debug.flight_recorder_entries`; on a stall each rank
+writes the ring to `<run>/debug/fr/rank_<N>` in the format torch's analyzer (`torchfrtrace`) reads.
+
+Two things are added to what torch writes. gloo leaves the dump's group table (`pg_config`) empty, which the
+analyzer needs to match ranks: nanoexp fills it from its own groups (their layout names and global ranks). And
+under the key "nanoexp", the rank's heartbeat and, for each recorded collective, the step and action that posted
+it (from the heartbeat's history and the record's creation time, both this process's clock).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+
+from nanoexp.observe.heartbeat import Heartbeat
+
+PREFIX = "rank_"   # torchfrtrace <folder> -p rank_
+
+
+def recorder_env(entries: int) -> dict[str, str]:
+    """The environment that turns the recorder on; it must be set before the first process group is made."""
+    return {"TORCH_FR_BUFFER_SIZE": str(entries)} if entries > 0 else {}
+
+
+def _raw_trace(backend: str | None) -> bytes:
+    c10d = torch._C._distributed_c10d
+    if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):   # NCCL's recorder is its own instance
+        return c10d._dump_nccl_trace()
+    return c10d._dump_fr_trace()
+
+
+def read_trace(backend: str | None, group_table: dict, heartbeat: Heartbeat, rank: int) -> dict:
+    """This process's recorder contents, with the group table filled in and each record's step and action."""
+    trace = pickle.loads(_raw_trace(backend))
+    config = trace.setdefault("pg_config", {})
+    for name, (description, ranks) in group_table.items():
+        if not config.get(name, {}).get("ranks") or config[name]["ranks"] == "[]":
+            config[name] = {"name": name, "desc": description, "ranks": str(list(ranks))}
+    places = {entry["record_id"]: heartbeat.place_at(entry["time_created_ns"]) for entry in trace.get("entries", [])}
+    trace["nanoexp"] = {"rank": rank, "heartbeat": heartbeat.snapshot(), "places": places}
+    return trace
+
+
+def write_trace(folder: str, rank: int, trace: dict) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{PREFIX}{rank}")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(trace, f)
+    os.replace(path + ".tmp", path)   # the analysis never reads half a dump
+    return path
+
+
+def read_dumps(folder: str) -> dict[int, dict]:
+    """The dumps in `folder`, by rank."""
+    dumps = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+            with open(os.path.join(folder, name), "rb") as f:
+                dumps[int(name[len(PREFIX):])] = pickle.load(f)
+    return dumps

@@ -1,0 +1,99 @@
+"""The stall watchdog on gloo: faults injected through the trainer's hooks (fault_injection.*) are diagnosed in
+seconds, naming the right rank, group and step; slow but progressing runs are left alone.
+
+Every faulted run here would otherwise hang until parallelism.collective_timeout_s (600 s), and the wrong-shape
+one for ever (gloo ignores its timeout when the ranks posted different sizes)."""
+import os
+import time
+
+import pytest
+
+from nanoexp.launch.watchdog import stall_limit
+from nanoexp.launch.workers import WorkerFailed
+from tests.helpers import FAST, read_metrics, train
+
+STALL_S = 3   # the watchdog's limit in these runs: every healthy step of FAST takes well under a second
+RUN = FAST + ["tokens.train_steps=5", "tokens.val_check_interval=0", f"debug.stall_s={STALL_S}"]
+PIPELINE = ["parallelism=dp1tp1pp2"]   # 4 micro-batches of FAST's 2 samples a step: 0..3
+
+
+def diagnosis(tmp_path, overrides) -> tuple[list[str], float]:
+    """The failed run's message as lines (the first is the headline, the next the likeliest cause), and the seconds
+    from the start of the run to its end (the fault strikes at step 3, about a second in)."""
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        train(tmp_path, RUN + overrides)
+    seconds = time.monotonic() - start
+    print(f"{overrides}: ended after {seconds:.1f} s:\n{info.value}")   # the closing note's fault table
+    return str(info.value).splitlines(), seconds
+
+
+def test_a_skipped_all_reduce_names_the_rank_that_skipped_it(tmp_path):
+    lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.skip_collective_rank=1"])
+    assert lines[0].startswith("rank 0 failed: stall: no rank progressed")
+    cause = lines[1]
+    assert cause.startswith("  - rank 1 has not posted all_reduce") and "of the dp group (ranks 0, 1)" in cause
+    assert "in which rank 0 waits (step 3, loss all-reduce" in cause and "rank 1 went on without it" in cause
+    assert seconds < 60
+    dumps = tmp_path / "debug" / "fr"
+    assert sorted(os.listdir(dumps)) == ["rank_0", "rank_1"] and f"dumps: {dumps}" in lines[-1]
+    assert "missing ranks: {1}" in (tmp_path / "debug" / "torchfrtrace.txt").read_text()   # torch's analyzer agrees
+    assert (tmp_path / "debug" / "stall.txt").read_text().startswith("stall: no rank progressed")
+
+
+def test_a_different_shape_names_both_shapes(tmp_path):
+    lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.wrong_shape_rank=1"])
+    cause = lines[1]
+    assert cause.startswith("  - ranks disagree on collective #") and "of the dp group (ranks 0, 1) (step 3" in cause
+    assert "rank 0 posted all_reduce of sizes [[]]" in cause and "rank 1 posted all_reduce of sizes [[2]]" in cause
+    assert seconds < 60
+
+
+def test_a_pipeline_rank_one_micro_batch_short(tmp_path):
+    lines, seconds = diagnosis(tmp_path, PIPELINE + ["fault_injection.short_pipeline_rank=0"])
+    cause = lines[1]
+    assert cause.startswith("  - rank 1 waits for the receive of micro-batch 3's activation (chunk 0) from rank 0 "
+                            "at step 3; rank 0 went on without sending it: it waits in all_reduce")
+    assert "of the pp group (ranks 0, 1) (step 3, loss all-reduce" in cause
+    assert seconds < 60
+
+
+def test_a_rank_asleep_in_its_compute(tmp_path):
+    lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.stall_rank=1"])
+    cause = lines[1]
+    assert cause.startswith("  - rank 1 has not posted all_reduce") and "in which rank 0 waits (step 3" in cause
+    assert "rank 1 is in its own work, no collective pending: step 3" in cause
+    assert seconds < 60
+
+
+def test_a_rank_that_raises_is_reported_at_once(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed, match="rank 1 failed: RuntimeError: fault injection: rank 1 raises at step 3"):
+        train(tmp_path, RUN + ["parallelism=dp2tp1pp1", "fault_injection.raise_rank=1"])
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "debug").exists()   # an error, not a stall: the watchdog had nothing to say
+
+
+def test_collective_check_mode_stops_a_wrong_shape_before_it_runs(tmp_path):
+    with pytest.raises(WorkerFailed, match="Detected mismatch between collectives on ranks"):
+        train(tmp_path, RUN + ["parallelism=dp2tp1pp1", "fault_injection.wrong_shape_rank=1",
+                               "debug.collectives=check"])
+    assert not (tmp_path / "debug").exists()
+
+
+def test_slow_but_progressing_runs_raise_no_alarm(tmp_path):
+    """Each longer than the limit: a first step (rank 1 asleep in it), two checkpoint saves (rank 0 asleep in
+    them while rank 1 waits), and evaluations of 40 batches (progress at every batch)."""
+    records = train(tmp_path, FAST + [
+        "parallelism=dp2tp1pp1", "tokens.train_steps=4", "debug.stall_s=1",
+        "fault_injection.stall_rank=1", "fault_injection.stall_at_step=1", "fault_injection.stall_s=2.5",
+        "checkpoint.checkpoint_interval=2", "fault_injection.slow_checkpoint_s=2.5",
+        "tokens.val_check_interval=2", "tokens.limit_val_batches=40"])
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
+    assert not (tmp_path / "debug").exists()
+    assert read_metrics(tmp_path)[-1]["step"] == 4
+
+
+def test_the_automatic_limit_follows_the_slowest_step():
+    assert stall_limit(None, None) == 60 and stall_limit(None, 2.0) == 60 and stall_limit(None, 30.0) == 300
+    assert stall_limit(5, 30.0) == 5   # a set limit holds
