@@ -97,3 +97,14 @@ def test_slow_but_progressing_runs_raise_no_alarm(tmp_path):
 def test_the_automatic_limit_follows_the_slowest_step():
     assert stall_limit(None, None) == 60 and stall_limit(None, 2.0) == 60 and stall_limit(None, 30.0) == 300
     assert stall_limit(5, 30.0) == 5   # a set limit holds
+
+
+def test_groups_are_named_by_the_layout():
+    from nanoexp.parallel.context import ParallelContext
+    from nanoexp.parallel.layout import Layout
+    ctx = ParallelContext.__new__(ParallelContext)   # its naming only: no process group is made
+    ctx.layout, ctx.dp, ctx.cp, ctx.tp, ctx.pp = Layout(dp=2, tp=2, pp=2), 2, 1, 2, 2
+    assert ctx.describe_group("tp_group", [4, 5]) == "tp group of pp stage 1, dp rank 0"
+    assert ctx.describe_group("dp_group", [0, 2]) == "dp group of pp stage 0, tp rank 0"
+    assert ctx.describe_group("pp_group", [1, 5]) == "pp group of dp rank 0, tp rank 1"
+    assert ctx.describe_group("model_parallel_group", [0, 1, 4, 5]) == "model-parallel group of dp rank 0"
