@@ -48,6 +48,8 @@ from nanoexp.data.loader import IGNORE_INDEX
 from nanoexp.data.stages import StagedBatches
 from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
 from nanoexp.observe.memory import peak_memory_mb, return_freed_memory, start_measuring
+from nanoexp.observe.peak import peak_dtype
+from nanoexp.observe.timing import synchronize
 from nanoexp.observe.metrics import flops_per_token
 from nanoexp.runtime.build import build_model, model_shape
 from nanoexp.runtime.optim import build_optimizer, lr_at, set_lr
@@ -167,7 +169,8 @@ def timed_steps(step, batches, args, device) -> dict:
     for i, micro_batches in enumerate(steps, start=1):
         dist.barrier()   # every rank starts the step together: rank 0's time is the step's
         start, cpu_start = time.perf_counter(), time.process_time()
-        losses.append(step(i, micro_batches))   # a .item(): the step's device work is done
+        losses.append(step(i, micro_batches))
+        synchronize(device)   # the optimizer's kernels (and ZeRO's gathers) queued after the loss's .item() too
         if i > args.warmup:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)   # all this process's threads, not the waits
@@ -268,20 +271,21 @@ def main() -> None:
           f"{args.steps} timed steps, {args.repeats} repeat(s)", flush=True)
     runs: dict[tuple[str, int], list[dict]] = {}
     peaks = []
+    dtype = peak_dtype(config_for(args, "nanoexp", args.dps[0]))   # MFU against the peak of the run's matmuls
     cases = [(dp, impl) for dp in args.dps for impl in IMPLEMENTATIONS]
     for repeat, (dp, impl) in in_turns(cases, args.repeats, alternate=False):
-        peaks.append(matmul_peak())   # before every case: the best of them is the least loaded
+        peaks.append(matmul_peak(dtype))   # before every case: the best of them is the least loaded
         result = run_case(impl, dp, args)
         runs.setdefault((impl, dp), []).append(result)
         shown = result.get("error") or (f"{result['tokens_s']:,.0f} tokens/s, {result['cpu_s']:.2f} CPU s/step, "
                                         f"peak {result['peak_mb']:.1f} MB/rank, last loss {result['loss']:.6f}")
         print(f"  repeat {repeat + 1}: {impl} dp{dp}: {shown}", flush=True)
-    peaks.append(matmul_peak())
+    peaks.append(matmul_peak(dtype))
     measured = [p.tflops for p in peaks if p.tflops]
     peak = max(measured, default=None)
     rows = {case: summarize(case_runs, peak, gpus, case[1]) for case, case_runs in runs.items()}
-    where = (f"float32 peak: {f'{peak * 1e3:.1f} GFLOP/s' if peak else 'unknown'} per GPU ({peaks[-1].source})"
-             if gpus else f"2048² float32 matmul peak: {peak * 1e3:.1f} GFLOP/s (the node), the best of {len(peaks)} "
+    where = (f"{dtype} peak: {f'{peak * 1e3:.1f} GFLOP/s' if peak else 'unknown'} per GPU ({peaks[-1].source})"
+             if gpus else f"2048² {dtype} matmul peak: {peak * 1e3:.1f} GFLOP/s (the node), the best of {len(peaks)} "
              f"(lowest {min(measured) * 1e3:.1f})")
     print(f"\n{where}; load average {load:.2f} -> {os.getloadavg()[0]:.2f}; medians over repeats (see the docstring)")
     print(format_table(rows))

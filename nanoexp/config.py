@@ -95,6 +95,7 @@ class ModelConfig:
     mup: MupConfig = field(default_factory=MupConfig)
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
+    allow_tf32: Optional[bool] = None   # float32 matmuls on CUDA in TF32 (null: on with CUDA; CPU: no effect)
     ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)
     attention_mask: str = "causal"   # causal | document (packed documents attend within themselves, positions restart)
     attention_kernel: str = "auto"   # auto | sdpa | flash (nanoexp/model/attention.py; auto: flash-attn where it runs)
@@ -282,6 +283,7 @@ class DebugConfig:
     stall_s: Optional[float] = None      # no rank progressed this long: dump and diagnose. null: auto, 0: off
     flight_recorder_entries: int = 2000  # collectives each process remembers (torch's flight recorder); 0: off
     collectives: str = "off"             # check: torch checks every collective's op, shape and dtype across ranks
+    cuda_sync: str = "off"               # warn | error: torch reports each host wait for the GPU (CUDA only)
 
 
 @dataclass

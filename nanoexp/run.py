@@ -27,6 +27,7 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
+from nanoexp.numerics.precision import set_tf32
 from nanoexp.observe.flight_recorder import recorder_env
 from nanoexp.observe.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
@@ -133,7 +134,10 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak
         return_freed_memory()
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    peak = job_peak(device, peak_dtype(cfg), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
+    set_tf32(cfg, device)   # before any matmul: model.allow_tf32 (on by default on CUDA)
+    if device.type == "cuda" and cfg.debug.cuda_sync != "off":
+        torch.cuda.set_sync_debug_mode(cfg.debug.cuda_sync)   # every host wait for the GPU warns (or raises)
+    peak = job_peak(device, peak_dtype(cfg, device), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
     faults = FaultInjection(cfg.fault_injection, rank)   # the robustness tests' faults, off by default
     with StallWatchdog(cfg, ctx, run_dir):
         return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()

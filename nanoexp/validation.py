@@ -330,4 +330,5 @@ def fault_rules(cfg: Any) -> list[Rule]:
 
 
 def debug_rules(cfg: Any) -> list[Rule]:
-    return [one_of(cfg, "debug.collectives", ("off", "check"))]
+    return [one_of(cfg, "debug.collectives", ("off", "check")),
+            one_of(cfg, "debug.cuda_sync", ("off", "warn", "error"))]

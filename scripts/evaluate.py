@@ -30,13 +30,14 @@ from nanoexp.data.tokenizer import build_tokenizer
 @torch.no_grad()
 def evaluate_ids(model, ids: list[int], window: int) -> dict:
     """Mean next-token cross-entropy over windows of `window` predictions (see the module docstring)."""
-    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for start in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([ids[start:start + window + 1]])
+        chunk = torch.tensor([ids[start:start + window + 1]], device=device)
         logits = model(input_ids=chunk[:, :-1])[0].float()   # the padded vocabulary, as in training
-        total += F.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
+        total += F.cross_entropy(logits, chunk[0, 1:], reduction="sum")   # read once, at the end
         count += chunk.shape[1] - 1
-    loss = total / count if count else float("nan")
+    loss = total.item() / count if count else float("nan")
     return {"loss": loss, "tokens": count, "perplexity": math.exp(loss) if count else float("nan")}
 
 

@@ -25,7 +25,7 @@ def main() -> None:
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     new_ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, tokenizer.vocab_size,
                        temperature=args.temperature, top_k=args.top_k, stop_id=tokenizer.eod_id,
-                       generator=torch.Generator().manual_seed(args.seed))
+                       generator=torch.Generator(next(model.parameters()).device).manual_seed(args.seed))
     print(args.prompt + tokenizer.decode(new_ids))
 
 

@@ -20,7 +20,9 @@ def test_peak_table_matches_names_and_dtypes(monkeypatch):
     for name, dtype, peak in [("NVIDIA H200", "bfloat16", 989.0), ("NVIDIA H100 80GB HBM3", "bfloat16", 989.0),
                               ("NVIDIA H100 PCIe", "bfloat16", 756.0), ("NVIDIA A100-SXM4-80GB", "float32", 19.5),
                               ("NVIDIA H200", "float8", 1979.0), ("NVIDIA H100 PCIe", "float8", 1513.0),
-                              ("NVIDIA A100-SXM4-80GB", "float8", None),
+                              ("NVIDIA A100-SXM4-80GB", "float8", None), ("NVIDIA H100 NVL", "bfloat16", 835.5),
+                              ("NVIDIA H100 NVL", "float8", 1670.5), ("NVIDIA H100 80GB HBM3", "tfloat32", 494.5),
+                              ("NVIDIA H100 NVL", "tfloat32", 417.5),
                               ("NVIDIA GeForce RTX 4090", "bfloat16", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         job = job_peak(gpu, dtype, None, world_size=8, nodes=1)

@@ -86,7 +86,7 @@ def test_ring_plan_passes_nccl_rules_and_an_unpaired_order_does_not():
     assert ring_plan(1) == [[]]
     for cp in range(2, 9):
         # named: every receive also gets the block (and pass, step) it expects
-        assert check(ring_plan(cp, named=True)) == cp * (2 * cp - 1)
+        assert check(ring_plan(cp, named=True)) == cp * 3 * (cp - 1)   # cp − 1 forward, 2(cp − 1) backward
         # posting each exchange's send before its receive, as two waited batches, deadlocks on the ring
         unpaired = [[part for b in batches for part in ([op for op in b if op[0] == "send"],
                                                         [op for op in b if op[0] == "recv"])]

@@ -272,13 +272,15 @@ def load_rng(reader: CheckpointReader, ctx) -> None:
     random.setstate((version, tuple(state), gauss))
 
 
-def load_single_process(folder: str):
-    """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode."""
+def load_single_process(folder: str, device: torch.device | None = None):
+    """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode, on `device`
+    (default: the GPU when there is one)."""
     reader = CheckpointReader(folder)
     cfg = OmegaConf.create(reader.meta["config"])
     cfg.parallelism.merge_with(dict(dp=1, cp=1, tp=1, pp=1, pp_virtual_stages=1, pp_engine="1f1b"))
     cfg.model.init_method.path = None
-    ctx = ParallelContext()   # one process: the whole model in one chunk
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = ParallelContext(device=device)   # one process: the whole model in one chunk
     model = build_model(cfg, ctx)
     check_compatible(reader, model.shape)
     load_model(reader, model, ctx)

@@ -52,20 +52,23 @@ def collate_padded(dataset, indices: list[int], sequence_length: int, eod_id: Op
     return with_documents(batch, eod_id)
 
 
-def _build_step(dataset, order, start: int, global_batch_size: int,
-                dp_rank: int, dp_size: int, micro_batch_size: int, eod_id: Optional[int] = None) -> list[Batch]:
+def _build_step(dataset, order, start: int, global_batch_size: int, dp_rank: int, dp_size: int,
+                micro_batch_size: int, eod_id: Optional[int] = None, pin: bool = False) -> list[Batch]:
+    """One step's micro-batches; with `pin`, in page-locked memory, so that their copies to the GPU run
+    asynchronously (StepRunner.prepare copies with non_blocking=True)."""
     global_indices = order.indices(start, global_batch_size)
     mine = shard_for_dp(global_indices, dp_rank, dp_size)
-    return [collate(dataset, mb, eod_id) for mb in split_micro_batches(mine, micro_batch_size)]
+    batches = [collate(dataset, mb, eod_id) for mb in split_micro_batches(mine, micro_batch_size)]
+    return [{key: value.pin_memory() for key, value in b.items()} for b in batches] if pin else batches
 
 
 def _produce(out: queue.Queue, stop: threading.Event, dataset, order, start: int, global_batch_size: int,
-             dp_rank: int, dp_size: int, micro_batch_size: int, eod_id: Optional[int]) -> None:
+             dp_rank: int, dp_size: int, micro_batch_size: int, eod_id: Optional[int], pin: bool) -> None:
     """Prefetch loop: put ("ok", step batches) for successive steps until ``stop`` is set."""
     while not stop.is_set():
         try:
             item = ("ok", _build_step(dataset, order, start, global_batch_size, dp_rank, dp_size, micro_batch_size,
-                                      eod_id))
+                                      eod_id, pin))
         except Exception as exc:  # hand the error to the training thread instead of dying silently
             item = ("error", exc)
         while not stop.is_set():
@@ -94,7 +97,7 @@ class TrainBatches:
 
     def __init__(self, dataset, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0, prefetch: bool = True,
-                 eod_id: Optional[int] = None):
+                 eod_id: Optional[int] = None, pin_memory: bool = False):
         if global_batch_size % (micro_batch_size * dp_size) != 0:
             raise ValueError(f"a global batch of {global_batch_size} is not divisible by "
                              f"micro-batch x dp = {micro_batch_size} x {dp_size}")
@@ -102,7 +105,7 @@ class TrainBatches:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.eod_id = eod_id
+        self.eod_id, self.pin_memory = eod_id, pin_memory
         self.sampler = sample_order_for(dataset, global_batch_size, seed)
         self.consumed_samples = consumed_samples
         self.last_wait_sec = 0.0  # seconds the last next_step() spent waiting for data
@@ -115,7 +118,7 @@ class TrainBatches:
             # (__del__ then stops the thread). It also gets its own order: no shared cache.
             order = sample_order_for(dataset, global_batch_size, seed)
             args = (self._queue, self._stop, dataset, order, consumed_samples, global_batch_size,
-                    dp_rank, dp_size, micro_batch_size, eod_id)
+                    dp_rank, dp_size, micro_batch_size, eod_id, pin_memory)
             self._thread = threading.Thread(target=_produce, args=args, name="nanoexp-prefetch", daemon=True)
             self._thread.start()
 
@@ -127,7 +130,7 @@ class TrainBatches:
         t0 = time.perf_counter()
         if self._queue is None:
             batches = _build_step(self.dataset, self.sampler, self.consumed_samples, self.global_batch_size,
-                                  self.dp_rank, self.dp_size, self.micro_batch_size, self.eod_id)
+                                  self.dp_rank, self.dp_size, self.micro_batch_size, self.eod_id, self.pin_memory)
         else:
             kind, payload = self._queue.get()
             if kind == "error":

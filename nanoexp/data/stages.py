@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
+import torch
 from omegaconf import OmegaConf
 
 from nanoexp.config import stage_data
@@ -121,7 +122,8 @@ class StagedBatches:
             self.stage_consumed_samples[stage.name] = position
         self.batches = TrainBatches(self.train_set, self.global_batch_size, self.micro_batch_size, self.dp_rank,
                                     self.dp_size, stage.seed, consumed_samples=position,
-                                    prefetch=stage.cfg.data.prefetch, eod_id=self.eod_id)
+                                    prefetch=stage.cfg.data.prefetch, eod_id=self.eod_id,
+                                    pin_memory=torch.cuda.is_available())   # asynchronous copies to the GPU
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next optimizer step, from the stage that trains it."""

@@ -4,7 +4,7 @@
 local workers, once they exist). Workers record signals themselves: the launcher blocks them while it starts
 workers (`workers_starting()`; the mask survives fork and spawn), and each worker installs the recording handler
 first thing (`worker_records_stop_signals()`) before letting held-back signals in, so a signal during a worker's
-imports is recorded late, never fatal. Every rank asks `stop_agreed(ctx)` after each step (one all-reduce), so all
+imports is recorded late, never fatal. Every rank asks `stop_flag(ctx)` in each step (one all-reduce), so all
 stop after the same step. Once the checkpoint is written, the handler installed before ours gets the signal
 (submitit's SIGUSR2 handler requeues the job); Python's KeyboardInterrupt is not chained. See docs/checkpoints.md."""
 from __future__ import annotations
@@ -73,12 +73,14 @@ def received_signal_name() -> str | None:
     return None if signum is None else signal.Signals(signum).name
 
 
-def stop_agreed(ctx) -> bool:
-    """True on every rank if any rank has received a stop signal (a collective: call it on all)."""
-    flag = torch.tensor([1.0 if stop_requested() else 0.0], device=ctx.device)
+def stop_flag(ctx) -> torch.Tensor:
+    """1 on every rank if any rank has received a stop signal, else 0, on the device (a collective: call it on
+    all ranks; the trainer reads it with the step's other scalars)."""
+    flag = torch.full((), 1.0 if stop_requested() else 0.0, device=ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return flag
+
 
 
 @contextlib.contextmanager

@@ -51,7 +51,10 @@ def lost_peer(error: BaseException, timeout_s: float) -> str | None:
         except OSError:
             host = address
         return f"lost contact with {host} ({address}): its process died or its link went down"
-    if re.search(r"timed out|timeout", text, re.IGNORECASE):
+    if re.search(r"remote process exit|ncclRemoteError|communicator was aborted", text):   # NCCL names no host
+        return ("lost contact with a peer (NCCL: a remote process exited, or a network error): its process died or "
+                "its link went down")
+    if re.search(r"timed out|timeout|timing out", text, re.IGNORECASE):
         return (f"a collective waited parallelism.collective_timeout_s={timeout_s:g} s for a peer that never came: "
                 "a host is lost, partitioned or stuck")
     return None
@@ -111,11 +114,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_index(local_rank: int, local_world: int, visible: int, env=os.environ) -> int:
+    """The GPU of local rank `local_rank` among `visible` GPUs: its own when there are enough; the one GPU a
+    launcher bound to each task (SLURM's --gpus-per-task=1: every task sees its own as device 0); else a one-line
+    error naming the layout's ranks per node and CUDA_VISIBLE_DEVICES."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1 and ("SLURM_STEP_GPUS" in env or "SLURM_JOB_GPUS" in env):
+        return 0
+    raise WorkerFailed(f"local rank {local_rank} of {local_world} ranks on this node has no GPU: {visible} visible "
+                       f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at most {visible} "
+                       "ranks per node (a smaller layout, or more nodes), or make more GPUs visible")
+
+
 def setup_device(local_rank: int, local_world: int) -> torch.device:
     """One GPU per process when CUDA is present; on CPU, split the cores between processes."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = gpu_index(local_rank, local_world, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return torch.device("cpu")
 
@@ -261,6 +278,9 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
         # connection errors), else the first report.
         if killed:
             rank, message, trace = killed[0][0], f"killed by signal {killed[0][1]}", ""
+            if killed[0][1] == signal.SIGABRT and torch.cuda.is_available():   # NCCL's watchdog tears down
+                message += (" (aborted: NCCL's watchdog ends a process whose collective timed out or whose peer was"
+                            " lost; its log says which)")
         elif reports:
             rank, message, trace = reports[0]
         else:

@@ -47,15 +47,35 @@ def document_mask(document_ids, position_ids, kv_document_ids=None, kv_position_
     return same_document & not_after
 
 
+def native_gqa(q: torch.Tensor, masked: bool) -> bool:
+    """Whether SDPA takes grouped K/V heads as they are (enable_gqa) on a fused kernel. On CUDA only flash
+    attention does, in half precision without an explicit mask; otherwise enable_gqa falls back to the math kernel,
+    which builds [b, heads, s, s_k] scores per layer (out of memory at long sequences), so K/V are repeated
+    instead ([b, heads, s_k, d]) for the memory-efficient kernel, which takes masks. CPU's fused kernel takes
+    both (benchmarks/bench_attention_memory.py)."""
+    if not q.is_cuda:
+        return True
+    return q.dtype in (torch.bfloat16, torch.float16) and not masked
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V with each KV head repeated for the query heads it serves (head h reads KV head h // group)."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 class SDPA(nn.Module):
     """torch's scaled_dot_product_attention (its fused CPU and CUDA kernels), any mask."""
 
     def forward(self, q, k, v, scale, mask):
+        causal_only = isinstance(mask, Causal) and mask.offset == 0 and q.shape[2] == k.shape[2]
         gqa = q.shape[1] != k.shape[1]
+        if gqa and not native_gqa(q, masked=not causal_only):
+            (k, v), gqa = repeat_kv(q, k, v), False
         if isinstance(mask, Documents):
             attn_mask = document_mask(mask.document_ids, mask.position_ids)   # one mask for every head
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
-        if mask.offset == 0 and q.shape[2] == k.shape[2]:
+        if causal_only:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         queries = mask.offset + torch.arange(q.shape[2], device=q.device)
         attn_mask = torch.arange(k.shape[2], device=q.device)[None, :] <= queries[:, None]

@@ -86,7 +86,7 @@ class MoeLosses:
         self.token_sums: list = []       # callables summing a counts tensor over ranks, in place
 
     def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
-            dropped: int = 0):
+            dropped: torch.Tensor | int = 0):
         """`out` with the layer's losses attached (in a forward with grad). A forward recomputed inside backward
         (parallelism.recompute_layer) computes them again, as activation checkpointing needs the same saved
         tensors, but records nothing."""
@@ -94,8 +94,9 @@ class MoeLosses:
             return out
         moe = self.moe
         with torch.no_grad():
-            counts = torch.bincount(chosen.reshape(-1), minlength=moe.num_experts).to(probs.dtype)
-            counts = torch.cat([counts, counts.new_tensor([float(logits.shape[0])])])   # + this rank's tokens
+            counts = expert_counts(chosen.reshape(-1), moe.num_experts).to(probs.dtype)
+            counts = torch.cat([counts, torch.full((1,), float(logits.shape[0]), device=counts.device,
+                                                   dtype=counts.dtype)])   # + this rank's tokens
             for token_sum in self.token_sums:
                 token_sum(counts)
         counts, tokens = counts[:-1], counts[-1]
@@ -117,11 +118,20 @@ class MoeLosses:
             self.recording = False
 
 
+def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `expert` name each expert, on the device (bincount on CUDA reads the largest value on
+    the host first)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=expert.device).scatter_add_(
+        0, expert, torch.ones_like(expert))
+
+
 class LocalRoute:
-    """Rows sorted by expert to the experts, all on this rank: `counts[e]` rows for expert e."""
+    """Rows sorted by expert to the experts, all on this rank: `counts[e]` rows for expert e. The split sizes are
+    the layer's one read of the device on the host."""
 
     def __init__(self, counts: torch.Tensor):
         self.local_counts = counts.tolist()
+        self.rows = sum(self.local_counts)   # the rows this rank routes
 
     def dispatch(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """One block of rows per expert (empty blocks included)."""
@@ -172,6 +182,7 @@ class MoE(nn.Module):
         # Every expert runs, on the rows routed to it (possibly none): every rank then gets a gradient, zeros or
         # not, for each of its experts, in the same order (ZeRO-3 relies on it).
         route = self.route(counts)
+        token, slot = token[:route.rows], slot[:route.rows]   # the kept assignments come first
         outputs = [expert(rows) for expert, rows in zip(self.experts.values(), route.dispatch(tokens[token]))]
         routed = route.combine(outputs) * weights[token, slot, None]
         out = torch.zeros_like(tokens).index_add(0, token, routed.to(tokens.dtype))
@@ -180,15 +191,18 @@ class MoE(nn.Module):
         out = self.losses.add(self.layer, out, logits, probs, chosen, dropped)
         return out.view(shape)
 
-    def assignments(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The (token, slot) pairs that reach their expert, sorted by expert then token, the count per expert and
-        how many were dropped. With a capacity, an expert keeps the first `capacity` tokens in order."""
-        capacity = self.moe.capacity(chosen.shape[0])
+    def assignments(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (token, slot) pairs sorted by expert then token, those that reach their expert first; the count per
+        expert that reaches it and how many were dropped — all on the device (the route reads the counts). With a
+        capacity, an expert keeps the first `capacity` tokens in order."""
+        capacity, experts = self.moe.capacity(chosen.shape[0]), self.moe.num_experts
         expert, order = chosen.reshape(-1).sort(stable=True)           # by expert, then token
-        token, slot = order // self.moe.top_k, order % self.moe.top_k
-        counts = torch.bincount(expert, minlength=self.moe.num_experts)
-        if capacity is None or int(counts.max()) <= capacity:
-            return token, slot, counts, 0
-        rank_in_expert = torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
-        kept = rank_in_expert < capacity
-        return token[kept], slot[kept], counts.clamp(max=capacity), int((~kept).sum())
+        counts = expert_counts(expert, experts)
+        if capacity is not None:
+            rank_in_expert = torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
+            dropped = rank_in_expert >= capacity
+            order = order[torch.sort(dropped.to(torch.int8), stable=True).indices]   # kept first, still in order
+            kept = counts.clamp(max=capacity)
+            return order // self.moe.top_k, order % self.moe.top_k, kept, counts.sum() - kept.sum()
+        return order // self.moe.top_k, order % self.moe.top_k, counts, torch.zeros((), dtype=torch.long,
+                                                                                     device=counts.device)

@@ -74,7 +74,7 @@ def resume_command(overrides: list[str], run_dir: str) -> str:
 
 
 def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak,
-              converted_linears: int = 0) -> list[str]:
+              converted_linears: int = 0, tf32: bool = False) -> list[str]:
     """The lines that say what a run is: model, parametrization, number format (`converted_linears`: how many
     linears of rank 0's model a format converted), initial weights, layout, global batch, data (`data`:
     describe_data's words) and the peak MFU is measured against."""
@@ -83,7 +83,8 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     active = count_active_parameters(shape)
     lines = [f"model: {num_parameters:,} parameters{f', {active:,} active per token' if shape.moe else ''} (hidden "
              f"{shape.hidden_size}, {shape.num_hidden_layers} layers, {shape.num_attention_heads} heads / "
-             f"{shape.num_key_value_heads} KV heads, vocabulary {shape.vocab_size}), {cfg.model.dtype}"]
+             f"{shape.num_key_value_heads} KV heads, vocabulary {shape.vocab_size}), {cfg.model.dtype}"
+             + (" (matmuls in TF32: model.allow_tf32)" if tf32 else "")]
     if shape.moe:
         moe = shape.moe
         lines.append(f"mixture of experts: 1 layer in {moe.layer_frequency}, {moe.num_experts} experts of width "

@@ -6,8 +6,9 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def moe_step_metrics(losses, ctx, micro_batches: int) -> dict[str, float]:
-    """`moe_aux_loss` and `moe_z_loss`, summed over the MoE layers and averaged over the global batch's
+def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.Tensor]:
+    """The step's MoE metrics, names and values on the device (the trainer reads them with its other scalars):
+    `moe_aux_loss` and `moe_z_loss`, summed over the MoE layers and averaged over the global batch's
     `micro_batches` (before their coefficients); per MoE layer n `moe_load_imbalance/layer_n`: the most tokens an
     expert got over the mean (1: balanced); with a capacity factor `moe_dropped_fraction`: the share of the
     step's assignments beyond their expert's capacity. One all-reduce over all ranks; clears the records."""
@@ -26,7 +27,10 @@ def moe_step_metrics(losses, ctx, micro_batches: int) -> dict[str, float]:
         dist.all_reduce(values)
     loads = values[3:].view(len(losses.moe_layers), experts)
     imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
-    dropped = {} if moe.capacity_factor is None else {
-        "moe_dropped_fraction": values[2].item() / max(loads.sum().item(), 1.0)}
-    return {"moe_aux_loss": values[0].item() / micro_batches, "moe_z_loss": values[1].item() / micro_batches,
-            **{f"moe_load_imbalance/layer_{n}": x for n, x in zip(losses.moe_layers, imbalance.tolist())}, **dropped}
+    names = ["moe_aux_loss", "moe_z_loss"] + [f"moe_load_imbalance/layer_{n}" for n in losses.moe_layers]
+    parts = [values[:2] / micro_batches, imbalance]
+    if moe.capacity_factor is not None:
+        names.append("moe_dropped_fraction")
+        parts.append((values[2] / loads.sum().clamp_min(1.0)).view(1))
+    return names, torch.cat(parts)
+

@@ -22,18 +22,21 @@ from dataclasses import dataclass
 
 import torch
 
-# Dense (no 2:4 sparsity) peak TFLOP/s per GPU and model.dtype, matched against
-# torch.cuda.get_device_name in this order (so "H100 PCIe" wins over "H100").
-# Sources, NVIDIA datasheets: "H200 Tensor Core GPU" (H200 SXM), "H100 Tensor Core GPU" (H100 SXM
-# and PCIe), "A100 Tensor Core GPU" (A100 SXM/PCIe). bfloat16 is the tensor-core BF16 figure (the
-# datasheets print it with sparsity: 1979 / 1513 / 624, halved here); float32 is the plain FP32
-# (non-tensor-core) figure, since PyTorch does not use TF32 for matmuls by default. float8 (model.fp8) is the
-# FP8 tensor-core figure, also printed with sparsity (3958 / 3026) and halved; the A100 has no FP8.
+# Dense (no 2:4 sparsity) peak TFLOP/s per GPU and matmul format, matched against torch.cuda.get_device_name in
+# this order (so "H100 PCIe" and "H100 NVL" win over "H100"). Sources, NVIDIA datasheets: "H200 Tensor Core GPU"
+# (H200 SXM), "H100 Tensor Core GPU" (H100 SXM, PCIe and NVL, per GPU), "A100 Tensor Core GPU" (A100 SXM/PCIe).
+# The tensor-core figures are printed with sparsity and halved here: bfloat16 from 1979 / 1513 / 1671 / 624,
+# tfloat32 (float32 runs with model.allow_tf32, on by default on CUDA) from 989 / 756 / 835 / 312, float8
+# (model.fp8) from 3958 / 3026 / 3341; the A100 has no FP8. float32 is the plain FP32 (non-tensor-core) figure,
+# for float32 runs with model.allow_tf32=false.
 PEAK_TFLOPS = [
-    ("H200", "float8", 1979.0), ("H200", "bfloat16", 989.0), ("H200", "float32", 67.0),
-    ("H100 PCIe", "float8", 1513.0), ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "float32", 51.0),
-    ("H100", "float8", 1979.0), ("H100", "bfloat16", 989.0), ("H100", "float32", 67.0),
-    ("A100", "bfloat16", 312.0), ("A100", "float32", 19.5),
+    ("H200", "float8", 1979.0), ("H200", "bfloat16", 989.0), ("H200", "tfloat32", 494.5), ("H200", "float32", 67.0),
+    ("H100 PCIe", "float8", 1513.0), ("H100 PCIe", "bfloat16", 756.0), ("H100 PCIe", "tfloat32", 378.0),
+    ("H100 PCIe", "float32", 51.0),
+    ("H100 NVL", "float8", 1670.5), ("H100 NVL", "bfloat16", 835.5), ("H100 NVL", "tfloat32", 417.5),
+    ("H100 NVL", "float32", 60.0),
+    ("H100", "float8", 1979.0), ("H100", "bfloat16", 989.0), ("H100", "tfloat32", 494.5), ("H100", "float32", 67.0),
+    ("A100", "bfloat16", 312.0), ("A100", "tfloat32", 156.0), ("A100", "float32", 19.5),
 ]
 SLOW_DTYPE = 0.25   # a dtype whose CPU peak is below this share of float32's is worth a warning
 
@@ -78,10 +81,16 @@ def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]
     return None, f"{name} is not in PEAK_TFLOPS: set logging.peak_tflops"
 
 
-def peak_dtype(cfg) -> str:
+def peak_dtype(cfg, device: torch.device | None = None) -> str:
     """The number format of the matmuls MFU is measured against: float8 when model.fp8 converts the linears
-    (they hold nearly all of the FLOPs; attention and the LM head stay in model.dtype), else model.dtype."""
-    return "float8" if cfg.model.fp8.enabled else cfg.model.dtype
+    (they hold nearly all of the FLOPs; attention and the LM head stay in model.dtype), tfloat32 for float32 on
+    `device` with TF32 on (nanoexp/numerics/precision.py), else model.dtype."""
+    from nanoexp.numerics.precision import tf32_enabled
+    if cfg.model.fp8.enabled:
+        return "float8"
+    if cfg.model.dtype == "float32" and device is not None and tf32_enabled(cfg, device):
+        return "tfloat32"
+    return cfg.model.dtype
 
 
 def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: int = 3,

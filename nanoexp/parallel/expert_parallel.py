@@ -52,20 +52,21 @@ class ExpertRoute:
         experts_per_rank = counts.numel() // ep
         received = torch.empty_like(counts)   # [source rank, local expert], flattened
         dist.all_to_all_single(received, counts, group=group)
-        received = received.view(ep, experts_per_rank).tolist()
-        self.send_splits = counts.view(ep, experts_per_rank).sum(1).tolist()
-        self.receive_splits = [sum(row) for row in received]
-        self.local_counts = [sum(row[j] for row in received) for j in range(experts_per_rank)]
-        # Arrived rows are grouped by source, then expert; `order` lists them by expert, then source.
-        starts, offset = [], 0
-        for row in received:
-            starts.append([])
-            for n in row:
-                starts[-1].append(offset)
-                offset += n
-        order = [i for j in range(experts_per_rank) for s, row in enumerate(received)
-                 for i in range(starts[s][j], starts[s][j] + row[j])]
-        self.order = torch.tensor(order, dtype=torch.long, device=counts.device)
+        # The layer's one read of the device on the host: what arrives from each rank for each local expert, and
+        # what this rank sends (its kept assignments per expert).
+        both = torch.cat([received, counts]).tolist()
+        arriving, sending = both[:counts.numel()], both[counts.numel():]
+        by_source = [arriving[s * experts_per_rank:(s + 1) * experts_per_rank] for s in range(ep)]
+        self.send_splits = [sum(sending[r * experts_per_rank:(r + 1) * experts_per_rank]) for r in range(ep)]
+        self.receive_splits = [sum(row) for row in by_source]
+        self.local_counts = [sum(row[j] for row in by_source) for j in range(experts_per_rank)]
+        self.rows = sum(self.send_splits)
+        # Arrived rows are grouped by source, then expert; `order` lists them by expert, then source: a stable
+        # sort of each row's (local expert, source) key, built on the device.
+        key = (torch.arange(experts_per_rank, device=counts.device).repeat(ep) * ep
+               + torch.arange(ep, device=counts.device).repeat_interleave(experts_per_rank))
+        row_keys = key.repeat_interleave(received, output_size=sum(self.receive_splits))
+        self.order = torch.sort(row_keys, stable=True).indices
 
     def dispatch(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The rows each of this rank's experts computes, one block per local expert (empty blocks included)."""

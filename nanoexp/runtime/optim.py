@@ -101,9 +101,10 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def clip_gradients(norm_inputs: tuple[list, list, object], max_norm: float | None, device) -> float:
+def clip_gradients(norm_inputs: tuple[list, list, object], max_norm: float | None, device) -> torch.Tensor:
     """Scale the gradients so that the global norm (each parameter counted once across tp and pp) is at
-    most max_norm; returns the norm before. `norm_inputs`: GradientSync.norm_inputs (the gradients the
+    most max_norm; returns the norm before, on the device (no host read: the trainer reads it with the step's
+    other scalars). `norm_inputs`: GradientSync.norm_inputs (the gradients the
     update reads, those counted in the norm, the group their squares are summed over)."""
     grads, counted, group = norm_inputs
     sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=device)
@@ -112,4 +113,4 @@ def clip_gradients(norm_inputs: tuple[list, list, object], max_norm: float | Non
     norm = sq.sqrt()
     if max_norm is not None:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm.item()
+    return norm

@@ -34,12 +34,13 @@ class StepRunner:
         the positions of those tokens ([s/cp]; with document masking the batch's own, restarting in each
         document, [b, s/cp])."""
         ctx, length = self.ctx, micro_batch["input_ids"].shape[1]
-        batch = {key: value.to(ctx.device) for key, value in micro_batch.items()}
+        # Pinned by the loader on CUDA: the copies run without the host waiting for them.
+        batch = {key: value.to(ctx.device, non_blocking=True) for key, value in micro_batch.items()}
         if ctx.cp > 1:
             batch = {key: zigzag_split(value, ctx.cp, ctx.cp_rank) for key, value in batch.items()}
         if "position_ids" not in batch:
             positions = zigzag_indices(length, ctx.cp, ctx.cp_rank) if ctx.cp > 1 else torch.arange(length)
-            batch["position_ids"] = positions.to(ctx.device)
+            batch["position_ids"] = positions.to(ctx.device, non_blocking=True)
         return batch
 
     def forward(self, micro_batch: dict, hidden_states, chunk: int, head):

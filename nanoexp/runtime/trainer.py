@@ -22,6 +22,8 @@ from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
+from nanoexp.numerics.precision import tf32_enabled
+from nanoexp.observe import timing
 from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.memory import peak_memory_mb, start_measuring
 from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
@@ -33,9 +35,9 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.observe.trace import NO_TRACE, PipelineTrace
 from nanoexp.observe.peak import Peak
 from nanoexp.observe.profiling import StepProfiler
-from nanoexp.observe.moe_metrics import moe_step_metrics
+from nanoexp.observe.moe_metrics import moe_step_values
 from nanoexp.runtime.step import TokenLossSum
-from nanoexp.launch.signals import received_signal_name, stop_agreed
+from nanoexp.launch.signals import received_signal_name, stop_flag
 from nanoexp.observe.summary import memory_fields, write_summary
 
 log = logging.getLogger("nanoexp")
@@ -113,33 +115,44 @@ class Trainer:
                                                                    runtime.optimizer)
         self.params = list(self.model.parameters())
         self.checkpoints.restore(self.model, self.optimizer)
-        self.moe_metrics = {}
+        self.moe_metrics, self.stop_after_step = {}, False
 
     # -- one optimizer step -------------------------------------------------------------
-    def step_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean token loss of the global batch, identical on every rank."""
+    def step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean token loss of the global batch, identical on every rank (on the device)."""
         loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
         HEARTBEAT.at("loss all-reduce")
         reduced = self.hooks.loss_to_reduce(self.step, loss)
         reduced = loss if reduced is None else self.runner.replica_sum(reduced)
-        return (reduced.sum() / self.ctx.dp_cp).item()
+        return reduced.sum() / self.ctx.dp_cp
 
-    def compute_gradients(self, micro_batches: list[dict]) -> float:
-        """Forward and backward of one global batch; leaves the final gradients in .grad."""
+    def gradients(self, micro_batches: list[dict]) -> torch.Tensor:
+        """Forward and backward of one global batch; leaves the final gradients in .grad, returns the step loss
+        on the device."""
         micro_batches = self.hooks.before_compute(self.step, [self.runner.prepare(mb) for mb in micro_batches])
         losses = self.runner.train(micro_batches, self.grad_sync, lambda loss: self.hooks.training_loss(self.step, loss))
         self.grad_sync.finish()
         self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
         return self.step_loss(losses)
 
+    def compute_gradients(self, micro_batches: list[dict]) -> float:
+        return self.gradients(micro_batches).item()
+
     def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
+        """One optimizer step; returns the loss and the gradient norm. The step's scalars (loss, norm, MoE metrics,
+        the stop-signal flag) reach the host in one read, the step's only one outside its layers."""
         set_lr(self.optimizer, lr)
-        loss = self.compute_gradients(micro_batches)
-        if self.model.moe_losses:
-            self.moe_metrics = moe_step_metrics(self.model.moe_losses, self.ctx, self.ctx.dp * self.accumulation)
+        loss = self.gradients(micro_batches)
+        names, moe_values = (moe_step_values(self.model.moe_losses, self.ctx, self.ctx.dp * self.accumulation)
+                             if self.model.moe_losses else ([], loss.new_zeros(0)))
         HEARTBEAT.at("gradient norm")
         grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
                                    self.ctx.device)
+        HEARTBEAT.at("stop-signal check")
+        stop = stop_flag(self.ctx)   # a collective: every rank stops after the same step
+        values = torch.cat([torch.stack([loss, grad_norm.float(), stop]).float(), moe_values.float()]).tolist()
+        loss, grad_norm, self.stop_after_step = values[0], values[1], bool(values[2])
+        self.moe_metrics = dict(zip(names, values[3:]))
         # Loss and norm are identical on every rank, so every rank takes the same branch.
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.grad_sync.zero_grad()
@@ -175,6 +188,7 @@ class Trainer:
         """Train from the resumed step to tokens.train_steps, evaluating and checkpointing when due;
         rank 0 writes summary.json (also when a step raises)."""
         summary = {"status": "failed", "world_size": self.ctx.world_size, "layout": self.ctx.layout.name,
+                   "tf32": tf32_enabled(self.cfg, self.ctx.device),
                    "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
         self.announce(summary["num_parameters"])
         self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
@@ -214,6 +228,7 @@ class Trainer:
         self.progress.consumed_samples = self.batches.consumed_samples
         self.progress.stage_consumed_samples = dict(self.batches.stage_consumed_samples)
         self.progress.consumed_tokens += self.tokens_per_step
+        timing.synchronize(self.ctx.device)   # the window ends when the device has run the step's last kernel
         step_time = time.perf_counter() - start
         self.clock.record(step_time)
         self.step_times.append(step_time)
@@ -225,8 +240,7 @@ class Trainer:
         if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
         # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
-        HEARTBEAT.at("stop-signal check")
-        stop = stop_agreed(self.ctx)   # a collective: every rank stops after the same step
+        stop = self.stop_after_step   # agreed by every rank in train_step
         if self.checkpoints.due(step, step == total, stop):
             with HEARTBEAT.long_phase("checkpoint save"):   # the disk may be slow: the watchdog waits for it
                 self.hooks.during_checkpoint(step)
@@ -325,7 +339,8 @@ class Trainer:
         stage, stages = self.batches.stage, self.batches.stages
         named = f"stage {stage.name!r} of {len(stages)}, from step {stage.start_step}: " if self.batches.named else ""
         for line in run_facts(self.cfg, self.ctx.layout, self.shape, num_parameters, self.accumulation,
-                              named + self.describe_data(), self.peak, len(self.model.converted_linears)):
+                              named + self.describe_data(), self.peak, len(self.model.converted_linears),
+                              tf32_enabled(self.cfg, self.ctx.device)):
             log.info(line)
 
     def announce_stage(self, stage) -> None:

@@ -32,7 +32,12 @@ def ring_plan(cp: int, kv_nbytes: int = 0, grad_kv_nbytes: int = 0, named: bool 
 
         kv, grad_kv = ("kv", kv_nbytes), ("grad_kv", grad_kv_nbytes)
         forward = [batch(t, kv, pass_="forward") for t in range(1, cp)]
-        backward = [batch(t, kv, *([grad_kv] if t > 1 else []), pass_="backward") for t in range(1, cp)]
-        backward += [batch(cp, grad_kv, pass_="backward")] if cp > 1 else []   # step cp: home to the owner
+        # backward: step 1's block; then per step the accumulator that travels with the block (from step 2), and
+        # the next block, posted before this step's block computes; at step cp the accumulator goes home.
+        backward = [batch(1, kv, pass_="backward")] if cp > 1 else []
+        for t in range(1, cp):
+            backward += [batch(t, grad_kv, pass_="backward")] if t > 1 else []
+            backward += [batch(t + 1, kv, pass_="backward")] if t < cp - 1 else []
+        backward += [batch(cp, grad_kv, pass_="backward")] if cp > 1 else []
         out.append([[op if named else op[:3] for op in b] for b in forward + backward])
     return out

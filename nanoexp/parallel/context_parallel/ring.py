@@ -127,12 +127,17 @@ class _RingAttention(torch.autograd.Function):
 
         kv = torch.stack([k, v]).contiguous()
         own_kv, grad_kv = kv, None
+        coming = _exchange([kv], group, cp, cp_rank) if cp > 1 else None   # step 1's block
         for t in range(1, cp):
-            # the accumulator of the block held at step t−1 travels with it (none exists before step 1)
-            works, received = _exchange([kv] + ([grad_kv] if grad_kv is not None else []), group, cp, cp_rank)
+            _wait(coming[0])
+            kv = coming[1][0]
+            # The accumulator of the block held at step t−1 travels on (none exists before step 1): posted first,
+            # since NCCL runs a group's batches in order and this one is needed now; then the next block, which
+            # arrives while this one computes.
+            works, received = _exchange([grad_kv], group, cp, cp_rank) if grad_kv is not None else ([], None)
+            coming = _exchange([kv], group, cp, cp_rank) if t < cp - 1 else None
             _wait(works)
-            kv = received[0]
-            grad_kv = received[1] if len(received) > 1 else torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            grad_kv = received[0] if received else torch.zeros(kv.shape, dtype=acc, device=kv.device)
             add_block(t, kv, grad_kv)
         own_grad_kv = torch.zeros(own_kv.shape, dtype=acc, device=own_kv.device)
         if cp > 1:   # the last accumulator goes to its owner, the next rank; ours comes from the previous one
