@@ -66,6 +66,18 @@ def test_a_rank_asleep_in_its_compute(tmp_path):
     assert seconds < 60
 
 
+def test_rank_1_diagnoses_when_rank_0_cannot_run_python(tmp_path):
+    """Rank 0 stuck in a call that holds the interpreter lock: its watchdog cannot run, so rank 1's takes over,
+    and the diagnosis goes without rank 0's dump."""
+    lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.stall_rank=0",
+                                          "fault_injection.stall_s=60", "fault_injection.stall_holds_interpreter=true"])
+    assert lines[0].startswith("rank 1 failed: stall: no rank progressed")
+    assert lines[1].startswith("  - rank 0 has not posted all_reduce") and "in which rank 1 waits (step 3" in lines[1]
+    assert "rank 0 wrote no dump" in lines[1] and lines[-2] == "  - no dump from rank 0: dead, or stuck where " \
+        "Python cannot run"
+    assert seconds < 60   # (rank 0 may dump later, woken by the launcher's SIGTERM: after the diagnosis)
+
+
 def test_a_rank_that_raises_is_reported_at_once(tmp_path):
     start = time.monotonic()
     with pytest.raises(WorkerFailed, match="rank 1 failed: RuntimeError: fault injection: rank 1 raises at step 3"):

@@ -2,6 +2,7 @@
 trainer's hooks (TrainerHooks), so that the trainer reads as the training loop alone."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 
@@ -19,7 +20,8 @@ class FaultInjection(TrainerHooks):
     well before the end of training, however fast the machine). `hang_at_step`: rank `hang_rank` stops answering
     before that step, as a stuck GPU or host would. `nonfinite_loss_at_step`: the training loss of that step
     becomes NaN on the loss stage. The desync faults of the stall watchdog's tests, each on one rank:
-    `stall_rank` sleeps `stall_s` in its compute at `stall_at_step`; at step 3, `skip_collective_rank` skips
+    `stall_rank` sleeps `stall_s` in its compute at `stall_at_step` (with `stall_holds_interpreter`, holding Python's
+    interpreter lock, so that none of its threads runs either); at step 3, `skip_collective_rank` skips
     the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one, `short_pipeline_rank`
     runs one micro-batch too few, `raise_rank` raises. `slow_checkpoint_s`: rank 0 sleeps inside each save."""
 
@@ -37,7 +39,10 @@ class FaultInjection(TrainerHooks):
         f = self.faults
         if self.rank == f.stall_rank and step == f.stall_at_step:
             log.warning("fault injection: rank %d sleeps %g s in its compute at step %d", self.rank, f.stall_s, step)
-            time.sleep(f.stall_s)
+            if f.stall_holds_interpreter:   # as a C call that never releases the lock: the rank's threads stop too
+                ctypes.PyDLL(None).sleep(int(f.stall_s))
+            else:
+                time.sleep(f.stall_s)
         if step != FAULT_STEP:
             return micro_batches
         if self.rank == f.raise_rank:

@@ -5,9 +5,10 @@ lines naming who waits where and who is missing — in seconds, where the collec
 whose ranks posted different shapes.
 
 Each rank's watchdog thread publishes its heartbeat (nanoexp/observe/heartbeat.py) in the process group's store
-every poll; rank 0 reads them all and times the progress by its own clock (hosts' clocks may differ). A rank in a
-long phase (first step, checkpoint save) holds the alarm back. A dead peer is not a stall: the collective fails at
-once and the launcher reports the lost contact as before.
+every poll; rank 0 reads them all and times the progress by its own clock (hosts' clocks may differ). When rank
+0's watchdog itself falls silent (its Python cannot run: a call holding the interpreter lock), rank 1 takes its
+place. A rank in a long phase (start-up, first step, checkpoint save) holds the alarm back. A dead peer is not a
+stall: the collective fails at once and the launcher reports the lost contact as before.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from nanoexp.observe.summary import record_failure
 log = logging.getLogger("nanoexp")
 
 AUTO_FLOOR_S, AUTO_FACTOR = 60.0, 10   # debug.stall_s=null: ten times the slowest step, at least a minute
-DUMP_WAIT_S = 15.0                     # how long rank 0 waits for the others' dumps before diagnosing without them
+DUMP_WAIT_S = 10.0                     # how long the analyst waits for the others' dumps before going without them
+ANALYSTS = 2                           # rank 0 diagnoses; rank 1 when rank 0's watchdog is silent
+SILENT_POLLS = 5                       # polls without a word from rank 0's watchdog that make it silent
 KEY = "nanoexp/watchdog/"
 
 
@@ -54,26 +57,37 @@ class StallWatchdog:
 
     def __enter__(self) -> "StallWatchdog":
         if self.enabled:
-            self.store = dist.distributed_c10d._get_default_store()
-            self.store.set(f"{KEY}beat/{self.rank}", json.dumps(HEARTBEAT.snapshot()))
+            self.store, self.polls = dist.distributed_c10d._get_default_store(), 0
+            self.publish()
+            HEARTBEAT.on_phase_change = self.publish   # a silent rank's last word then has its phase right
             self._thread = threading.Thread(target=self._watch, name="nanoexp-stall-watchdog", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        HEARTBEAT.on_phase_change = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.poll_s)
 
+    def publish(self) -> None:
+        """This rank's heartbeat, and the count of its watchdog's polls (which shows the watchdog itself is alive)."""
+        self.store.set(f"{KEY}beat/{self.rank}", json.dumps({**HEARTBEAT.snapshot(), "polls": self.polls}))
+
     def _watch(self) -> None:
-        progress: dict[int, tuple[int, float]] = {}   # rank -> (beat count, rank 0's clock when it last changed)
+        progress: dict[int, tuple[int, float]] = {}   # rank -> (beat count, the analyst's clock when it changed)
+        polls_of_rank_0 = (None, 0)   # rank 0's last published poll count, and for how many polls it stood
         try:
             while not self._stop.wait(self.poll_s):
-                self.store.set(f"{KEY}beat/{self.rank}", json.dumps(HEARTBEAT.snapshot()))
-                if self.store.check([f"{KEY}stall"]):   # rank 0 saw a stall: dump, and let rank 0 end the run
+                self.polls += 1
+                self.publish()
+                if self.store.check([f"{KEY}stall"]):   # the analyst saw a stall: dump, and let it end the run
                     self.dump()
                     return
-                if self.rank == 0:
+                if self.rank == 1:
+                    polls = json.loads(self.store.get(f"{KEY}beat/0"))["polls"]
+                    polls_of_rank_0 = (polls, polls_of_rank_0[1] + 1 if polls == polls_of_rank_0[0] else 0)
+                if self.rank == 0 or (self.rank < ANALYSTS and polls_of_rank_0[1] >= SILENT_POLLS):
                     quiet = self.quiet_seconds(progress)
                     if quiet is not None:
                         self.end_run(quiet)
@@ -82,7 +96,7 @@ class StallWatchdog:
                 log.info("stall watchdog stopped: %s", error)
 
     def quiet_seconds(self, progress: dict) -> float | None:
-        """Rank 0: how long no rank has progressed, when that makes a stall; None otherwise."""
+        """The analyst: how long no rank has progressed, when that makes a stall; None otherwise."""
         keys = [f"{KEY}beat/{r}" for r in range(self.world)]
         if not self.store.check(keys):
             return None
@@ -103,7 +117,7 @@ class StallWatchdog:
         return path
 
     def end_run(self, quiet: float) -> None:
-        """Rank 0: have every rank dump, diagnose, and end the run with the diagnosis."""
+        """The analyst: have every rank dump, diagnose, and end the run with the diagnosis."""
         started = time.monotonic()
         self.store.set(f"{KEY}stall", "1")
         self.dump()

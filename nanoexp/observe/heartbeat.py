@@ -23,6 +23,7 @@ class Heartbeat:
         self.count, self.step, self.where, self.phase = 0, 0, "start-up", "start-up"   # a long phase until step 1
         self.waiting_on = None   # the global rank whose message this process waits for (a pipeline receive)
         self.slowest_step_s = None   # of the steps after the first (which warms up)
+        self.on_phase_change = None  # called as a long phase begins and ends (the watchdog publishes then)
         self.wall_ns = time.time_ns()
         self._beats: deque[tuple[int, int, str]] = deque(maxlen=history)   # (wall-clock ns, step, where)
 
@@ -40,11 +41,17 @@ class Heartbeat:
         """Work that may run long without beats; the watchdog waits for it (the collective timeout still holds)."""
         self.phase = name
         self.at(name)
+        self._phase_changed()
         try:
             yield
         finally:
             self.phase = None
             self.at(f"after {name}")
+            self._phase_changed()
+
+    def _phase_changed(self) -> None:
+        if self.on_phase_change is not None:
+            self.on_phase_change()
 
     def step_took(self, seconds: float) -> None:
         self.slowest_step_s = max(seconds, self.slowest_step_s or 0.0)
@@ -61,8 +68,10 @@ class Heartbeat:
                 "since_s": (time.time_ns() - self.wall_ns) / 1e9}
 
     def reset(self) -> None:
-        """A new run in this process (tests run several): forget the last one's beats."""
+        """A new run in this process (tests run several): forget the last one's beats (not who listens)."""
+        listener = self.on_phase_change
         self.__init__(self._beats.maxlen)
+        self.on_phase_change = listener
 
 
 HEARTBEAT = Heartbeat()

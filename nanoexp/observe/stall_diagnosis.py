@@ -7,7 +7,8 @@ its own work (neither). Per group with an unfinished collective, the lowest unfi
 the group stopped: ranks that posted it wait, ranks whose last number on that group is lower are missing, and
 ranks that posted it with another op, shape or dtype disagree. Causes are ranked:
 1. ranks that disagree on a collective;
-2. a missing rank in its own work (it is stuck in compute, or took another branch with no collective after);
+2. a missing rank in its own work (it is stuck in compute, or took another branch with no collective after), or
+   one that wrote no dump (its Python cannot run);
 3. a pipeline sender that moved on to a collective its receiver has not reached (it sent too few messages);
 4. two ranks of the same pipeline stage (one program) each waiting where the other has not arrived: the one
    further along its step skipped what the other waits in;
@@ -125,7 +126,7 @@ def missing_ranks(ranks: Ranks, group: str, seq: int, posted: dict, members: lis
     waiters = f"rank{'s' if plural else ''} {', '.join(map(str, waiting))} wait{'' if plural else 's'}"
     behind = [r for r in members if r not in posted and (r not in ranks.dumps or ranks.last_seq(r, group) < seq)]
     for missing in behind:
-        priority = 2 if ranks.in_own_work(missing) else 5
+        priority = 2 if ranks.in_own_work(missing) or missing not in ranks.dumps else 5
         same_program = missing in ranks.dumps and {ranks.pp_rank_of[w] for w in waiting} == {ranks.pp_rank_of[missing]}
         if priority == 5 and same_program and all(ranks.position(missing) > ranks.position(w) for w in waiting):
             priority = 4   # the same program, further along: it skipped this one
@@ -143,7 +144,7 @@ def pipeline_findings(ranks: Ranks) -> list[Finding]:
         sender = beat.get("waiting_on")
         if sender is None:
             continue
-        order = 2 if ranks.in_own_work(sender) else 5
+        order = 2 if ranks.in_own_work(sender) or sender not in ranks.dumps else 5
         if sender in ranks.dumps and any(rank in ranks.groups.get(ranks.group_of(e), ("", []))[1]
                                          and ranks.last_seq(rank, ranks.group_of(e)) < e["collective_seq_id"]
                                          for e in ranks.pending(sender)):
