@@ -53,7 +53,7 @@ class StallWatchdog:
         self.run_dir = run_dir
         self.poll_s = min(1.0, self.stall_s / 5) if self.stall_s else 1.0
         self.enabled = ctx.world_size > 1 and self.stall_s != 0
-        self._stop, self._thread = threading.Event(), None
+        self._stop, self._thread, self.limit = threading.Event(), None, None
 
     def __enter__(self) -> "StallWatchdog":
         if self.enabled:
@@ -112,7 +112,7 @@ class StallWatchdog:
 
     def dump(self) -> str:
         trace = read_trace(self.ctx.backend, self.ctx.group_table, HEARTBEAT, self.rank)
-        path = write_trace(self.folder, self.rank, trace)
+        path = write_trace(os.path.dirname(self.folder), self.rank, trace)
         self.store.set(f"{KEY}dumped/{self.rank}", path)
         return path
 
@@ -125,7 +125,7 @@ class StallWatchdog:
         while time.monotonic() - started < DUMP_WAIT_S and not self.store.check(dumped):
             time.sleep(0.1)
         positions = {r: self.ctx.layout.position(r)[0] for r in range(self.world)}
-        lines = diagnose(read_dumps(self.folder), self.world, positions)
+        lines = diagnose(read_dumps(os.path.dirname(self.folder)), self.world, positions)
         analysis = self.run_torchfrtrace()
         setting = f"debug.stall_s={self.stall_s:g}" if self.stall_s else "debug.stall_s=null: automatic"
         quiet += time.monotonic() - started

@@ -1,6 +1,8 @@
 """torch's flight recorder as nanoexp uses it: every process group records its last collectives (op, group,
 sequence number, sizes, state, creation time) in a ring of `debug.flight_recorder_entries`; on a stall each rank
-writes the ring to `<run>/debug/fr/rank_<N>` in the format torch's analyzer (`torchfrtrace`) reads.
+writes the ring to `<run>/debug/fr/rank_<N>` in the format torch's analyzer (`torchfrtrace`) reads, a pickle, and
+the same as JSON to `<run>/debug/fr_json/rank_<N>.json`, which is what nanoexp's own diagnosis reads: nanoexp
+decodes only the pickle torch's recorder hands over in memory, in this process, and never unpickles a file.
 
 Two things are added to what torch writes. gloo leaves the dump's group table (`pg_config`) empty, which the
 analyzer needs to match ranks: nanoexp fills it from its own groups (their layout names and global ranks). And
@@ -9,8 +11,9 @@ it (from the heartbeat's history and the record's creation time, both this proce
 """
 from __future__ import annotations
 
+import json
 import os
-import pickle
+import pickle   # torch's dump format: decoded from torch's own bytes in memory, written for torchfrtrace
 
 import torch
 
@@ -43,20 +46,25 @@ def read_trace(backend: str | None, group_table: dict, heartbeat: Heartbeat, ran
     return trace
 
 
-def write_trace(folder: str, rank: int, trace: dict) -> str:
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{PREFIX}{rank}")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(trace, f)
-    os.replace(path + ".tmp", path)   # the analysis never reads half a dump
-    return path
+def write_trace(run_debug_folder: str, rank: int, trace: dict) -> str:
+    """`fr/rank_<rank>` for torchfrtrace and `fr_json/rank_<rank>.json` for nanoexp; returns the first."""
+    for folder, name, mode, write in ((os.path.join(run_debug_folder, "fr"), f"{PREFIX}{rank}", "wb", pickle.dump),
+                                      (os.path.join(run_debug_folder, "fr_json"), f"{PREFIX}{rank}.json", "w",
+                                       lambda data, f: json.dump(data, f, default=str))):
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, name)
+        with open(path + ".tmp", mode) as f:
+            write(trace, f)
+        os.replace(path + ".tmp", path)   # the analysis never reads half a dump
+    return os.path.join(run_debug_folder, "fr", f"{PREFIX}{rank}")
 
 
-def read_dumps(folder: str) -> dict[int, dict]:
-    """The dumps in `folder`, by rank."""
-    dumps = {}
+def read_dumps(run_debug_folder: str) -> dict[int, dict]:
+    """The JSON copies of the dumps, by rank (record ids as JSON gives them: places are keyed by their text)."""
+    folder, dumps = os.path.join(run_debug_folder, "fr_json"), {}
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
-            with open(os.path.join(folder, name), "rb") as f:
-                dumps[int(name[len(PREFIX):])] = pickle.load(f)
+        rank = name.removeprefix(PREFIX).removesuffix(".json")
+        if name.startswith(PREFIX) and name.endswith(".json") and rank.isdigit():
+            with open(os.path.join(folder, name)) as f:
+                dumps[int(rank)] = json.load(f)
     return dumps

@@ -2,7 +2,7 @@
 
 The loop and the pipeline engine call `HEARTBEAT.at(...)` where work begins: a step, a schedule action, the
 loss all-reduce, the optimizer. Each call counts one beat; the watchdog publishes the count, and a count that
-stops moving on every rank is a stall. The last few thousand beats are kept with their wall-clock times, so that
+stops moving on every rank is a stall. The last thousand beats are kept with their wall-clock times, so that
 a collective in a flight-recorder dump (which carries its own creation time) can be attributed to the step and
 action that posted it. Work that may legitimately run long without beats — start-up (building the model,
 loading a checkpoint), the first step (warm-up, compile) and a checkpoint save (disk) — is a long phase: no
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 
 class Heartbeat:
-    def __init__(self, history: int = 4096):
+    def __init__(self, history: int = 1024):
         self.count, self.step, self.where, self.phase = 0, 0, "start-up", "start-up"   # a long phase until step 1
         self.waiting_on = None   # the global rank whose message this process waits for (a pipeline receive)
         self.slowest_step_s = None   # of the steps after the first (which warms up)

@@ -53,7 +53,7 @@ class Ranks:
 
     def place(self, rank: int, entry: dict) -> str:
         """The step and action that posted `entry`, and the first line of the call outside torch."""
-        step_where = self.dumps[rank]["nanoexp"]["places"].get(entry["record_id"])
+        step_where = self.dumps[rank]["nanoexp"]["places"].get(str(entry["record_id"]))   # JSON keys are text
         place = f"step {step_where[0]}, {step_where[1]}" if step_where else "before the kept history"
         caller = next((f for f in entry.get("frames", []) if f"{os.sep}torch{os.sep}" not in f["filename"]), None)
         return place + (f", {os.path.basename(caller['filename'])}:{caller['line']} {caller['name']}" if caller else "")
