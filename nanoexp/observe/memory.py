@@ -75,10 +75,7 @@ def start_measuring(device: torch.device, dtype: str = "float32") -> float:
             f.write("5")
     except OSError:
         pass
-    # The reset high-water mark itself where there is one: the peaks read later can never be below it (an RSS read
-    # a moment after the reset can be, by what the process touched in between).
-    hwm = _vm_hwm_bytes()
-    return (hwm if hwm is not None else psutil.Process().memory_info().rss) / MB
+    return psutil.Process().memory_info().rss / MB
 
 
 def peak_memory_mb(device: torch.device) -> float:
