@@ -2,7 +2,6 @@
 each rank, and report how the run ended."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -24,7 +23,8 @@ from nanoexp.observe.console import resume_command, summary_line
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
+from nanoexp.evaluation.downstream import (INSTALL_HINT, environment, fewshot_problems, harness_installed,
+                                          unknown_tasks)
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
 from nanoexp.numerics.precision import set_tf32
@@ -195,23 +195,13 @@ def check_resume_point(cfg, run_dir: str) -> None:
         raise ConfigError(f"checkpoint: {error}") from None
 
 
-@contextlib.contextmanager
 def debug_environment(cfg):
-    """What torch reads when process groups are made, for this run only: the flight recorder's size
+    """What torch reads when process groups are made, for this run only (a context): the flight recorder's size
     (debug.flight_recorder_entries) and, with debug.collectives=check, TORCH_DISTRIBUTED_DEBUG=DETAIL."""
     wanted = recorder_env(cfg.debug.flight_recorder_entries)
     if cfg.debug.collectives == "check":
         wanted["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    before = {name: os.environ.get(name) for name in wanted}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment(**wanted)
 
 
 def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:

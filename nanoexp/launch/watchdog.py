@@ -49,7 +49,8 @@ class StallWatchdog:
 
     def __init__(self, cfg, ctx, run_dir: str):
         self.stall_s, self.rank, self.world, self.ctx = cfg.debug.stall_s, ctx.rank, ctx.world_size, ctx
-        self.folder = os.path.join(run_dir, "debug", "fr")
+        self.debug_folder = os.path.join(run_dir, "debug")
+        self.folder = os.path.join(self.debug_folder, "fr")   # torch's format, for torchfrtrace
         self.run_dir = run_dir
         self.poll_s = min(1.0, self.stall_s / 5) if self.stall_s else 1.0
         self.enabled = ctx.world_size > 1 and self.stall_s != 0
@@ -112,7 +113,7 @@ class StallWatchdog:
 
     def dump(self) -> str:
         trace = read_trace(self.ctx.backend, self.ctx.group_table, HEARTBEAT, self.rank)
-        path = write_trace(os.path.dirname(self.folder), self.rank, trace)
+        path = write_trace(self.debug_folder, self.rank, trace)
         self.store.set(f"{KEY}dumped/{self.rank}", path)
         return path
 
@@ -125,21 +126,21 @@ class StallWatchdog:
         while time.monotonic() - started < DUMP_WAIT_S and not self.store.check(dumped):
             time.sleep(0.1)
         positions = {r: self.ctx.layout.position(r)[0] for r in range(self.world)}
-        lines = diagnose(read_dumps(os.path.dirname(self.folder)), self.world, positions)
+        lines = diagnose(read_dumps(self.debug_folder), self.world, positions)
         analysis = self.run_torchfrtrace()
         setting = f"debug.stall_s={self.stall_s:g}" if self.stall_s else "debug.stall_s=null: automatic"
         quiet += time.monotonic() - started
         message = (f"stall: no rank progressed for {quiet:.0f} s (limit {self.limit:.0f} s, {setting}); what the ranks' flight recorders say, the likeliest cause first:\n"
                    + "\n".join(f"  - {line}" for line in lines)
                    + f"\n  dumps: {self.folder} (torch's own analysis: {analysis})")
-        with open(os.path.join(os.path.dirname(self.folder), "stall.txt"), "w") as f:
+        with open(os.path.join(self.debug_folder, "stall.txt"), "w") as f:
             f.write(message + "\n")
         record_failure(self.run_dir, RuntimeError(message))
         end_worker(message)
 
     def run_torchfrtrace(self) -> str:
         """torch's analyzer over the dumps, into debug/torchfrtrace.txt (best effort: it wants every rank's dump)."""
-        output = os.path.join(os.path.dirname(self.folder), "torchfrtrace.txt")
+        output = os.path.join(self.debug_folder, "torchfrtrace.txt")
         command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", self.folder, "-p", PREFIX,
                    "--allow-incomplete-ranks"]
         try:
