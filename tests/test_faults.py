@@ -92,8 +92,8 @@ def test_a_full_disk_and_a_damaged_checkpoint_end_train_py_with_one_line(tmp_pat
         OSError(errno.ENOSPC, "No space left on device")))
     run = RUN + ["tokens.train_steps=2", "checkpoint.checkpoint_interval=1"]
     assert train_py(run, tmp_path) == 1
-    assert said(capsys) == [f"nanoexp: rank 0 failed: CheckpointError: could not save checkpoint {tmp_path}/checkpoints/1 "
-                            "(rank 0: OSError: [Errno 28] No space left on device); earlier checkpoints are intact"]
+    assert said(capsys) == [f"nanoexp: rank 0 failed: CheckpointError: could not save checkpoint {tmp_path}/checkpoints/"
+                            "1 (rank 0: OSError: [Errno 28] No space left on device); earlier checkpoints are intact"]
     monkeypatch.setattr(save_module, "write_file", real_write)
     assert train_py(run, tmp_path) == 0
     shard = tmp_path / "checkpoints" / "2" / "rank_00000.safetensors"

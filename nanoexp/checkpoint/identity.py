@@ -15,6 +15,8 @@ import uuid
 
 from omegaconf import OmegaConf
 
+from nanoexp.config import optimizer_name
+
 TRAINING_GROUPS = ("general.seed", "tokenizer", "tokens", "model", "optimizer", "data", "data_stages")
 
 # Keys inside those groups that do not change what is trained (fnmatch patterns of flat keys).
@@ -49,7 +51,7 @@ def flatten(tree, prefix: str = "") -> dict:
 
 def training_keys(config: dict) -> dict:
     """The training keys of a composed config (a plain dict, as meta.json holds it), flat."""
-    flat = flatten(config)
+    flat = {**flatten(config), "optimizer.optimizer_factory.name": optimizer_name(config)}   # adamW = adamw
     return {key: value for key, value in flat.items()
             if any(key == group or key.startswith(group + ".") for group in TRAINING_GROUPS)
             and not any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_TRAINING)}

@@ -253,7 +253,7 @@ class CheckpointManager:
         """The start-up line on the run's identity: the run it goes on with, or the warm start and what differs."""
         theirs = run_record(meta).get("id")
         if self.start.own and theirs:
-            log.info("this is run %s, continued", self.run_id)
+            log.info("run %s continues", self.run_id)
         elif self.start.own:
             log.warning("%s records no run id (saved by an earlier nanoexp): it was judged by its training keys alone; "
                         "this run goes on as run %s", self.start.folder, self.run_id)
