@@ -180,14 +180,13 @@ class CheckpointManager:
     def __init__(self, cfg, ctx, run_dir: str):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.root = checkpoints_root(cfg, run_dir)
-        # Where this run starts, and why: read once, by rank 0 for every rank, so that step, data position,
-        # weights and optimizer state all come from one checkpoint. The run id goes on from the run's own
-        # checkpoint; a fresh or warm start is a new run.
-        box = [None, None]
-        if ctx is None or ctx.rank == 0:
-            start = self.resume_folder()
-            own_id = run_record(CheckpointReader(start.folder).meta).get("id") if start.own else None
-            box = [start, own_id or new_run_id()]
+        # Where this run starts, and why: rank 0's reading is every rank's, so that step, data position, weights
+        # and optimizer state all come from one checkpoint (each rank reads too, so that a damaged folder fails
+        # on all of them together). The run id goes on from the run's own checkpoint; a fresh or warm start is
+        # a new run.
+        start = self.resume_folder()
+        own_id = run_record(CheckpointReader(start.folder).meta).get("id") if start.own else None
+        box = [start, own_id or new_run_id()]
         if ctx is not None and ctx.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         self.start, self.run_id = box
