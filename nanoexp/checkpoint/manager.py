@@ -154,7 +154,7 @@ def check_same_run(reader: CheckpointReader, cfg) -> None:
         "(a warm start)")
 
 
-def steps_left(reader: CheckpointReader, cfg, start: "Start", run_dir: str) -> str | None:
+def steps_left(reader: CheckpointReader, cfg, start: Start, run_dir: str) -> str | None:
     """None when there are steps to train from the checkpoint; the line saying the run is complete when its own
     checkpoint is at tokens.train_steps; a CheckpointError when it is past it, or a seed at it or past it."""
     step, total = reader.meta["step"], cfg.tokens.train_steps
