@@ -25,6 +25,7 @@ from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import (INSTALL_HINT, environment, fewshot_problems, harness_installed,
                                           unknown_tasks)
+from nanoexp.failures import is_known
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
 from nanoexp.numerics.precision import set_tf32
@@ -34,6 +35,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
 from nanoexp.launch.signals import handle_stop_signals
+from nanoexp.launch.sweep import place_job_checkpoints
 from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
 
@@ -168,29 +170,37 @@ def node_cpu_peak(cfg) -> Peak | None:
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     """Check the config, own the run's folders, then train in this process, in the launcher's world, or in
     local workers."""
-    env = launcher_env()
+    env, job = launcher_env(), job or HydraJob()
     owner = env is None or env["rank"] == 0   # the other ranks of a launcher's world write into rank 0's folder
+    place_job_checkpoints(cfg, run_dir, job.sweep_dir)   # a sweep's jobs never share a checkpoints folder
     check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir if owner else None)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved
     world = Layout.from_config(cfg).world_size
-    fill_wandb_identity(cfg, job or HydraJob())
+    fill_wandb_identity(cfg, job)
     os.makedirs(run_dir, exist_ok=True)
     with own_folders([run_dir, checkpoints_root(cfg, run_dir)] if owner else []):
+        complete = None   # the line saying the run is complete already (rank 0 knows)
         if owner:
             log.info("run folder: %s", os.path.abspath(run_dir))
-            check_resume_point(cfg, run_dir)   # once the folder is ours: nobody moves latest.txt now
+            complete = check_resume_point(cfg, run_dir)   # once the folder is ours: nobody moves latest.txt now
+        if complete and env is None:   # nothing to train: summary.json, metrics and checkpoints stay as they are
+            log.info("%s", complete)
+            return
         load = os.getloadavg()[0]
         with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
-            launch_and_train(cfg, run_dir, env, world)
+            launch_and_train(cfg, run_dir, env, world, complete)
+    if complete:
+        return
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env else world
     record_machine_load(run_dir, load, os.getloadavg()[0], local_processes)
 
 
-def check_resume_point(cfg, run_dir: str) -> None:
-    """The checkpoint this run resumes from is whole and fits the model (a ConfigError naming the file or the
-    first parameter and key that differ)."""
+def check_resume_point(cfg, run_dir: str) -> str | None:
+    """The checkpoint this run resumes from is whole, this run's, fits the model and leaves steps to train (a
+    ConfigError naming the file, the keys, the first parameter or the step); the line saying the run is complete
+    when its own checkpoint is at tokens.train_steps already."""
     try:
-        check_resume(cfg, run_dir)
+        return check_resume(cfg, run_dir)
     except CheckpointError as error:
         raise ConfigError(f"checkpoint: {error}") from None
 
@@ -204,14 +214,14 @@ def debug_environment(cfg):
     return environment(**wanted)
 
 
-def launch_and_train(cfg, run_dir: str, env: dict | None, world: int) -> None:
+def launch_and_train(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None) -> None:
     with debug_environment(cfg):
-        start_workers(cfg, run_dir, env, world)
+        start_workers(cfg, run_dir, env, world, complete)
 
 
-def start_workers(cfg, run_dir: str, env: dict | None, world: int) -> None:
+def start_workers(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None) -> None:
     if env is not None:   # torchrun or SLURM started us: join their world
-        join_launcher_world(cfg, run_dir, env)
+        join_launcher_world(cfg, run_dir, env, complete)
     elif world == 1:
         worker(0, 1, setup_device(0, 1), cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)]))
     else:
@@ -219,8 +229,9 @@ def start_workers(cfg, run_dir: str, env: dict | None, world: int) -> None:
                     timeout_s=cfg.parallelism.collective_timeout_s, method=cfg.parallelism.start_method)
 
 
-def join_launcher_world(cfg, run_dir: str, env: dict) -> None:
-    """This process is one rank of a world torchrun or SLURM started, on one node or several."""
+def join_launcher_world(cfg, run_dir: str, env: dict, complete: str | None = None) -> None:
+    """This process is one rank of a world torchrun or SLURM started, on one node or several. `complete`: rank 0's
+    line saying the run is complete already; then every rank leaves without training."""
     die_with_parent(os.getppid())   # the agent (torchrun) or task launcher (SLURM): a worker never outlives it
     export_slurm_rendezvous()   # MASTER_ADDR/PORT from the SLURM node list (torchrun sets its own)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
@@ -231,10 +242,14 @@ def join_launcher_world(cfg, run_dir: str, env: dict) -> None:
     peak = node_cpu_peak(cfg) if env["local_rank"] == 0 else None
     device = setup_device(env["local_rank"], local_world)
     init_distributed(env["rank"], env["world_size"], device, cfg.parallelism.collective_timeout_s)
-    shared, node_peaks = [run_dir], [None] * env["world_size"]
+    shared, node_peaks = [run_dir, complete], [None] * env["world_size"]
     dist.broadcast_object_list(shared, src=0)   # every rank writes into rank 0's run folder
     dist.all_gather_object(node_peaks, peak)
     try:
+        if shared[1]:
+            if env["rank"] == 0:
+                log.info("%s", shared[1])
+            return
         worker(env["rank"], env["world_size"], device, cfg, shared[0], sum_of_node_peaks(node_peaks))
     except RuntimeError as error:   # one line for a lost peer: its host, and that the checkpoints are intact
         lost = lost_peer(error, cfg.parallelism.collective_timeout_s)
@@ -290,8 +305,28 @@ def report_config_error(message: str) -> None:
         print(line, file=sys.stderr)
 
 
+def keeps_its_summary(error: BaseException, run_dir: str, job: HydraJob) -> bool:
+    """Whether a failed start leaves the run folder's summary.json as it is: a folder another run owns is never
+    written into, a single run's bad config only prints, and a refused rerun of a finished run (too few
+    tokens.train_steps, another run's checkpoint) keeps that run's results."""
+    if isinstance(error, RunFolderBusy):
+        return True
+    if not isinstance(error, ConfigError):
+        return False
+    return not job.multirun or (read_summary(run_dir) or {}).get("status") == "completed"
+
+
+def failure_line(error: BaseException) -> str:
+    """A failed run's last line, the same on one process as from a launcher's workers: `rank R failed: <Type>: ...`."""
+    if isinstance(error, WorkerFailed):   # the launcher named the rank
+        return str(error)
+    env = launcher_env()
+    return f"rank {env['rank'] if env else 0} failed: {type(error).__name__}: {error}"
+
+
 def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
-    """train.py's body: one readable message and a non-zero exit for a bad config or a failed rank.
+    """train.py's body: one readable message and a non-zero exit for a bad config (2) or a runtime failure whose
+    message names its cause (1, nanoexp/failures.py); other errors (bugs) bring their traceback.
     A failed job's summary.json says failed and why; in a multirun the error is raised instead of
     exiting, so Hydra marks this job failed and the sweep goes on with the others. A sweep job stopped
     by SIGTERM/SIGUSR2 exits without a result, so that no launcher takes it for finished. A single
@@ -300,13 +335,14 @@ def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     try:
         run(cfg, run_dir, job)
     except Exception as error:
-        # A single run's bad config only prints; a folder another run owns is never written into.
-        if (job.multirun or not isinstance(error, ConfigError)) and not isinstance(error, RunFolderBusy):
+        if not keeps_its_summary(error, run_dir, job):
             record_failure(run_dir, error)
-        if job.multirun or not isinstance(error, (ConfigError, WorkerFailed)):
+        if job.multirun or not (isinstance(error, ConfigError) or is_known(error)):
             raise
-        if isinstance(error, WorkerFailed):
-            print(f"nanoexp: {error}", file=sys.stderr)
+        if not isinstance(error, ConfigError):   # a runtime failure that names its cause: one line, no traceback
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" and not isinstance(error, WorkerFailed):
+                raise
+            print(f"nanoexp: {failure_line(error)}", file=sys.stderr)
             sys.exit(1)
         if job.created_folder:
             remove_run_folder(job.created_folder)

@@ -44,3 +44,18 @@ def start_error(cfg) -> str:
     with pytest.raises(ConfigError) as info:
         check_config(cfg, None)
     return str(info.value)
+
+
+def train_py(overrides: list[str], run_dir) -> int:
+    """Run train.py's entry point in this process (Hydra parses the command line as in a shell, the run goes
+    through nanoexp.run.main); return its exit code (pytest's capsys holds what it printed)."""
+    import sys
+    from unittest import mock
+
+    import train as entry_point
+    with mock.patch.object(sys, "argv", ["train.py", *overrides, f"hydra.run.dir={run_dir}"]):
+        try:
+            entry_point.main()
+        except SystemExit as exit_info:
+            return exit_info.code if isinstance(exit_info.code, int) else 1
+    return 0

@@ -143,3 +143,62 @@ def test_a_resume_reads_latest_txt_once(tmp_path):
     reader = CheckpointReader(str(tmp_path / "checkpoints" / "4"))
     assert torch.equal(model.model.norm.weight.detach(), reader.full_tensor("model.norm.weight"))
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+
+
+def rewrite_shard(folder, change) -> None:
+    """Apply `change` to the tensors of rank 0's shard of `folder` and record the new file in meta.json (size and
+    CRC-32), as a tool that rewrote the checkpoint would."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from nanoexp.checkpoint.load import file_crc32
+    shard = folder / "rank_00000.safetensors"
+    with safe_open(str(shard), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    save_file(change(tensors), str(shard), metadata=metadata)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["rank_00000.safetensors"].update(bytes=os.path.getsize(shard), crc32=file_crc32(str(shard)))
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_piece_stored_in_another_shape_is_refused_naming_the_parameter(four_layers, tmp_path):
+    """A matrix stored transposed (as many elements, another shape) is refused by its header before any work, and
+    by the reader; a ZeRO piece stored flat still loads (tests/test_zero.py resumes them)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(four_layers, folder)
+    name = "model.layers.0.mlp.gate_proj.weight"   # (intermediate 128, hidden 64)
+    rewrite_shard(folder, lambda tensors: {**tensors, name: tensors[name].t().contiguous()})
+    said = f"mismatched shard {folder}/rank_00000.safetensors: the param of parameter {name} has shape [64, 128], " \
+           "meta.json records [128, 64]"
+    with pytest.raises(ConfigError) as error:
+        train(tmp_path / "run", RUN + ["tokens.train_steps=3", f"checkpoint.resume_checkpoint_path={folder}"])
+    assert said in str(error.value) and not (tmp_path / "run" / "metrics.jsonl").exists()
+    with pytest.raises(CheckpointError, match=said.replace("[", r"\[").replace("]", r"\]")):
+        CheckpointReader(str(folder)).full_tensor(name)
+
+
+def test_a_slice_of_another_shape_than_the_models_parameter_is_refused(four_layers):
+    """Loading into a model whose parameter has another shape names it (torch's copy_ would broadcast some shapes
+    without a word); start-up refuses such a checkpoint earlier (check_compatible)."""
+    from nanoexp.checkpoint.load import load_model
+    cfg = compose_config(RUN + ["model.model_config.intermediate_size=64"])
+    ctx = ParallelContext(Layout.from_config(cfg), setup_device(0, 1))
+    with pytest.raises(CheckpointError, match=r"param of parameter model\.layers\.0\.mlp\.gate_proj\.weight gives "
+                                              r"this rank shape \(128, 64\), the model holds \(64, 64\)"):
+        load_model(CheckpointReader(str(four_layers)), build_model(cfg, ctx), ctx)
+
+
+def test_latest_txt_holds_a_step_number(tmp_path):
+    """`04` in latest.txt is step 4 (its folder is `4`); a folder named `04` is not a checkpoint."""
+    from nanoexp.checkpoint.manager import latest_checkpoint
+    for folder in ("4", "04"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "meta.json").write_text("{}")
+    (tmp_path / "latest.txt").write_text("04\n")
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "4")
+    (tmp_path / "latest.txt").write_text("4\n")
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "4")
+    shutil.rmtree(tmp_path / "4")
+    (tmp_path / "latest.txt").write_text("04\n")
+    with pytest.raises(CheckpointError, match=r"names '04', which is not a complete checkpoint .*\(complete steps: "
+                                              r"none\)"):
+        latest_checkpoint(str(tmp_path))

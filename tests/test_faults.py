@@ -1,11 +1,15 @@
-"""Faults during a run: non-finite losses, a rank that hangs in a collective. Nothing hangs."""
+"""Faults during a run: non-finite losses, a rank that hangs in a collective. Nothing hangs. A failure whose cause
+is known ends train.py with one line and no traceback, on one process as on many."""
+import errno
 import json
+import re
 import time
 
 import pytest
 
+import nanoexp.checkpoint.save as save_module
 from nanoexp.launch.workers import WorkerFailed
-from tests.helpers import FAST, train
+from tests.helpers import FAST, train, train_py
 
 RUN = FAST + ["tokens.train_steps=5", "tokens.val_check_interval=0"]
 
@@ -64,3 +68,44 @@ def test_resume_after_a_fault_reaches_the_unfaulted_loss(fault, layout, error, t
     records = train(tmp_path / "faulted", run + ["checkpoint.resume=auto"])
     last_loss = {r["step"]: r["loss"] for r in records if "loss" in r}   # later lines win
     assert [last_loss[s] for s in range(1, 7)] == expected   # bit for bit: same layout, exact resume
+
+
+def said(capsys) -> list[str]:
+    """What train.py printed on stderr, as lines; the console log on stdout holds no traceback either."""
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.out, printed.out[-3000:]
+    return printed.err.strip().splitlines()
+
+
+@pytest.mark.parametrize("layout", ["dp1tp1pp1", "dp2tp1pp1"])
+def test_a_nonfinite_loss_ends_train_py_with_one_line(layout, tmp_path, capsys):
+    code = train_py(RUN + [f"parallelism={layout}", "fault_injection.nonfinite_loss_at_step=2"], tmp_path)
+    lines = said(capsys)   # on dp2 both ranks stop: the first to report is named
+    assert code == 1 and len(lines) == 1 and re.fullmatch(
+        r"nanoexp: rank [01] failed: FloatingPointError: non-finite loss nan or gradient norm nan at step 2 \(set "
+        r"optimizer\.skip_nonfinite_steps=true to skip such steps\)", lines[0]), lines
+
+
+def test_a_full_disk_and_a_damaged_checkpoint_end_train_py_with_one_line(tmp_path, capsys, monkeypatch):
+    """A save on a full disk (at step 2), a shard whose bytes changed (its CRC-32, found when it is read) and one that
+    is no safetensors file at all (found by its header before any work)."""
+    real_write = save_module.write_file
+    monkeypatch.setattr(save_module, "write_file", lambda *args: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    run = RUN + ["tokens.train_steps=2", "checkpoint.checkpoint_interval=1"]
+    assert train_py(run, tmp_path) == 1
+    assert said(capsys) == [f"nanoexp: rank 0 failed: CheckpointError: could not save checkpoint {tmp_path}/checkpoints/"
+                            "1 (rank 0: OSError: [Errno 28] No space left on device); earlier checkpoints are intact"]
+    monkeypatch.setattr(save_module, "write_file", real_write)
+    assert train_py(run, tmp_path) == 0
+    shard = tmp_path / "checkpoints" / "2" / "rank_00000.safetensors"
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[:-8] + bytes(b ^ 0xFF for b in intact[-8:]))   # same size, other bytes
+    capsys.readouterr()
+    assert train_py(run[:-2] + ["tokens.train_steps=3"], tmp_path) == 1
+    assert said(capsys) == [f"nanoexp: rank 0 failed: CheckpointError: corrupt shard {shard}: its CRC-32 differs from "
+                            "the one in meta.json"]
+    shard.write_bytes(bytes(len(intact)))
+    assert train_py(run[:-2] + ["tokens.train_steps=3"], tmp_path) == 2
+    lines = said(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"nanoexp: checkpoint: unreadable shard {shard}: ")

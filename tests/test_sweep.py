@@ -228,3 +228,38 @@ def test_plot_runs_draws_each_run_against_the_first(tmp_path):
                              str(tmp_path / "b"), "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "b: final loss 2.7500, eval losses 5: 2.8500" in result.stdout and out.stat().st_size > 10_000
+
+
+def test_place_job_checkpoints_gives_each_sweep_job_its_own_folder():
+    from nanoexp.launch.sweep import place_job_checkpoints
+    for written, sweep_dir, expected in [("/ck", "/s", "/ck/3"), ("/ck", None, "/ck"), (None, "/s", None),
+                                         ("/ck/${hydra:job.num}", "/s", "/ck/${hydra:job.num}")]:
+        cfg = OmegaConf.create({"checkpoint": {"checkpoints_path": written}})
+        place_job_checkpoints(cfg, "/s/3", sweep_dir)
+        assert OmegaConf.to_container(cfg)["checkpoint"]["checkpoints_path"] == expected, written
+
+
+def test_a_relaunched_sweep_leaves_its_finished_jobs_as_they_are(tmp_path):
+    """A learning-rate sweep given one checkpoints_path: each job keeps its checkpoints in its own folder below it
+    (the second job used to take the first's final checkpoint, train nothing and report null losses); the same
+    sweep launched again finds both jobs complete and leaves their summaries, metrics and checkpoints as they are."""
+    sweep, ckpts = tmp_path / "sweep", tmp_path / "ckpts"
+    command = [os.path.join(ROOT, "train.py"), "-m", *FAST, "tokens.train_steps=2", "tokens.val_check_interval=0",
+               "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
+               "optimizer.learning_rate_scheduler.learning_rate=1e-3,3e-3", f"checkpoint.checkpoints_path={ckpts}",
+               f"hydra.sweep.dir={sweep}"]
+    first = run_script(command, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    results = {job: [(sweep / str(job) / name).read_bytes() for name in ("summary.json", "metrics.jsonl")]
+               for job in (0, 1)}
+    assert all(json.loads(summary)["final_loss"] is not None for summary, _ in results.values())
+    assert sorted(os.listdir(ckpts)) == ["0", "1"]
+    saved = {job: os.stat(ckpts / job / "2" / "meta.json").st_mtime_ns for job in "01"}
+    again = run_script(command, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.count("the run is complete") == 2
+    assert results == {job: [(sweep / str(job) / name).read_bytes() for name in ("summary.json", "metrics.jsonl")]
+                       for job in (0, 1)}
+    assert {job: sorted(os.listdir(ckpts / job)) for job in "01"} == {job: [".nanoexp.lock", "2", "latest.txt"]
+                                                                     for job in "01"}
+    assert all(os.stat(ckpts / job / "2" / "meta.json").st_mtime_ns == saved[job] for job in "01")

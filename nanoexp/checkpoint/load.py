@@ -89,7 +89,8 @@ class CheckpointReader:
         return handle
 
     def check_files(self) -> None:
-        """Every shard meta.json lists is there with its size (cheap: the CRC is checked when a shard is read)."""
+        """Every shard meta.json lists is there with its size, and holds each piece meta.json indexes in it with the
+        shape it records (cheap: headers only; the CRC is checked when a shard is read)."""
         for file, expected in self.meta["files"].items():
             path = os.path.join(self.folder, file)
             if not os.path.isfile(path):
@@ -98,6 +99,16 @@ class CheckpointReader:
             if os.path.getsize(path) != expected["bytes"]:
                 raise CheckpointError(f"truncated or mismatched shard {path}: {os.path.getsize(path)} bytes, "
                                       f"expected {expected['bytes']}")
+            entries = self.meta["index"].get(file, {})
+            try:
+                with safe_open(path, "pt") as handle:
+                    shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys() if key in entries}
+            except Exception as error:
+                raise CheckpointError(f"unreadable shard {path}: {error}") from None
+            for key, entry in entries.items():
+                if key not in shapes:
+                    raise CheckpointError(f"mismatched shard {path}: it lacks {key}, which meta.json indexes in it")
+                self.check_piece_shape(file, key, entry, list(shapes[key]))
 
     def has(self, name: str, kind: str) -> bool:
         return (name, kind) in self.pieces
@@ -115,38 +126,56 @@ class CheckpointReader:
         return shapes
 
     def full_tensor(self, name: str, kind: str = "param") -> torch.Tensor:
-        """The whole tensor: each tp slice assembled from its flat ranges, slices joined on the split dim."""
+        """The whole tensor: each tp slice assembled from its flat ranges, slices joined on the split dim. Every
+        piece is checked against meta.json: its shape, its range and its slice's shape (CheckpointError)."""
         pieces = self.pieces.get((name, kind))
         if not pieces:
             raise CheckpointError(f"{self.folder} holds no {kind} for parameter {name}")
         entry = pieces[0][2]
-        if len(pieces) == 1 and entry["flat_range"] == [0, int(np.prod(entry["local_shape"]))]:
+        shape, numel = entry["local_shape"], int(np.prod(entry["local_shape"]))
+        for _, _, e in pieces:
+            if (e["local_shape"], e["split_dim"], e["tp"]) != (shape, entry["split_dim"], entry["tp"]):
+                raise CheckpointError(f"damaged {self.folder}/meta.json: the {kind} of parameter {name} is recorded "
+                                      f"with slices of shape {shape} and {e['local_shape']}")
+        if len(pieces) == 1 and entry["flat_range"] == [0, numel]:
             file, key, _ = pieces[0]   # the whole tensor in one piece: no assembly copy
-            value = self.open(file).get_tensor(key)
-            if value.numel() != int(np.prod(entry["local_shape"])):
-                raise CheckpointError(f"mismatched shard {os.path.join(self.folder, file)}: {key} has shape "
-                                      f"{list(value.shape)}, meta.json expects {entry['local_shape']}")
-            return value.view(entry["local_shape"])   # ZeRO-1 pieces are stored flat
+            return self.stored_piece(file, key, entry).view(shape)   # ZeRO pieces are stored flat
         by_tp = defaultdict(list)
         for piece in pieces:
             by_tp[piece[2]["tp_rank"]].append(piece)
         slices = []
         for t in range(entry["tp"] if entry["split_dim"] is not None else 1):
-            shape = entry["local_shape"]
-            flat, covered = torch.empty(int(np.prod(shape))), 0
+            flat, covered = torch.empty(numel), 0
             for file, key, e in by_tp.get(t, []):
                 a, b = e["flat_range"]
-                value = self.open(file).get_tensor(key)
-                if value.numel() != b - a:
-                    raise CheckpointError(f"mismatched shard {os.path.join(self.folder, file)}: {key} has "
-                                          f"{value.numel()} elements, meta.json expects {b - a}")
-                flat[a:b] = value.reshape(-1)
+                flat[a:b] = self.stored_piece(file, key, e).reshape(-1)
                 covered += b - a
             if covered != flat.numel():
                 raise CheckpointError(f"{self.folder}: the {kind} of {name} (tp slice {t}) is incomplete: "
                                       f"{covered} of {flat.numel()} elements present")
             slices.append(flat.view(shape))
         return torch.cat(slices, dim=entry["split_dim"]) if len(slices) > 1 else slices[0]
+
+    def stored_piece(self, file: str, key: str, entry: dict) -> torch.Tensor:
+        """One stored piece, refused naming the parameter when its shape is not the one meta.json records."""
+        value = self.open(file).get_tensor(key)
+        self.check_piece_shape(file, key, entry, list(value.shape))
+        return value
+
+    def check_piece_shape(self, file: str, key: str, entry: dict, stored: list[int]) -> None:
+        """A piece is elements [a, b) of a slice of shape local_shape (meta.json), stored with that shape (a whole
+        slice) or flat (a ZeRO piece). Another shape, even of as many elements (a transposed matrix), is a
+        CheckpointError naming the parameter."""
+        (a, b), shape = entry["flat_range"], entry["local_shape"]
+        numel = int(np.prod(shape))
+        what = f"the {entry['kind']} of parameter {entry['name']}" + ("" if key == entry["name"] else f" ({key})")
+        if not 0 <= a <= b <= numel:
+            raise CheckpointError(f"damaged {self.folder}/meta.json: {what} in {file} is recorded as elements "
+                                  f"{a}:{b} of a slice of shape {shape}")
+        if stored != [b - a] and not ([a, b] == [0, numel] and stored == list(shape)):
+            recorded = f"{list(shape)}" if [a, b] == [0, numel] else f"[{b - a}] (elements {a}:{b} of {list(shape)})"
+            raise CheckpointError(f"mismatched shard {os.path.join(self.folder, file)}: {what} has shape {stored}, "
+                                  f"meta.json records {recorded}")
 
 
 def check_compatible(reader: CheckpointReader, shape, model_cfg=None, strict: bool = True) -> tuple[set, list]:
@@ -190,6 +219,15 @@ def flat_keys(tree: dict, prefix: str) -> dict:
     return flat
 
 
+def fitted(local: torch.Tensor, param, name: str, kind: str) -> torch.Tensor:
+    """`local`, this rank's slice of a checkpoint's tensor, when it has the shape of the model's `param` (copy_
+    would broadcast some other shapes without a word); a CheckpointError naming the parameter otherwise."""
+    if local.shape != param.shape:
+        raise CheckpointError(f"the checkpoint's {kind} of parameter {name} gives this rank shape "
+                              f"{tuple(local.shape)}, the model holds {tuple(param.shape)} here")
+    return local
+
+
 @torch.no_grad()
 def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[str] = frozenset()) -> None:
     """This rank's slice of every parameter but those named in `skip`; under ZeRO-3 (`optimizer` holds shards)
@@ -202,7 +240,7 @@ def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[s
     for name, param in model.named_parameters():
         if value_name(name, param) in skip:
             continue
-        local = local_slice(reader.full_tensor(value_name(name, param)), param)
+        local = fitted(local_slice(reader.full_tensor(value_name(name, param)), param), param, name, "param")
         if id(param) not in held_as_shards:
             param.copy_(local)
         for piece in pieces[id(param)] if id(param) in held_as_shards else []:
@@ -232,7 +270,7 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[st
         return [kind for kind in kinds if (names[id(p)], kind) in reader.pieces]
 
     def local_state(p, kind):
-        return local_slice(reader.full_tensor(names[id(p)], kind), p).to(p.device)
+        return fitted(local_slice(reader.full_tensor(names[id(p)], kind), p), p, names[id(p)], kind).to(p.device)
 
     step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")
 

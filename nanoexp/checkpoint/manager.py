@@ -7,7 +7,8 @@
     if checkpoints.due(step, is_last, stop): checkpoints.save(step, model, optimizer, progress)
 
 Where a run starts: its own checkpoint (latest.txt under checkpoint.checkpoints_path) if there is
-one, else checkpoint.resume_checkpoint_path (a seed for the first start only), else step 1.
+one, else checkpoint.resume_checkpoint_path (a seed for the first start only: a warm start), else step 1.
+Its own checkpoint must be of this run: the same training keys (nanoexp/checkpoint/identity.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from nanoexp.checkpoint.identity import new_run_id, run_record, training_differences
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
 from nanoexp.config import ConfigError, global_batch_size
@@ -36,6 +38,15 @@ class Resume:
     skipped_steps: int = 0        # updates skipped as non-finite before the checkpoint
     consumed_tokens: int = 0      # tokens trained on before the checkpoint (counted, not derived)
     stage_consumed_samples: dict = field(default_factory=dict)   # data_stages: each stage's own data position
+
+
+@dataclass
+class Start:
+    """Where a run starts and why: `folder` (None: step 1), `origin` said in the log, `own`: the run's own latest
+    checkpoint (an automatic resume), not a seed."""
+    folder: str | None
+    origin: str
+    own: bool = False
 
 
 @dataclass
@@ -61,7 +72,7 @@ def latest_checkpoint(root: str) -> str | None:
     if not (name.isdigit() and int(name) in steps):
         raise CheckpointError(f"{latest} names {name!r}, which is not a complete checkpoint in {root} "
                               f"(complete steps: {steps or 'none'}): write one of them into latest.txt")
-    return os.path.join(root, name)
+    return os.path.join(root, str(int(name)))   # a step number: "04" is step 4
 
 
 def inside(path: str, folder: str) -> bool:
@@ -102,10 +113,12 @@ def check_checkpoint_folder(cfg, run_dir: str) -> None:
                           "point checkpoint.checkpoints_path elsewhere")
 
 
-def check_resume(cfg, run_dir: str) -> None:
+def check_resume(cfg, run_dir: str) -> str | None:
     """Before any work: the checkpoint this run would resume from is whole (meta.json readable, every shard there
-    with its size) and fits the model (raises CheckpointError naming the file, or the first mismatching parameter
-    and the keys that differ), and the seed path is not one of this run's own checkpoints."""
+    with its size), is this run's when it is its own (the same training keys), fits the model, and leaves steps to
+    train; the seed path is not one of this run's own checkpoints. Each failure a CheckpointError naming the file,
+    the keys or the parameter that differ, or the step. Returns the line that says the run is complete when its own
+    checkpoint is at tokens.train_steps (nothing to train), else None."""
     manager = CheckpointManager(cfg, None, run_dir)
     seed = cfg.checkpoint.resume_checkpoint_path
     if seed and inside(seed, manager.root):
@@ -114,56 +127,101 @@ def check_resume(cfg, run_dir: str) -> None:
             f"{manager.root}, which the run resumes from by itself (checkpoint.resume=auto follows its "
             f"latest.txt): to roll back, write the step into {os.path.join(manager.root, 'latest.txt')} "
             "and drop checkpoint.resume_checkpoint_path")
-    folder, _ = manager.start
-    if folder is not None:
-        reader = CheckpointReader(folder)
-        reader.check_files()
-        check_compatible(reader, model_shape(cfg), cfg.model, cfg.checkpoint.load_strict)
+    start = manager.start
+    if start.folder is None:
+        return None
+    reader = CheckpointReader(start.folder)
+    reader.check_files()
+    if start.own:
+        check_same_run(reader, cfg)
+    check_compatible(reader, model_shape(cfg), cfg.model, cfg.checkpoint.load_strict)
+    return steps_left(reader, cfg, start, run_dir)
+
+
+def check_same_run(reader: CheckpointReader, cfg) -> None:
+    """A run resumes by itself only from a checkpoint of the same training (identity.py): else a CheckpointError
+    naming the keys that differ and the run that saved it."""
+    differ = training_differences(reader.meta["config"], cfg)
+    if not differ:
+        return
+    run = run_record(reader.meta)
+    whose = f"run {run.get('id')} in {run.get('folder')}" if run else "a run of an earlier nanoexp"
+    shown = "; ".join(differ[:4]) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
+    raise CheckpointError(
+        f"{reader.folder}, the latest checkpoint in this run's checkpoints folder, belongs to another run ({whose}): "
+        f"{shown}. Give this run its own checkpoint.checkpoints_path, or start from that checkpoint on purpose "
+        f"with checkpoint.resume_checkpoint_path={reader.folder} and another checkpoint.checkpoints_path "
+        "(a warm start)")
+
+
+def steps_left(reader: CheckpointReader, cfg, start: Start, run_dir: str) -> str | None:
+    """None when there are steps to train from the checkpoint; the line saying the run is complete when its own
+    checkpoint is at tokens.train_steps; a CheckpointError when it is past it, or a seed at it or past it."""
+    step, total = reader.meta["step"], cfg.tokens.train_steps
+    if step < total:
+        return None
+    if not start.own:
+        raise CheckpointError(f"checkpoint.resume_checkpoint_path={reader.folder} is at step {step}: "
+                              f"tokens.train_steps={total} leaves nothing to train; give more than {step}")
+    if step > total:
+        latest = os.path.join(os.path.dirname(reader.folder), "latest.txt")
+        raise CheckpointError(f"{reader.folder}, this run's latest checkpoint, is at step {step}, past "
+                              f"tokens.train_steps={total}: give tokens.train_steps={step} or more (more continues "
+                              f"the run), or roll back by writing an earlier step into {latest}")
+    saved_in = run_record(reader.meta).get("folder")
+    results = ("" if not saved_in or os.path.realpath(saved_in) == os.path.realpath(run_dir)
+               else f"; it was saved by the run in {saved_in}, whose summary.json holds the results")
+    return (f"the run is complete: its latest checkpoint {reader.folder} is at tokens.train_steps={total}, so "
+            f"nothing is trained and summary.json, metrics and checkpoints stay as they are{results} "
+            "(a larger tokens.train_steps continues it)")
 
 
 class CheckpointManager:
     def __init__(self, cfg, ctx, run_dir: str):
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.root = checkpoints_root(cfg, run_dir)
-        # Where this run starts, and why: read once, by rank 0 for every rank, so that step, data position,
-        # weights and optimizer state all come from one checkpoint.
-        self.start = self.resume_folder()
+        # Where this run starts, and why: rank 0's reading is every rank's, so that step, data position, weights
+        # and optimizer state all come from one checkpoint (each rank reads too, so that a damaged folder fails
+        # on all of them together). The run id goes on from the run's own checkpoint; a fresh or warm start is
+        # a new run.
+        start = self.resume_folder()
+        own_id = run_record(CheckpointReader(start.folder).meta).get("id") if start.own else None
+        box = [start, own_id or new_run_id()]
         if ctx is not None and ctx.world_size > 1:
-            box = [self.start]
             dist.broadcast_object_list(box, src=0)
-            self.start = box[0]
+        self.start, self.run_id = box
         self.last_saved = None
         # Checkpoints of this folder after the step this run started from belong to an abandoned
         # timeline (a rollback, or resume=never): the first save moves them to abandoned/.
         self.abandon_after: int | None = 0
 
-    def resume_folder(self) -> tuple[str | None, str]:
+    def resume_folder(self) -> Start:
         """Where this run starts and why: its own latest checkpoint (resume=auto), else the seed
-        `checkpoint.resume_checkpoint_path`, else nowhere (a fresh start)."""
+        `checkpoint.resume_checkpoint_path` (a warm start), else nowhere (a fresh start)."""
         c = self.cfg.checkpoint
         own = latest_checkpoint(self.root) if c.resume == "auto" else None
         if own is not None:
-            return own, f"this run's own latest checkpoint ({os.path.join(self.root, 'latest.txt')})"
+            return Start(own, f"this run's own latest checkpoint ({os.path.join(self.root, 'latest.txt')})", True)
         if c.resume_checkpoint_path:
-            return c.resume_checkpoint_path, "checkpoint.resume_checkpoint_path (this run has no checkpoint yet)"
-        return None, f"no checkpoint in {self.root}" if c.resume == "auto" else "checkpoint.resume=never"
+            return Start(c.resume_checkpoint_path, "checkpoint.resume_checkpoint_path, a warm start (this run has no "
+                         "checkpoint yet)")
+        return Start(None, f"no checkpoint in {self.root}" if c.resume == "auto" else "checkpoint.resume=never")
 
     def where_to_start(self) -> Resume:
         """The step and data position this run continues from, read from the checkpoint's meta.json
         alone (before any model exists: the data can be built first)."""
-        folder, _ = self.start
-        if folder is None:
+        if self.start.folder is None:
             return Resume()
-        meta, reload_lr = CheckpointReader(folder).meta, self.cfg.checkpoint.load_lr_scheduler
+        meta, reload_lr = CheckpointReader(self.start.folder).meta, self.cfg.checkpoint.load_lr_scheduler
         return Resume(meta["step"], meta["consumed_samples"], 0 if reload_lr else meta["step"],
                       meta.get("skipped_steps", 0), meta.get("consumed_tokens", 0),
                       meta.get("stage_consumed_samples", {}))
 
     def restore(self, model, optimizer) -> None:
         """Load the checkpoint to resume from (if any) into this rank's model and optimizer."""
-        folder, origin = self.start
+        folder, origin = self.start.folder, self.start.origin
         if folder is None:
-            log.info("%s: starting from step 1", origin)
+            log.info("%s: starting from step 1 as run %s", origin, self.run_id)
             return
         c, ctx = self.cfg.checkpoint, self.ctx
         reader = CheckpointReader(folder)
@@ -186,8 +244,23 @@ class CheckpointManager:
         log.info("resuming from %s, %s: step %d, %d consumed samples, saved on %s%s%s", folder, origin, step,
                  meta["consumed_samples"], meta["layout"], "" if loaded_optimizer else ", fresh optimizer state",
                  "" if same_layout else ", re-sliced for this layout")
+        self.say_which_run(meta)
         self.last_saved = step
         self.abandon_after = step
+
+    def say_which_run(self, meta: dict) -> None:
+        """The start-up line on the run's identity: the run it goes on with, or the warm start and what differs."""
+        theirs = run_record(meta).get("id")
+        if self.start.own and theirs:
+            log.info("run %s continues", self.run_id)
+        elif self.start.own:
+            log.warning("%s records no run id (saved by an earlier nanoexp): it was judged by its training keys alone; "
+                        "this run goes on as run %s", self.start.folder, self.run_id)
+        else:
+            differ = training_differences(meta["config"], self.cfg)
+            log.info("warm start: the new run %s begins from a checkpoint of %s%s", self.run_id,
+                     f"run {theirs}" if theirs else "an earlier nanoexp's run",
+                     f", with other training keys: {'; '.join(differ)}" if differ else ", with the same training keys")
 
     def layout(self) -> dict:
         ctx = self.ctx
@@ -198,7 +271,8 @@ class CheckpointManager:
                 "consumed_tokens": progress.consumed_tokens,
                 "global_batch_size": global_batch_size(self.cfg), "layout": self.layout(),
                 "world_size": self.ctx.world_size, "optimizer_steps": optimizer_steps(optimizer),
-                "config": OmegaConf.to_container(self.cfg, resolve=True)}
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "run": {"id": self.run_id, "folder": os.path.abspath(self.run_dir)}}
         if progress.stage_consumed_samples:
             meta["stage_consumed_samples"] = progress.stage_consumed_samples
         path = save_checkpoint(self.root, step, model, optimizer, self.ctx, meta, self.cfg.checkpoint.keep_last_n,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as serialize
 
+from nanoexp.failures import KnownFailure
 from nanoexp.parallel.placement import counted_here, placement
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
@@ -36,7 +37,7 @@ log = logging.getLogger("nanoexp")
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(KnownFailure):
     """A checkpoint that cannot be written or read; the message names the folder or file."""
 
 
@@ -214,5 +215,5 @@ def complete_steps(root: str) -> list[int]:
     """Steps of the complete checkpoints under root (renamed into place, with meta.json), ascending."""
     if not os.path.isdir(root):
         return []
-    return sorted(int(d) for d in os.listdir(root)
-                  if d.isdigit() and os.path.isfile(os.path.join(root, d, "meta.json")))
+    return sorted(int(d) for d in os.listdir(root)   # a step's folder is its number as saved: "4", never "04"
+                  if d.isdigit() and d == str(int(d)) and os.path.isfile(os.path.join(root, d, "meta.json")))

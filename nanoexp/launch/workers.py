@@ -30,12 +30,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from nanoexp.failures import KnownFailure, is_known
 from nanoexp.launch.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
 
 log = logging.getLogger("nanoexp")
 
 
-class WorkerFailed(RuntimeError):
+class WorkerFailed(KnownFailure):
     """A worker died or raised, or lost a peer; the message names the rank (and host) and carries its error."""
 
 
@@ -223,7 +224,8 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
         fn(rank, world_size, device, *args)
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - any failure must reach the parent
-        errors.put((rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        # A failure that names its cause is one line; a bug brings its traceback.
+        errors.put((rank, f"{type(error).__name__}: {error}", "" if is_known(error) else traceback.format_exc()))
         code = 1
     _leave(code, errors)
 
@@ -285,7 +287,8 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
             rank, message, trace = reports[0]
         else:
             rank, message, trace = failure[0], f"exited with code {failure[1]}", ""
-        log.error("rank %d failed: %s\n%s", rank, message, trace)
+        if trace:   # a failure that names its cause is said once, by the command's last line
+            log.error("rank %d failed: %s\n%s", rank, message, trace)
         raise WorkerFailed(f"rank {rank} failed: {message}")
 
 

@@ -22,6 +22,7 @@ from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
+from nanoexp.failures import KnownFailure
 from nanoexp.numerics.precision import tf32_enabled
 from nanoexp.observe import timing
 from nanoexp.observe.heartbeat import HEARTBEAT
@@ -187,8 +188,8 @@ class Trainer:
     def train(self) -> dict:
         """Train from the resumed step to tokens.train_steps, evaluating and checkpointing when due;
         rank 0 writes summary.json (also when a step raises)."""
-        summary = {"status": "failed", "world_size": self.ctx.world_size, "layout": self.ctx.layout.name,
-                   "tf32": tf32_enabled(self.cfg, self.ctx.device),
+        summary = {"status": "failed", "run_id": self.checkpoints.run_id, "world_size": self.ctx.world_size,
+                   "layout": self.ctx.layout.name, "tf32": tf32_enabled(self.cfg, self.ctx.device),
                    "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
         self.announce(summary["num_parameters"])
         self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
@@ -269,7 +270,7 @@ class Trainer:
             for task, error in errors.items():
                 message = f"step {step}: downstream task {task} failed: {error}"
                 if self.cfg.eval.on_error == "stop":
-                    raise RuntimeError(f"{message} (eval.on_error=stop; the step's checkpoint is written)")
+                    raise KnownFailure(f"{message} (eval.on_error=stop; the step's checkpoint is written)")
                 log.error("%s; training goes on (eval.on_error=stop ends the run instead)", message)
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
