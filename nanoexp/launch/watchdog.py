@@ -15,8 +15,8 @@ the round's own store, which rank 0 starts: nanoexp/launch/rendezvous.py), so a 
 debugger, a frozen host) silences it, and a TCPStore call to a stopped server never returns (torch 2.13: after its
 own timeout it waits, unbounded, for the server to acknowledge). Moving the store out of rank 0 would need a
 process of its own under every launcher (plain SLURM tasks have none to spare) and lose torchrun's fresh store per
-round; instead every store call of the watchdog is bounded: a call unanswered for STORE_SILENT_S is itself the
-sign that rank 0 is stopped, and rank 1 then diagnoses from its own dump once it has made no progress for the
+round; instead each poll's store calls are bounded: a poll unanswered for STORE_SILENT_S is itself the sign
+that rank 0 is stopped, and rank 1 then diagnoses from its own dump once it has made no progress for the
 limit.
 """
 from __future__ import annotations
