@@ -271,6 +271,7 @@ class FaultInjectionConfig:
     stall_at_step: int = 3
     stall_s: float = 3600.0
     stall_holds_interpreter: bool = False          # that sleep holds Python's interpreter lock (no thread runs)
+    sigstop_rank: Optional[int] = None             # this rank stops itself (SIGSTOP) in its compute at `stall_at_step`
     skip_collective_rank: Optional[int] = None     # this rank skips the loss all-reduce of step 3
     wrong_shape_rank: Optional[int] = None         # this rank posts the loss all-reduce of step 3 with shape [2]
     short_pipeline_rank: Optional[int] = None      # this rank runs step 3 with one micro-batch too few

@@ -318,8 +318,8 @@ def logging_rules(cfg: Any) -> list[Rule]:
 
 def fault_rules(cfg: Any) -> list[Rule]:
     world, f = Layout.from_config(cfg).world_size, cfg.fault_injection
-    ranks = ["hang_rank"] + [key for key in ("stall_rank", "skip_collective_rank", "wrong_shape_rank",
-                                              "short_pipeline_rank", "raise_rank") if getattr(f, key) is not None]
+    ranks = ["hang_rank"] + [key for key in ("stall_rank", "sigstop_rank", "skip_collective_rank",
+                                              "wrong_shape_rank", "short_pipeline_rank", "raise_rank") if getattr(f, key) is not None]
     rules = [must(cfg, f"fault_injection.{key}", lambda rank: rank < world, f"below dp*cp*tp*pp = {world} (a rank "
                   "of the run)") for key in ranks]
     if f.short_pipeline_rank is not None:

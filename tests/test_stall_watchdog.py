@@ -4,8 +4,12 @@ seconds, naming the right rank, group and step; slow but progressing runs are le
 Every faulted run here would otherwise hang until parallelism.collective_timeout_s (600 s), and the wrong-shape
 one for ever (gloo ignores its timeout when the ranks posted different sizes)."""
 import os
+import pathlib
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from nanoexp.launch.watchdog import stall_limit
@@ -76,6 +80,51 @@ def test_rank_1_diagnoses_when_rank_0_cannot_run_python(tmp_path):
     assert "rank 0 wrote no dump" in lines[1] and lines[-2] == "  - no dump from rank 0: dead, or stuck where " \
         "Python cannot run"
     assert seconds < 60   # (rank 0 may dump later, woken by the launcher's SIGTERM: after the diagnosis)
+
+
+def stopped_descendants(pid: int) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [c for c in children if c.is_running() and c.status() == psutil.STATUS_STOPPED]
+
+
+def test_a_frozen_rank_0_is_named_and_the_run_ends(tmp_path):
+    """Rank 0 stopped (SIGSTOP) also stops the store it hosts, where every watchdog asks; rank 1's watchdog finds
+    the store silent, names rank 0 within debug.stall_s + 30 s, and the launcher ends every worker, the stopped one
+    too, and exits non-zero. Run as `python train.py`, for the exit code."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    output = tmp_path / "output.txt"
+    command = [sys.executable, "train.py", *RUN, "parallelism=dp2tp1pp1", "fault_injection.sigstop_rank=0",
+               f"hydra.run.dir={tmp_path / 'run'}"]
+    frozen, stopped_at = [], None
+    with open(output, "w") as out:
+        launcher = subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while launcher.poll() is None and time.monotonic() < deadline:
+            if not frozen:
+                frozen = stopped_descendants(launcher.pid)
+                stopped_at = time.time() if frozen else None
+            time.sleep(0.1)
+        ended_at = time.time()
+    finally:
+        for process in [launcher] + frozen:   # nothing left behind, stopped or not (SIGKILL ends a stopped one)
+            try:
+                process.kill()
+            except (ProcessLookupError, psutil.Error):
+                pass
+        launcher.wait()
+    text = output.read_text()
+    assert frozen and launcher.returncode == 1, text
+    diagnosed_at = (tmp_path / "run" / "debug" / "stall.txt").stat().st_mtime
+    print(f"rank 0 stopped; diagnosis after {diagnosed_at - stopped_at:.1f} s, launcher exited after "
+          f"{ended_at - stopped_at:.1f} s with code {launcher.returncode}")
+    assert "rank 1 failed: stall: rank 0 is frozen: the store it hosts has not answered rank 1 for" in text
+    assert "  - rank 0 has not posted all_reduce" in text and "in which rank 1 waits (step 3" in text
+    assert diagnosed_at - stopped_at < STALL_S + 30 and ended_at - stopped_at < STALL_S + 30
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in frozen)
 
 
 def test_a_rank_that_raises_is_reported_at_once(tmp_path):

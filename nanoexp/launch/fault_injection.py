@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import signal
 import time
 
 import torch
@@ -21,9 +23,11 @@ class FaultInjection(TrainerHooks):
     before that step, as a stuck GPU or host would. `nonfinite_loss_at_step`: the training loss of that step
     becomes NaN on the loss stage. The desync faults of the stall watchdog's tests, each on one rank:
     `stall_rank` sleeps `stall_s` in its compute at `stall_at_step` (with `stall_holds_interpreter`, holding Python's
-    interpreter lock, so that none of its threads runs either); at step 3, `skip_collective_rank` skips
-    the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one, `short_pipeline_rank`
-    runs one micro-batch too few, `raise_rank` raises. `slow_checkpoint_s`: rank 0 sleeps inside each save."""
+    interpreter lock, so that none of its threads runs either); `sigstop_rank` stops itself there (SIGSTOP: the whole
+    process, the store that rank 0 hosts included, as a debugger or `kill -STOP` would); at step 3,
+    `skip_collective_rank` skips the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one,
+    `short_pipeline_rank` runs one micro-batch too few, `raise_rank` raises. `slow_checkpoint_s`: rank 0 sleeps
+    inside each save."""
 
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
@@ -43,6 +47,9 @@ class FaultInjection(TrainerHooks):
                 ctypes.PyDLL(None).sleep(int(f.stall_s))
             else:
                 time.sleep(f.stall_s)
+        if self.rank == f.sigstop_rank and step == f.stall_at_step:
+            log.warning("fault injection: rank %d stops itself (SIGSTOP) in its compute at step %d", self.rank, step)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step != FAULT_STEP:
             return micro_batches
         if self.rank == f.raise_rank:

@@ -9,21 +9,29 @@ every poll; rank 0 reads them all and times the progress by its own clock (hosts
 0's watchdog itself falls silent (its Python cannot run: a call holding the interpreter lock), rank 1 takes its
 place. A rank in a long phase (start-up, first step, checkpoint save) holds the alarm back. A dead peer is not a
 stall: the collective fails at once and the launcher reports the lost contact as before.
+
+The store lives in rank 0's process under every launcher (env:// makes rank 0 its server; under torchrun it is
+the round's own store, which rank 0 starts: nanoexp/launch/rendezvous.py), so a stopped rank 0 (SIGSTOP, a
+debugger, a frozen host) silences it, and a TCPStore call to a stopped server never returns (torch 2.13: after its
+own timeout it waits, unbounded, for the server to acknowledge). Moving the store out of rank 0 would need a
+process of its own under every launcher (plain SLURM tasks have none to spare) and lose torchrun's fresh store per
+round; instead each poll's store calls are bounded: a poll unanswered for STORE_SILENT_S is itself the sign
+that rank 0 is stopped, and rank 1 then diagnoses from its own dump once it has made no progress for the
+limit.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
 from nanoexp.launch.workers import end_worker
-from nanoexp.observe.flight_recorder import PREFIX, read_dumps, read_trace, write_trace
+from nanoexp.observe.flight_recorder import read_dumps, read_trace, torch_analysis, write_trace
 from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.stall_diagnosis import diagnose
 from nanoexp.observe.summary import record_failure
@@ -34,7 +42,36 @@ AUTO_FLOOR_S, AUTO_FACTOR = 60.0, 10   # debug.stall_s=null: ten times the slowe
 DUMP_WAIT_S = 10.0                     # how long the analyst waits for the others' dumps before going without them
 ANALYSTS = 2                           # rank 0 diagnoses; rank 1 when rank 0's watchdog is silent
 SILENT_POLLS = 5                       # polls without a word from rank 0's watchdog that make it silent
+STORE_SILENT_S = 10.0                  # a store call unanswered this long: rank 0 is stopped (a live one answers in ms)
 KEY = "nanoexp/watchdog/"
+
+
+class StoreSilent(Exception):
+    """A store call did not return within its bound."""
+
+
+def bounded(call: Callable, timeout_s: float):
+    """call()'s result, or StoreSilent when it has not returned within timeout_s. It runs in a thread of its own,
+    left behind when it never returns; a second, short wait gives it a chance should this process itself have
+    been stopped meanwhile."""
+    outcome = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="nanoexp-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        thread.join(1.0)
+    if thread.is_alive():
+        raise StoreSilent(f"the store did not answer for {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 def stall_limit(stall_s: float | None, slowest_step_s: float | None) -> float:
@@ -76,25 +113,35 @@ class StallWatchdog:
         self.store.set(f"{KEY}beat/{self.rank}", json.dumps({**HEARTBEAT.snapshot(), "polls": self.polls}))
 
     def _watch(self) -> None:
-        progress: dict[int, tuple[int, float]] = {}   # rank -> (beat count, the analyst's clock when it changed)
-        polls_of_rank_0 = (None, 0)   # rank 0's last published poll count, and for how many polls it stood
+        self.progress: dict[int, tuple[int, float]] = {}   # rank -> (beat count, the analyst's clock when it changed)
+        self.rank_0_polls = (None, 0)   # rank 0's last published poll count, and for how many polls it stood
         try:
             while not self._stop.wait(self.poll_s):
                 self.polls += 1
-                self.publish()
-                if self.store.check([f"{KEY}stall"]):   # the analyst saw a stall: dump, and let it end the run
-                    self.dump()
-                    return
-                if self.rank == 1:
-                    polls = json.loads(self.store.get(f"{KEY}beat/0"))["polls"]
-                    polls_of_rank_0 = (polls, polls_of_rank_0[1] + 1 if polls == polls_of_rank_0[0] else 0)
-                if self.rank == 0 or (self.rank < ANALYSTS and polls_of_rank_0[1] >= SILENT_POLLS):
-                    quiet = self.quiet_seconds(progress)
-                    if quiet is not None:
-                        self.end_run(quiet)
+                try:
+                    seen = bounded(self.poll, STORE_SILENT_S)
+                except StoreSilent:
+                    return self.without_store()
+                if seen == "stall":   # the analyst saw a stall: dump, and let it end the run
+                    return self.dump()
+                if seen is not None:
+                    self.end_run(seen)
         except Exception as error:  # noqa: BLE001 - the store went away (rank 0 ended): nothing left to watch
             if not self._stop.is_set():
                 log.info("stall watchdog stopped: %s", error)
+
+    def poll(self) -> str | float | None:
+        """One poll's store calls: "stall" when the analyst declared one; the analyst's quiet seconds when they make a
+        stall; None otherwise."""
+        self.publish()
+        if self.store.check([f"{KEY}stall"]):
+            return "stall"
+        if self.rank == 1 and self.store.check([f"{KEY}beat/0"]):   # a get would wait for rank 0's first word
+            polls = json.loads(self.store.get(f"{KEY}beat/0"))["polls"]
+            self.rank_0_polls = (polls, self.rank_0_polls[1] + 1 if polls == self.rank_0_polls[0] else 0)
+        if self.rank == 0 or (self.rank < ANALYSTS and self.rank_0_polls[1] >= SILENT_POLLS):
+            return self.quiet_seconds(self.progress)
+        return None
 
     def quiet_seconds(self, progress: dict) -> float | None:
         """The analyst: how long no rank has progressed, when that makes a stall; None otherwise."""
@@ -111,11 +158,12 @@ class StallWatchdog:
         self.limit = stall_limit(self.stall_s, max((b["slowest_step_s"] or 0.0 for b in beats), default=None))
         return quiet if quiet > self.limit else None
 
-    def dump(self) -> str:
+    def setting(self) -> str:
+        return f"debug.stall_s={self.stall_s:g}" if self.stall_s else "debug.stall_s=null: automatic"
+
+    def dump(self) -> None:
         trace = read_trace(self.ctx.backend, self.ctx.group_table, HEARTBEAT, self.rank)
-        path = write_trace(self.debug_folder, self.rank, trace)
-        self.store.set(f"{KEY}dumped/{self.rank}", path)
-        return path
+        self.store.set(f"{KEY}dumped/{self.rank}", write_trace(self.debug_folder, self.rank, trace))
 
     def end_run(self, quiet: float) -> None:
         """The analyst: have every rank dump, diagnose, and end the run with the diagnosis."""
@@ -125,29 +173,45 @@ class StallWatchdog:
         dumped = [f"{KEY}dumped/{r}" for r in range(self.world)]
         while time.monotonic() - started < DUMP_WAIT_S and not self.store.check(dumped):
             time.sleep(0.1)
-        positions = {r: self.ctx.layout.position(r)[0] for r in range(self.world)}
-        lines = diagnose(read_dumps(self.debug_folder), self.world, positions)
-        analysis = self.run_torchfrtrace()
-        setting = f"debug.stall_s={self.stall_s:g}" if self.stall_s else "debug.stall_s=null: automatic"
+        fresh = [r for r in range(self.world) if self.store.check([dumped[r]])]   # this stall's dumps, no others
         quiet += time.monotonic() - started
-        message = (f"stall: no rank progressed for {quiet:.0f} s (limit {self.limit:.0f} s, {setting}); what the ranks' flight recorders say, the likeliest cause first:\n"
-                   + "\n".join(f"  - {line}" for line in lines)
+        self.report(f"stall: no rank progressed for {quiet:.0f} s (limit {self.limit:.0f} s, {self.setting()}); what "
+                    "the ranks' flight recorders say, the likeliest cause first:", fresh)
+
+    def without_store(self) -> None:
+        """The store did not answer: rank 0 is frozen (stopped, or its host cut off). Rank 1 ends the run once it has
+        itself made no progress for the limit, from its own dump (the others cannot be asked: the store is how they
+        are asked); the other ranks' watchdogs stop (their store calls would never return)."""
+        silent_since = time.monotonic() - STORE_SILENT_S
+        if self.rank != 1:
+            log.warning("stall watchdog: the store (rank 0's) has not answered for %g s; rank 1 diagnoses",
+                        STORE_SILENT_S)
+            return
+        while not self._stop.wait(self.poll_s):
+            quiet = HEARTBEAT.snapshot()["since_s"]
+            self.limit = stall_limit(self.stall_s, HEARTBEAT.slowest_step_s)
+            if quiet > self.limit:
+                trace = read_trace(self.ctx.backend, self.ctx.group_table, HEARTBEAT, self.rank)
+                write_trace(self.debug_folder, self.rank, trace)
+                silent = time.monotonic() - silent_since
+                return self.report(
+                    f"stall: rank 0 is frozen: the store it hosts has not answered rank 1 for {silent:.0f} s, and "
+                    f"rank 1 has not progressed for {quiet:.0f} s (limit {self.limit:.0f} s, {self.setting()}); what "
+                    "rank 1's flight recorder says:", [self.rank], unasked=frozenset(range(2, self.world)))
+
+    def report(self, headline: str, dumped: list[int], unasked: frozenset[int] = frozenset()) -> None:
+        """Diagnose this stall's dumps (of the ranks in `dumped`), and end the run with the diagnosis."""
+        dumps = read_dumps(self.debug_folder, dumped)
+        positions = {r: self.ctx.layout.position(r)[0] for r in range(self.world)}
+        lines = diagnose(dumps, self.world, positions, unasked)
+        if unasked:
+            plural = "s" if len(unasked) > 1 else ""
+            lines.append(f"not asked for a dump (the store is how they are asked): rank{plural} "
+                         + ", ".join(map(str, sorted(unasked))))
+        analysis = torch_analysis(dumps, os.path.join(self.debug_folder, "torchfrtrace.txt"))
+        message = (headline + "\n" + "\n".join(f"  - {line}" for line in lines)
                    + f"\n  dumps: {self.folder} (torch's own analysis: {analysis})")
         with open(os.path.join(self.debug_folder, "stall.txt"), "w") as f:
             f.write(message + "\n")
         record_failure(self.run_dir, RuntimeError(message))
         end_worker(message)
-
-    def run_torchfrtrace(self) -> str:
-        """torch's analyzer over the dumps, into debug/torchfrtrace.txt (best effort: it wants every rank's dump)."""
-        output = os.path.join(self.debug_folder, "torchfrtrace.txt")
-        command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", self.folder, "-p", PREFIX,
-                   "--allow-incomplete-ranks"]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-            text = result.stdout + result.stderr
-        except (OSError, subprocess.TimeoutExpired) as error:
-            text = f"{' '.join(command)}: {error}"
-        with open(output, "w") as f:
-            f.write(text)
-        return output

@@ -27,6 +27,7 @@ import traceback
 from datetime import timedelta
 from typing import Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -296,9 +297,18 @@ def _stop(procs, grace_s: float = 5.0) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            if _stopped(p.pid):   # SIGSTOP, a debugger: SIGTERM waits until it runs again, SIGKILL does not
+                p.kill()
     deadline = time.time() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.time()))
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False

@@ -4,6 +4,11 @@ writes the ring to `<run>/debug/fr/rank_<N>` in the format torch's analyzer (`to
 the same as JSON to `<run>/debug/fr_json/rank_<N>.json`, which is what nanoexp's own diagnosis reads: nanoexp
 decodes only the pickle torch's recorder hands over in memory, in this process, and never unpickles a file.
 
+torch's analyzer unpickles every file whose name holds the prefix, in subfolders too: run over the run folder, a
+file planted there (a shared, copied or resumed run) would run its code. So nanoexp runs it over a private folder
+of its own making, holding only the dumps of this stall, pickled again from their JSON (plain data: nothing in
+them can run).
+
 Two things are added to what torch writes. gloo leaves the dump's group table (`pg_config`) empty, which the
 analyzer needs to match ranks: nanoexp fills it from its own groups (their layout names and global ranks). And
 under the key "nanoexp", the rank's heartbeat and, for each recorded collective, the step and action that posted
@@ -14,6 +19,10 @@ from __future__ import annotations
 import json
 import os
 import pickle   # torch's dump format: decoded from torch's own bytes in memory, written for torchfrtrace
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -59,12 +68,36 @@ def write_trace(run_debug_folder: str, rank: int, trace: dict) -> str:
     return os.path.join(run_debug_folder, "fr", f"{PREFIX}{rank}")
 
 
-def read_dumps(run_debug_folder: str) -> dict[int, dict]:
-    """The JSON copies of the dumps, by rank (record ids as JSON gives them: places are keyed by their text)."""
-    folder, dumps = os.path.join(run_debug_folder, "fr_json"), {}
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        rank = name.removeprefix(PREFIX).removesuffix(".json")
-        if name.startswith(PREFIX) and name.endswith(".json") and rank.isdigit():
-            with open(os.path.join(folder, name)) as f:
-                dumps[int(rank)] = json.load(f)
+def read_dumps(run_debug_folder: str, ranks: list[int]) -> dict[int, dict]:
+    """The JSON copies of the dumps of `ranks` (those that dumped in this stall), by rank; nothing else in the
+    folder is read. Record ids as JSON gives them: places are keyed by their text. A dump that is not JSON (not
+    one nanoexp wrote) counts as none."""
+    dumps = {}
+    for rank in ranks:
+        try:
+            with open(os.path.join(run_debug_folder, "fr_json", f"{PREFIX}{rank}.json")) as f:
+                dumps[rank] = json.load(f)
+        except (OSError, ValueError):
+            continue
     return dumps
+
+
+def torch_analysis(dumps: dict[int, dict], output: str) -> str:
+    """torch's analyzer over `dumps` (read_dumps' plain data), into `output`; returns `output`. Best effort: it
+    wants every rank's dump. Its input is a fresh folder only this user can read (mkdtemp), removed after."""
+    folder = tempfile.mkdtemp(prefix="nanoexp-fr-")
+    command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder, "-p", PREFIX,
+               "--allow-incomplete-ranks"]
+    try:
+        for rank, trace in dumps.items():
+            with open(os.path.join(folder, f"{PREFIX}{rank}"), "wb") as f:
+                pickle.dump(trace, f)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        text = result.stdout + result.stderr
+    except (OSError, subprocess.TimeoutExpired) as error:
+        text = f"{' '.join(command)}: {error}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    with open(output, "w") as f:
+        f.write(text)
+    return output

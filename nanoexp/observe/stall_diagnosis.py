@@ -38,8 +38,8 @@ def _op(entry: dict) -> str:
 class Ranks:
     """The dumps read as per-rank states (`dumps`: rank -> trace with nanoexp's additions)."""
 
-    def __init__(self, dumps: dict[int, dict], pp_rank_of: dict[int, int]):
-        self.dumps, self.pp_rank_of = dumps, pp_rank_of
+    def __init__(self, dumps: dict[int, dict], pp_rank_of: dict[int, int], unasked: frozenset[int] = frozenset()):
+        self.dumps, self.pp_rank_of, self.unasked = dumps, pp_rank_of, unasked   # unasked: no dump, nothing known
         self.groups: dict[str, tuple[str, list[int]]] = {}
         for trace in dumps.values():
             for name, config in trace.get("pg_config", {}).items():
@@ -78,6 +78,8 @@ class Ranks:
 
     def state(self, rank: int) -> str:
         """What `rank` is doing, as the end of a sentence."""
+        if rank in self.unasked:
+            return "was not asked for a dump"
         if rank not in self.dumps:
             return "wrote no dump (it died, or is stuck where Python cannot run)"
         beat, pending = self.heartbeat(rank), self.pending(rank)
@@ -124,7 +126,8 @@ def missing_ranks(ranks: Ranks, group: str, seq: int, posted: dict, members: lis
     op, when = _op(next(iter(posted.values()))), ranks.place(*next(iter(posted.items())))
     plural = len(waiting) > 1
     waiters = f"rank{'s' if plural else ''} {', '.join(map(str, waiting))} wait{'' if plural else 's'}"
-    behind = [r for r in members if r not in posted and (r not in ranks.dumps or ranks.last_seq(r, group) < seq)]
+    behind = [r for r in members if r not in posted and r not in ranks.unasked
+              and (r not in ranks.dumps or ranks.last_seq(r, group) < seq)]
     for missing in behind:
         priority = 2 if ranks.in_own_work(missing) or missing not in ranks.dumps else 5
         same_program = missing in ranks.dumps and {ranks.pp_rank_of[w] for w in waiting} == {ranks.pp_rank_of[missing]}
@@ -155,15 +158,17 @@ def pipeline_findings(ranks: Ranks) -> list[Finding]:
     return findings
 
 
-def diagnose(dumps: dict[int, dict], world_size: int, pp_rank_of: dict[int, int]) -> list[str]:
-    """The findings, most likely cause first; ranks without a dump are named."""
-    ranks = Ranks(dumps, pp_rank_of)
+def diagnose(dumps: dict[int, dict], world_size: int, pp_rank_of: dict[int, int],
+             unasked: frozenset[int] = frozenset()) -> list[str]:
+    """The findings, most likely cause first; ranks without a dump are named. `unasked`: ranks that could not be
+    asked to dump (the store was silent): nothing is said of them."""
+    ranks = Ranks(dumps, pp_rank_of, unasked)
     findings = sorted(collective_findings(ranks) + pipeline_findings(ranks), key=lambda f: f.priority)
     lines = [f.text for f in findings]
     if not lines:
         lines = ["no rank waits in a collective or for a message: every rank is in its own work (" + "; ".join(
             f"rank {r} {ranks.state(r)}" for r in sorted(dumps)) + "); if the run is just slow, raise debug.stall_s"]
-    silent = [r for r in range(world_size) if r not in dumps]
+    silent = [r for r in range(world_size) if r not in dumps and r not in unasked]
     if silent:
         lines.append(f"no dump from rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}: "
                      "dead, or stuck where Python cannot run")
