@@ -1,6 +1,7 @@
 """Shared test helpers: compose the real config from conf/ and run training in-process."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -59,3 +60,21 @@ def train_py(overrides: list[str], run_dir) -> int:
         except SystemExit as exit_info:
             return exit_info.code if isinstance(exit_info.code, int) else 1
     return 0
+
+
+def require(module: str):
+    """`module`, imported; a skip with the reason when it is missing, except under CI=true, where `.[dev]` installs
+    every package the tests import, so a missing one fails instead of skipping silently."""
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[dev]')")
+
+
+SLOW = pytest.mark.slow   # left out of the quick tier (`pytest -m quick`); the whole suite runs it
+
+
+def tiered(cases, quick) -> list:
+    """The names of `cases` for parametrize, each but those in `quick` marked slow: the quick tier runs one or two
+    cases of a family (enough to reach every module), the whole suite every case."""
+    assert set(quick) <= set(cases), set(quick) - set(cases)
+    return [name if name in quick else pytest.param(name, marks=SLOW) for name in cases]

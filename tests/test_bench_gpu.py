@@ -5,11 +5,14 @@ import json
 import os
 import subprocess
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND_LIMIT_S = 600   # one device command's limit
 FILES_BACK = 8          # the files a device command can return
 
 
+@pytest.mark.slow
 def test_the_dry_run_fits_the_loan(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(["bash", "benchmarks/bench_gpu.sh", "--dry-run"], cwd=ROOT, capture_output=True,
@@ -25,6 +28,7 @@ def test_the_dry_run_fits_the_loan(tmp_path):
     assert "smoke: loss" in result.stdout and "OK" in result.stdout
 
 
+@pytest.mark.slow
 def test_runs_that_would_overrun_the_budget_are_skipped_and_said_so(tmp_path):
     """A 40 s budget holds the smoke test at most and skips the rest, each skip said; nothing ends past it."""
     result = subprocess.run(["bash", "benchmarks/bench_gpu.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,

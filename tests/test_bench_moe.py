@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.bench import bench_one, moe_comparisons, table_row
+from tests.helpers import require
 
 SHAPE = ["model.model_config.hidden_size=64", "model.model_config.intermediate_size=128",
          "model.model_config.num_attention_heads=4", "model.model_config.num_key_value_heads=2",
@@ -16,7 +17,7 @@ ARGS = SimpleNamespace(warmup=1, steps=1)
 
 @pytest.fixture(scope="module")
 def results():
-    pytest.importorskip("transformers")
+    require("transformers")
     return {"mixtral": bench_one("moe_tiny", "default", ARGS, SHAPE + MIXTRAL, peak_tflops=0.1),
             "moe_tiny": bench_one("moe_tiny", "default", ARGS, SHAPE, peak_tflops=0.1),
             "dense": bench_one("tiny", "default", ARGS, SHAPE, peak_tflops=0.1)}

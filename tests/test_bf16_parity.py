@@ -1,7 +1,7 @@
 """bf16 (model.dtype=bfloat16: bf16 autocast, float32 master weights and gradients): every layout
 trains the same model as one bf16 process, and every gradient reduction runs in float32.
 
-Reference: one bf16 process with the same seed, data and global batch, computed once per module.
+Reference: one bf16 process with the same seed, data and global batch, computed once per test session.
 benchmarks/bench_bf16.py measures every file of conf/parallelism/ the same way (table in the README).
 """
 import os
@@ -17,7 +17,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, train, train_losses
+from tests.helpers import FAST, compose_config, tiered, train, train_losses
 from tests.test_parallel import INTERLEAVED, TIED
 
 BF16 = FAST + ["model.dtype=bfloat16", "tokens.train_steps=8", "tokens.val_check_interval=0"]
@@ -49,20 +49,20 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bf16_reference")
-    return {"untied": train(root / "untied", BF16), "tied": train(root / "tied", BF16 + TIED)}
+@pytest.fixture
+def reference(train_once):
+    """One bf16 process, untied or tied, trained once per test session."""
+    return lambda kind: train_once(BF16 + (TIED if kind == "tied" else []))[1]
 
 
 def grad_norms(records) -> list[float]:
     return [r["grad_norm"] for r in records if "loss" in r]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(CASES, quick=["dp2tp1pp2-zero3"]))
 def test_bf16_layout_matches_one_bf16_process(name, reference, tmp_path):
     records = train(tmp_path, BF16 + CASES[name])
-    expected = reference["tied" if TIED[0] in CASES[name] else "untied"]
+    expected = reference("tied" if TIED[0] in CASES[name] else "untied")
     assert len(train_losses(records)) == len(train_losses(expected)) == 8
     np.testing.assert_allclose(train_losses(records), train_losses(expected), rtol=LOSS_RTOL, atol=0)
     np.testing.assert_allclose(grad_norms(records), grad_norms(expected), rtol=GRAD_NORM_RTOL, atol=0)

@@ -13,6 +13,7 @@ from nanoexp.data import (
 )
 from nanoexp.data.loader import IGNORE_INDEX, eval_rounds
 from nanoexp.data.corpus import BUILTIN_CORPUS
+from tests.helpers import require
 
 SEQ = 8
 
@@ -58,8 +59,8 @@ def test_missing_tokenizer_path_is_clear(tmp_path):
 
 
 def _save_tiny_hf_tokenizer(folder, eos: bool) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
+    tokenizers = require("tokenizers")
+    transformers = require("transformers")
     from tokenizers import models, pre_tokenizers, trainers
 
     raw = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The default run takes 41-153 s alone and several times that on a loaded 2-core machine: the run's own 900 s limit,
 # not pytest's default 600 s, decides.
+@pytest.mark.slow
 @pytest.mark.timeout(960)
 def test_default_run_reaches_the_documented_eval_loss(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"hydra.run.dir={tmp_path}",

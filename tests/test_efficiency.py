@@ -16,7 +16,7 @@ from nanoexp.model.attention import SDPA, Causal
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.observe.memory import saved_activation_bytes
 from nanoexp.runtime.build import build_model, model_shape
-from tests.helpers import FAST, compose_config, train, train_losses
+from tests.helpers import FAST, SLOW, compose_config, train, train_losses
 
 STEPS = ["tokens.train_steps=3", "tokens.val_check_interval=0"]
 
@@ -57,6 +57,7 @@ def test_fused_adamw_same_losses(tmp_path, default_losses):
     assert losses == pytest.approx(default_losses, rel=1e-5)
 
 
+@SLOW
 def test_compile_same_losses(tmp_path, default_losses, monkeypatch):
     # One in-process compile thread: a pool of compile workers costs more than it saves on 2 cores.
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)

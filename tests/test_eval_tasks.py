@@ -12,8 +12,9 @@ import pytest
 
 from nanoexp.data.corpus import load_builtin_documents, split_train_val
 from nanoexp.evaluation.task_recipe import build_tasks
+from tests.helpers import require
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = require("lm_eval")
 import lm_eval.evaluator  # noqa: E402
 import lm_eval.tasks  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402

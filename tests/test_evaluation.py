@@ -27,9 +27,9 @@ from nanoexp.evaluation.scorer import ShardedScorer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.runtime.step import StepRunner
-from tests.helpers import FAST, compose_config, read_metrics, start_error, train
+from tests.helpers import FAST, compose_config, read_metrics, require, start_error, train
 
-pytest.importorskip("lm_eval")
+require("lm_eval")
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 from nanoexp.evaluation.harness import NanoexpLM  # noqa: E402 - needs the harness
 

@@ -7,7 +7,7 @@ import torch
 
 from nanoexp.data import ByteTokenizer, TokenWindows, TrainBatches, build_hf_datasets
 from tests.data_files import byte_stream, random_documents, write_jsonl
-from tests.helpers import FAST, compose_config, start_error, train
+from tests.helpers import FAST, compose_config, require, start_error, train
 from tests.test_data import _save_tiny_hf_tokenizer
 
 SEQ = 8
@@ -46,7 +46,7 @@ def test_stream_and_table_give_the_reference_samples(jsonl_folder):
 
 
 def test_save_to_disk_folder_matches_jsonl(jsonl_folder, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = require("datasets")
     path, docs = jsonl_folder
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
     for streaming in (False, True):

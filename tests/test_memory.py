@@ -16,7 +16,7 @@ from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.memory import saved_activation_bytes
 from tests.distributed import run_distributed
-from tests.helpers import compose_config
+from tests.helpers import SLOW, compose_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,13 +126,13 @@ def measured_and_estimated(tmp_path, overrides) -> list[tuple[float, float]]:
 
 
 @pytest.mark.parametrize("layout", [
-    ["parallelism=dp1tp1pp1"], ["parallelism=dp1tp1pp2"],
+    ["parallelism=dp1tp1pp1"], pytest.param(["parallelism=dp1tp1pp2"], marks=SLOW),
     # Where sharding and recomputation shrink the rest, what the estimate once left out dominated: the runtime's
     # working set (now in the baseline) and gloo's copies of ZeRO-1's gradient buckets (now counted): 0.70 of the
     # measured peak before, 0.84-0.95 on these (and on dp2tp1pp2 1f1b with ZeRO-1 and recomputation).
-    ["parallelism=dp2tp2pp1", "parallelism.tp_mode=reduce_scatter", "optimizer.zero_stage=1",
-     "parallelism.recompute_layer=true"],
-    ["parallelism=dp1cp2tp1pp2", "parallelism.recompute_layer=true"],
+    pytest.param(["parallelism=dp2tp2pp1", "parallelism.tp_mode=reduce_scatter", "optimizer.zero_stage=1",
+                  "parallelism.recompute_layer=true"], marks=SLOW),
+    pytest.param(["parallelism=dp1cp2tp1pp2", "parallelism.recompute_layer=true"], marks=SLOW),
 ], ids=["dp1tp1pp1", "dp1tp1pp2", "dp2tp2pp1-sp-zero1-recompute", "dp1cp2tp1pp2-recompute"])
 def test_estimate_predicts_the_measured_peak(layout, tmp_path):
     # The estimate counts tensors; the measured peak also holds what no formula sees (the batches,
@@ -146,6 +146,7 @@ def test_estimate_predicts_the_measured_peak(layout, tmp_path):
         assert 0.8 <= estimated / measured <= high, (measured, estimated)
 
 
+@SLOW
 def test_zero1_saves_the_sharded_adam_state_in_the_measured_peak(tmp_path):
     """dp=2: ZeRO-1 keeps half of AdamW's 8 bytes a parameter; at least 80 % of that 8N/2 must show in
     every rank's measured peak (gloo's reduce-scatter and all-gather copy a 4 MB bucket, the rest is

@@ -15,7 +15,7 @@ import torch
 from nanoexp.model.moe import MoE, MoeLosses, MoeShape
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.interop.hf_checkpoint import convert_to_hf
-from tests.helpers import FAST, compose_config, start_error, train
+from tests.helpers import FAST, SLOW, compose_config, start_error, tiered, train
 from tests.test_parallel import FIRST_STEP_ATOL, INTERLEAVED, LATER_STEP_ATOL, assert_same_steps
 
 MOE = ["model=moe_tiny"]
@@ -121,16 +121,16 @@ def moe_curves(records) -> dict[str, np.ndarray]:
              "moe_load_imbalance/layer_3")}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return moe_curves(train(tmp_path_factory.mktemp("moe_reference"), FAST + MOE + STEPS))
+@pytest.fixture
+def reference(train_once):
+    return moe_curves(train_once(FAST + MOE + STEPS)[1])
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_reproduces_single_process_moe_losses(name, reference, tmp_path):
+@pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["ep2-dp2tp2pp2-reduce_scatter-recompute"]))
+def test_layout_reproduces_single_process_moe_losses(name, train_once, tmp_path):
     ours = moe_curves(train(tmp_path, FAST + MOE + STEPS + LAYOUTS[name]))
-    if "normalized" in name:   # another router: its own one-process run
-        reference = moe_curves(train(tmp_path / "reference", FAST + MOE + STEPS + LAYOUTS[name][-1:]))
+    # "normalized": another router, its own one-process run
+    reference = moe_curves(train_once(FAST + MOE + STEPS + (LAYOUTS[name][-1:] if "normalized" in name else []))[1])
     assert len(ours["loss"]) == 8
     assert abs(ours["loss"][0] - reference["loss"][0]) < FIRST_STEP_ATOL
     np.testing.assert_allclose(ours["loss"], reference["loss"], atol=LATER_STEP_ATOL, rtol=0)
@@ -145,14 +145,14 @@ def test_layout_reproduces_single_process_moe_losses(name, reference, tmp_path):
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 
 
-@pytest.mark.parametrize("layout", [["parallelism=dp2tp1pp1"] + EP2, ["parallelism=dp1tp2pp1"],
-                                    ["parallelism=dp1tp1pp2"]],
+@pytest.mark.parametrize("layout", [["parallelism=dp2tp1pp1"] + EP2, pytest.param(["parallelism=dp1tp2pp1"], marks=SLOW),
+                                    pytest.param(["parallelism=dp1tp1pp2"], marks=SLOW)],
                          ids=["ep2", "tp2-all_reduce", "pp2"])
-def test_a_capacity_drops_the_same_tokens_where_a_rank_holds_whole_micro_batches(layout, tmp_path):
+def test_a_capacity_drops_the_same_tokens_where_a_rank_holds_whole_micro_batches(layout, tmp_path, train_once):
     """A capacity counts a rank's tokens of the micro-batch: where every rank that routes holds the whole
     micro-batch (dp, tp without SP, pp) the same tokens are dropped as on one process; cp and SP are refused.
     Expert parallelism drops a token where it is routed, before it is sent: ep changes nothing here."""
-    expected = train(tmp_path / "reference", FAST + MOE + STEPS + CAPACITY)
+    expected = train_once(FAST + MOE + STEPS + CAPACITY)[1]
     ours = train(tmp_path / "run", FAST + MOE + STEPS + CAPACITY + layout)
     dropped = [r["moe_dropped_fraction"] for r in expected if "loss" in r]
     assert 0 < min(dropped) and max(dropped) < 1   # measured 0.31-0.53: the early routing is uneven

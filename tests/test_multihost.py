@@ -14,6 +14,7 @@ from tests.multihost import (HOSTS, ROOT, fake_hosts, finish, kill_worker, requi
                              wait_for_line)
 from tests.test_parallel import assert_same_steps
 
+pytestmark = pytest.mark.service   # a SLURM cluster or the fake hosts: left out of the quick tier
 STEPS = ["tokens.train_steps=4", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.lr_warmup_steps=2",
          "checkpoint.save_final_state=false"]
 RENDEZVOUS = ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--max-restarts=0"]

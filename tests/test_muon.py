@@ -21,7 +21,7 @@ from nanoexp.runtime import muon
 from nanoexp.runtime.muon import TensorParallelMuon, takes_muon
 from nanoexp.runtime.optim import build_optimizer, set_lr
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, start_error, train, train_losses
+from tests.helpers import FAST, compose_config, start_error, tiered, train, train_losses
 
 MUON = ["optimizer.optimizer_factory.name=muon"]
 STEPS = ["tokens.train_steps=8", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
@@ -131,9 +131,9 @@ MOE_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("muon_reference"), FAST + STEPS + MUON)
+@pytest.fixture
+def reference(train_once):
+    return train_once(FAST + STEPS + MUON)[1]
 
 
 def orthogonalise_in_float32(update, coefficients=muon.NS_COEFFICIENTS, steps=5, eps=muon.EPS):
@@ -155,12 +155,12 @@ def moe_reference(tmp_path_factory):
         return train(tmp_path_factory.mktemp("muon_moe_reference"), FAST + STEPS + MUON + ["model=moe_tiny"])
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["dp2tp2pp2-reduce_scatter-zero3"]))
 def test_layout_reproduces_single_process(name, reference, tmp_path):
     assert_like_one_process(train(tmp_path, FAST + STEPS + MUON + LAYOUTS[name]), reference)
 
 
-@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+@pytest.mark.parametrize("name", tiered(MOE_LAYOUTS, quick=["dp2cp2-ep2-zero3"]))
 def test_moe_layout_reproduces_single_process(name, moe_reference, tmp_path, monkeypatch):
     monkeypatch.setattr(muon, "orthogonalise", orthogonalise_in_float32)   # local workers fork: they inherit it
     records = train(tmp_path, FAST + STEPS + MUON + ["model=moe_tiny"] + MOE_LAYOUTS[name])

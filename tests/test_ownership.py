@@ -38,6 +38,7 @@ def step_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}   # a repeated step: the last
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_takes_its_workers_and_the_rerun_resumes_exactly(tmp_path):
     """SIGKILL of a dp2 run's launcher after step 3: within 10 s no worker is left and no checkpoint newer than
     those on disk at the kill appears; the same command run again resumes from that checkpoint (one read of

@@ -21,7 +21,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, train, train_losses
+from tests.helpers import FAST, compose_config, tiered, train, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["tokens.train_steps=10", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
@@ -113,10 +113,10 @@ DOCUMENT_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    return {"untied": train(root / "untied", FAST + STEPS), "tied": train(root / "tied", FAST + STEPS + TIED)}
+@pytest.fixture
+def reference(train_once):
+    """The one-process run of FAST + STEPS, untied or tied: trained once per test session (tests/conftest.py)."""
+    return lambda kind: train_once(FAST + STEPS + (TIED if kind == "tied" else []))[1]
 
 
 def eval_losses(records) -> list[float]:
@@ -153,19 +153,19 @@ def assert_same_curve(records, expected_records, steps: int = 10):
     np.testing.assert_allclose(eval_losses(records), eval_losses(expected_records), atol=LATER_STEP_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(CASES, quick=["dp2tp2pp2-1f1b-reduce_scatter"]))
 def test_layout_reproduces_single_process_losses(name, reference, tmp_path):
-    assert_same_curve(train(tmp_path, FAST + STEPS + CASES[name]), reference["untied"])
+    assert_same_curve(train(tmp_path, FAST + STEPS + CASES[name]), reference("untied"))
 
 
-@pytest.mark.parametrize("name", list(CP_CASES))
+@pytest.mark.parametrize("name", tiered(CP_CASES, quick=["dp1cp2tp1pp2-interleaved"]))
 def test_context_parallel_layout_reproduces_single_process_losses(name, reference, tmp_path):
-    assert_same_curve(train(tmp_path, FAST + STEPS + CP_CASES[name]), reference["untied"])
+    assert_same_curve(train(tmp_path, FAST + STEPS + CP_CASES[name]), reference("untied"))
 
 
-@pytest.mark.parametrize("name", list(TIED_CASES))
+@pytest.mark.parametrize("name", tiered(TIED_CASES, quick=["tied-dp2tp1pp2-1f1b"]))
 def test_tied_embeddings_across_stages(name, reference, tmp_path):
-    assert_same_curve(train(tmp_path, FAST + STEPS + TIED + TIED_CASES[name]), reference["tied"])
+    assert_same_curve(train(tmp_path, FAST + STEPS + TIED + TIED_CASES[name]), reference("tied"))
 
 
 @pytest.fixture(scope="module")
@@ -180,23 +180,16 @@ def documents(tmp_path_factory):
     return run, train(root / "reference", run)
 
 
-@pytest.mark.parametrize("name", list(DOCUMENT_CASES))
+@pytest.mark.parametrize("name", tiered(DOCUMENT_CASES, quick=["document-dp1cp4tp1pp1"]))
 def test_document_masking_on_a_layout_reproduces_single_process_losses(name, documents, tmp_path):
     run, expected = documents
     assert_same_curve(train(tmp_path, run + DOCUMENT_CASES[name]), expected)
 
 
-@pytest.fixture(scope="module")
-def mup_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mup_reference")
-    return {"untied": train(root / "untied", FAST + STEPS + MUP),
-            "tied": train(root / "tied", FAST + STEPS + MUP + TIED)}
-
-
-@pytest.mark.parametrize("name", list(MUP_CASES))
-def test_mup_layout_reproduces_single_process_losses(name, mup_reference, tmp_path):
+@pytest.mark.parametrize("name", tiered(MUP_CASES, quick=["mup-dp1cp2tp2pp1-reduce_scatter-zero1"]))
+def test_mup_layout_reproduces_single_process_losses(name, train_once, tmp_path):
     records = train(tmp_path, FAST + STEPS + MUP + MUP_CASES[name])
-    assert_same_curve(records, mup_reference["tied" if TIED[0] in MUP_CASES[name] else "untied"])
+    assert_same_curve(records, train_once(FAST + STEPS + MUP + (TIED if TIED[0] in MUP_CASES[name] else []))[1])
 
 
 def _first_step(rank, world_size, overrides):
@@ -253,16 +246,19 @@ def assert_same_first_step(results, expected):
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
-    ["parallelism=dp2tp2pp2", "parallelism.pp_engine=afab"] + TIED,
-    ["parallelism=dp1tp1pp4"],
-    ["parallelism=dp2tp1pp2"] + INTERLEAVED + TIED,
-    ["parallelism=dp1cp2tp2pp2", "parallelism.tp_mode=reduce_scatter"] + TIED,
-    ["parallelism=dp2cp2tp1pp1", "parallelism.cp_mode=all_gather"],
-], ids=["dp2tp2pp2-sp", "dp2tp2pp2-afab-tied", "dp1tp1pp4", "dp2tp1pp2-interleaved-tied", "dp1cp2tp2pp2-sp-tied",
-        "dp2cp2-all_gather"])
-def test_first_step_gradients_match_single_process(overrides):
+FIRST_STEP_CASES = {
+    "dp2tp2pp2-sp": ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
+    "dp2tp2pp2-afab-tied": ["parallelism=dp2tp2pp2", "parallelism.pp_engine=afab"] + TIED,
+    "dp1tp1pp4": ["parallelism=dp1tp1pp4"],
+    "dp2tp1pp2-interleaved-tied": ["parallelism=dp2tp1pp2"] + INTERLEAVED + TIED,
+    "dp1cp2tp2pp2-sp-tied": ["parallelism=dp1cp2tp2pp2", "parallelism.tp_mode=reduce_scatter"] + TIED,
+    "dp2cp2-all_gather": ["parallelism=dp2cp2tp1pp1", "parallelism.cp_mode=all_gather"],
+}
+
+
+@pytest.mark.parametrize("name", tiered(FIRST_STEP_CASES, quick=["dp2tp2pp2-sp"]))
+def test_first_step_gradients_match_single_process(name):
+    overrides = FIRST_STEP_CASES[name]
     tied = TIED if TIED[0] in overrides else []
     (expected,) = run_distributed(_first_step, 1, ["parallelism=dp1tp1pp1"] + tied)
     results = run_distributed(_first_step, Layout.from_config(compose_config(FAST + overrides)).world_size, overrides)

@@ -13,6 +13,7 @@ from nanoexp.data import HFTokenizer, NanosetWriter, open_nanoset
 from nanoexp.data.nanoset import token_dtype
 from nanoexp.data.preprocess import preprocess
 from tests.data_files import byte_stream, random_documents, write_jsonl
+from tests.helpers import require
 from tests.test_data import _save_tiny_hf_tokenizer
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "preprocess_data.py")
@@ -61,7 +62,7 @@ def test_an_empty_input_is_refused_and_leaves_no_folder(tmp_path):
 
 
 def test_hf_tokenizer_parquet_and_txt_match_tokenizer_and_workers(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    pa = require("pyarrow")
     import pyarrow.parquet as pq
 
     _save_tiny_hf_tokenizer(tmp_path / "tok", eos=True)

@@ -24,6 +24,7 @@ from tests.slurm_cluster import (ROOT, THIS_MACHINE, finish, require_cluster, sa
                                  start_sweep, task_pids, wait_until)
 from tests.test_sweep import E2E_STEPS
 
+pytestmark = pytest.mark.service   # a SLURM cluster or the fake hosts: left out of the quick tier
 SAME_LAYOUT_ATOL = 1e-6
 CLUSTER = THIS_MACHINE
 

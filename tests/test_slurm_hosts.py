@@ -17,6 +17,7 @@ from tests.test_parallel import assert_same_steps
 from tests.test_slurm import SAME_LAYOUT_ATOL
 from tests.test_sweep import E2E_STEPS
 
+pytestmark = pytest.mark.service   # a SLURM cluster or the fake hosts: left out of the quick tier
 TWO_NODES = ["hydra.launcher.nodes=2"]   # tasks per node: the world size (4) over the nodes
 
 

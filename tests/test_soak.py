@@ -3,6 +3,7 @@ import os
 
 import numpy as np
 import psutil
+import pytest
 
 from tests.helpers import train
 
@@ -39,6 +40,7 @@ def assert_flat_memory(records, after_step):
     assert slope < LEAK_BOUND_KB_PER_STEP, (slope, [(r["step"], r["peak_memory_mb"]) for r in records if "loss" in r])
 
 
+@pytest.mark.slow
 def test_single_process_soak(tmp_path):
     ports_before = our_ports()
     records = train(tmp_path, MICRO + ["tokens.train_steps=3000"])
@@ -46,6 +48,7 @@ def test_single_process_soak(tmp_path):
     assert our_ports() == ports_before
 
 
+@pytest.mark.slow
 def test_multi_process_soak_leaves_nothing_behind(tmp_path):
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     ports_before = our_ports()

@@ -16,7 +16,7 @@ import pytest
 
 from nanoexp.launch.signals import handle_stop_signals, stop_requested
 from nanoexp.launch.workers import spawn_local
-from tests.helpers import FAST, train, train_losses
+from tests.helpers import FAST, SLOW, train, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A constant LR makes the schedule independent of train_steps, so one run can be continued in pieces.
@@ -64,8 +64,8 @@ def _signal_after_two_steps(run_dir, overrides, signum, to_group: bool) -> int:
 
 
 @pytest.mark.parametrize("method, signum, to_group", [
-    ("spawn", signal.SIGTERM, False),
-    ("spawn", signal.SIGINT, True),
+    pytest.param("spawn", signal.SIGTERM, False, marks=SLOW),
+    pytest.param("spawn", signal.SIGINT, True, marks=SLOW),
     ("fork", signal.SIGINT, True),
 ], ids=["spawn-SIGTERM", "spawn-ctrl-c", "fork-ctrl-c"])
 def test_stop_signal_checkpoints_and_resume_is_bit_exact(method, signum, to_group, tmp_path):

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from nanoexp.config import ConfigError
 from nanoexp.validation import validate
 from nanoexp.launch.sweep import slurm_tasks_per_node
-from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
+from tests.helpers import FAST, SLOW, compose_config, read_metrics, train_losses
 from tests.test_parallel import assert_same_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,11 +70,11 @@ def local_sweep(tmp_path_factory):
     return tmp, sweep, result
 
 
-def test_local_multirun_runs_every_job_and_matches_one_process(local_sweep):
+def test_local_multirun_runs_every_job_and_matches_one_process(local_sweep, train_once):
     tmp, sweep, result = local_sweep
     # Hydra runs all jobs, then reports the failed one (tp=4 does not divide the 2 KV heads).
     assert result.returncode != 0 and "num_key_value_heads=2 is not divisible by parallelism.tp=4" in result.stderr
-    expected = train(tmp / "reference", FAST + E2E_STEPS)
+    expected = train_once(FAST + E2E_STEPS)[1]
     for job, layout in ((0, "dp2tp1pp1"), (1, "dp1tp2pp1")):
         summary = json.loads((sweep / str(job) / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["layout"] == layout
@@ -174,6 +174,7 @@ def test_make_config_estimate_matches_a_hand_count():
     assert gpu["cuda_context"] > 0
 
 
+@SLOW
 def test_local_submitit_launcher_runs_the_job_from_any_folder(local_sweep, tmp_path):
     """`hydra/launcher=local`: submitit's local executor, started outside the checkout (the job must still
     import nanoexp and the launcher). Same layout as job 0 of the default launcher's sweep: same losses."""

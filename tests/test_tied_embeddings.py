@@ -13,7 +13,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.run import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config
+from tests.helpers import FAST, SLOW, compose_config
 from tests.test_parallel import TIED
 
 STEPS = ["tokens.train_steps=50", "tokens.val_check_interval=0", "checkpoint.save_final_state=false",
@@ -33,8 +33,8 @@ def _tied_copies(rank, world_size, overrides):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["parallelism=dp4tp1pp2", "parallelism.tp_mode=reduce_scatter"],
-    ["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
+    pytest.param(["parallelism=dp4tp1pp2", "parallelism.tp_mode=reduce_scatter"], marks=SLOW),
+    pytest.param(["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"], marks=SLOW),
     ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"],
 ], ids=["dp4tp1pp2-sp", "dp2tp2pp2-sp", "dp2tp1pp2-zero1"])
 def test_the_two_copies_stay_identical(overrides):

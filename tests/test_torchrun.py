@@ -32,6 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
@@ -117,6 +118,7 @@ def step_losses_of(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_killed_worker_under_plain_torchrun_restarts_and_resumes_exactly(tmp_path):
     """torchrun --standalone --max-restarts=1: SIGKILL of local rank 1 at step 6 restarts both workers, which
     resume from checkpoint 4 and end with an uninterrupted run's losses, bit for bit. The uninterrupted run has

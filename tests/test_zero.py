@@ -19,7 +19,7 @@ from nanoexp.runtime.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
 from nanoexp.interop.hf_checkpoint import convert_to_hf
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, train, train_losses
+from tests.helpers import FAST, SLOW, compose_config, tiered, train, train_losses
 from tests.test_checkpoint import CONSTANT_LR
 from tests.test_hf_conversion import LOGITS_ATOL
 from tests.test_parallel import INTERLEAVED, MUP, TIED, _first_step, assert_same_curve as assert_same_parallel_curve, \
@@ -53,11 +53,10 @@ COMPOSED = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process: the curves every stage and layout must reproduce."""
-    root = tmp_path_factory.mktemp("zero_reference")
-    return {tuple(extra): train(root / str(i), FAST + STEPS + extra) for i, extra in enumerate([[], TIED, MUP])}
+@pytest.fixture
+def reference(train_once):
+    """One process (trained once per test session): the curves every stage and layout must reproduce."""
+    return lambda model: train_once(FAST + STEPS + model)[1]
 
 
 def assert_same_curve(records, expected_records):
@@ -65,18 +64,22 @@ def assert_same_curve(records, expected_records):
     assert_same_parallel_curve(records, expected_records, steps=8)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+QUICK_STAGES = [("dp2pp2-1f1b", 1), ("dp2cp2", 3)]   # the quick tier's share of the 20 cases
+
+
+@pytest.mark.parametrize("layout, stage", [
+    pytest.param(layout, stage, id=f"{layout}-{stage}", marks=[] if (layout, stage) in QUICK_STAGES else [SLOW])
+    for stage in [0, 1, 2, 3] for layout in LAYOUTS])
 def test_zero_stage_reproduces_single_process_losses(layout, stage, reference, tmp_path):
     records = train(tmp_path, FAST + STEPS + LAYOUTS[layout] + [f"optimizer.zero_stage={stage}"])
-    assert_same_curve(records, reference[()])
+    assert_same_curve(records, reference([]))
 
 
-@pytest.mark.parametrize("name", list(COMPOSED))
+@pytest.mark.parametrize("name", tiered(COMPOSED, quick=["dp2tp2pp2-reduce_scatter-tied"]))
 def test_zero3_composes(name, reference, tmp_path):
     model, layout = COMPOSED[name]
     records = train(tmp_path, FAST + STEPS + model + layout + ["optimizer.zero_stage=3"])
-    assert_same_curve(records, reference[tuple(model)])
+    assert_same_curve(records, reference(model))
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +179,13 @@ def test_zero3_resumes_bit_for_bit_on_its_layout(tmp_path):
     assert resumed == full[2:]
 
 
-def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path):
+@SLOW
+def test_checkpoints_move_between_zero_stages_and_layouts(tmp_path, train_once):
     """Saved by ZeRO-3 (dp2 tp2), resumed on one process, saved, resumed by ZeRO-2 (dp2 pp2), saved, resumed
     by ZeRO-3 (dp4): the curve stays the one-process run's. The ZeRO-3 checkpoint holds the same model as a
     ZeRO-1 run of the same steps, and its Hugging Face export gives its logits."""
     tied = CONSTANT_LR + TIED
-    reference = train(tmp_path / "ref", tied + ["tokens.train_steps=8"])
+    reference = train_once(tied + ["tokens.train_steps=8"])[1]
     a = train(tmp_path / "a", tied + ["parallelism=dp2tp2pp1", "optimizer.zero_stage=3",
                                       "parallelism.tp_mode=reduce_scatter", "tokens.train_steps=2"])
     b = train(tmp_path / "b", tied + ["tokens.train_steps=4",

@@ -11,7 +11,7 @@ from nanoexp.parallel.pipeline.schedules import compute_order
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
 from nanoexp.verify.p2p_plan import check, named_plan
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies, idle_under_nccl
-from tests.helpers import FAST, compose_config, start_error, train, train_losses
+from tests.helpers import FAST, SLOW, compose_config, start_error, tiered, train, train_losses
 from tests.test_parallel import STEPS, TIED, assert_same_curve, assert_same_steps
 
 ZB = ["parallelism.pp_engine=zb_h1"]
@@ -125,34 +125,29 @@ OTHER_MODELS = {   # name: (the model's overrides, the layout's)
 }
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The one-process run of a model, trained once per module."""
-    root, runs = tmp_path_factory.mktemp("one_process"), {}
-
-    def run(name: str, overrides: list[str]):
-        if name not in runs:
-            runs[name] = train(root / name, FAST + STEPS + overrides)
-        return runs[name]
-    return run
+@pytest.fixture
+def one_process(train_once):
+    """The one-process run of a model (its overrides), trained once per test session."""
+    return lambda model: train_once(FAST + STEPS + model)[1]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(CASES, quick=["dp2tp1pp2-zero3"]))
 def test_zb_h1_trains_the_one_process_model(name, tmp_path, one_process):
-    assert_same_curve(train(tmp_path, FAST + STEPS + CASES[name] + ZB), one_process("plain", []))
+    assert_same_curve(train(tmp_path, FAST + STEPS + CASES[name] + ZB), one_process([]))
 
 
-@pytest.mark.parametrize("name", list(OTHER_MODELS))
+@pytest.mark.parametrize("name", tiered(OTHER_MODELS, quick=[]))
 def test_zb_h1_trains_the_one_process_model_of_other_models(name, tmp_path, one_process):
     model, layout = OTHER_MODELS[name]
-    assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + ZB), one_process(name, model))
+    assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + ZB), one_process(model))
 
 
-def test_zb_h1_in_bf16_keeps_the_bf16_contract(tmp_path):
+@SLOW
+def test_zb_h1_in_bf16_keeps_the_bf16_contract(tmp_path, train_once):
     """bf16 autocast: W's product grad_out^T x runs in bf16 as autocast's linear backward does, summed in another
     order (measured 9.1e-5 relative loss at most over 10 steps of pp2): test_bf16_parity.py's tolerances."""
     from tests.test_bf16_parity import BF16, GRAD_NORM_RTOL, LOSS_RTOL, grad_norms
-    one, split = train(tmp_path / "one", BF16), train(tmp_path / "zb", BF16 + ["parallelism=dp1tp1pp2"] + ZB)
+    one, split = train_once(BF16)[1], train(tmp_path / "zb", BF16 + ["parallelism=dp1tp1pp2"] + ZB)
     assert len(train_losses(split)) == len(train_losses(one)) == 8
     np.testing.assert_allclose(train_losses(split), train_losses(one), rtol=LOSS_RTOL, atol=0)
     np.testing.assert_allclose(grad_norms(split), grad_norms(one), rtol=GRAD_NORM_RTOL, atol=0)

@@ -10,7 +10,7 @@ from nanoexp.parallel.pipeline.schedules import compute_order, schedule, stage_m
 from nanoexp.parallel.pipeline.stages import StageMap
 from nanoexp.verify.p2p_plan import check, named_plan
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies, idle_under_nccl
-from tests.helpers import FAST, compose_config, start_error, train, train_losses
+from tests.helpers import FAST, SLOW, compose_config, start_error, tiered, train, train_losses
 from tests.test_parallel import STEPS, TIED, assert_same_curve, assert_same_steps
 from tests.test_zero_bubble import TIMES, one_process  # noqa: F401 (a fixture)
 
@@ -122,15 +122,16 @@ CASES = {   # name: (model overrides, layout overrides)
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(CASES, quick=["dp2tp1pp2-zero3-recompute"]))
 def test_zbv_trains_the_one_process_model(name, tmp_path, one_process):
     model, layout = CASES[name]
-    assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + ZBV), one_process(" ".join(model), model))
+    assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + ZBV), one_process(model))
 
 
-def test_zbv_in_bf16_keeps_the_bf16_contract(tmp_path):
+@SLOW
+def test_zbv_in_bf16_keeps_the_bf16_contract(tmp_path, train_once):
     from tests.test_bf16_parity import BF16, GRAD_NORM_RTOL, LOSS_RTOL, grad_norms
-    one, split = train(tmp_path / "one", BF16), train(tmp_path / "zbv", BF16 + ["parallelism=dp1tp1pp2"] + ZBV)
+    one, split = train_once(BF16)[1], train(tmp_path / "zbv", BF16 + ["parallelism=dp1tp1pp2"] + ZBV)
     assert len(train_losses(split)) == len(train_losses(one)) == 8
     np.testing.assert_allclose(train_losses(split), train_losses(one), rtol=LOSS_RTOL, atol=0)
     np.testing.assert_allclose(grad_norms(split), grad_norms(one), rtol=GRAD_NORM_RTOL, atol=0)
