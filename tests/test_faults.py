@@ -43,6 +43,7 @@ def test_nonfinite_loss_on_a_pipeline_stops_every_rank(tmp_path):
     assert time.time() - start < 60
 
 
+@pytest.mark.slow
 def test_hung_rank_becomes_an_error_after_the_collective_timeout(tmp_path):
     start = time.time()
     with pytest.raises(WorkerFailed) as info:
@@ -54,8 +55,8 @@ def test_hung_rank_becomes_an_error_after_the_collective_timeout(tmp_path):
 
 @pytest.mark.parametrize("fault, layout, error", [
     (["fault_injection.nonfinite_loss_at_step=5"], "dp1tp1pp1", FloatingPointError),
-    (["fault_injection.hang_at_step=5", "fault_injection.hang_rank=1", "parallelism.collective_timeout_s=3"],
-     "dp2tp1pp1", WorkerFailed),
+    pytest.param(["fault_injection.hang_at_step=5", "fault_injection.hang_rank=1", "parallelism.collective_timeout_s=3"],
+                 "dp2tp1pp1", WorkerFailed, marks=pytest.mark.slow),
 ], ids=["nonfinite", "hang"])
 def test_resume_after_a_fault_reaches_the_unfaulted_loss(fault, layout, error, tmp_path):
     """Nothing lost: checkpoints every 2 steps, a fault at step 5, then resume=auto in the same

@@ -62,6 +62,7 @@ def test_a_pipeline_rank_one_micro_batch_short(tmp_path):
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_a_rank_asleep_in_its_compute(tmp_path):
     lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.stall_rank=1"])
     cause = lines[1]
@@ -70,6 +71,7 @@ def test_a_rank_asleep_in_its_compute(tmp_path):
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_rank_1_diagnoses_when_rank_0_cannot_run_python(tmp_path):
     """Rank 0 stuck in a call that holds the interpreter lock: its watchdog cannot run, so rank 1's takes over,
     and the diagnosis goes without rank 0's dump."""
@@ -90,6 +92,7 @@ def stopped_descendants(pid: int) -> list[psutil.Process]:
     return [c for c in children if c.is_running() and c.status() == psutil.STATUS_STOPPED]
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_0_is_named_and_the_run_ends(tmp_path):
     """Rank 0 stopped (SIGSTOP) also stops the store it hosts, where every watchdog asks; rank 1's watchdog finds
     the store silent, names rank 0 within debug.stall_s + 30 s, and the launcher ends every worker, the stopped one
@@ -142,6 +145,7 @@ def test_collective_check_mode_stops_a_wrong_shape_before_it_runs(tmp_path):
     assert not (tmp_path / "debug").exists()
 
 
+@pytest.mark.slow
 def test_slow_but_progressing_runs_raise_no_alarm(tmp_path):
     """Each longer than the limit: a first step (rank 1 asleep in it), two checkpoint saves (rank 0 asleep in
     them while rank 1 waits), and evaluations of 40 batches (progress at every batch)."""
