@@ -272,6 +272,9 @@ def weights_rules(cfg: Any) -> list[Rule]:
         (not resume_folder or os.path.isfile(os.path.join(resume_folder, "meta.json")),
          f"checkpoint.resume_checkpoint_path={resume_folder}: no such checkpoint "
          "(a folder <checkpoints_path>/<step> holding meta.json)"),
+        (not cfg.checkpoint.async_save or cfg.checkpoint.checkpoint_interval > 0,
+         "checkpoint.async_save=true: checkpoint.checkpoint_interval=0 saves only at the end of training, which the "
+         "run waits for anyway; set checkpoint.checkpoint_interval (the saves written in the background)"),
     ]
 
 
