@@ -278,6 +278,7 @@ class FaultInjectionConfig:
     short_pipeline_rank: Optional[int] = None      # this rank runs step 3 with one micro-batch too few
     raise_rank: Optional[int] = None               # this rank raises at step 3
     slow_checkpoint_s: float = 0.0                 # rank 0 sleeps this long inside each checkpoint write
+    hold_checkpoint_write: int = 0                 # async_save: rank 0's write of step S waits for step S + this
 
 
 @dataclass

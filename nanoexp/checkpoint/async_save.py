@@ -49,6 +49,14 @@ class HostCopies:
         return lambda: [event.synchronize() for event in events]
 
 
+_writer = threading.local()
+
+
+def in_background_writer() -> bool:
+    """Whether this thread is a background checkpoint writer (not the training thread)."""
+    return getattr(_writer, "active", False)
+
+
 class BackgroundWrite:
     """One rank's write of checkpoint `step` in a thread; `report` (save.py's write_shard) once `done`."""
 
@@ -59,6 +67,7 @@ class BackgroundWrite:
         self.thread.start()
 
     def run(self, *args) -> None:
+        _writer.active = True
         try:
             self.report = write_shard(*args)
         finally:
