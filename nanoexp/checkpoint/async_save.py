@@ -25,7 +25,8 @@ class HostCopies:
     On the CPU a clone. On CUDA a pinned buffer per tensor, reused from save to save (a save starts only once the
     previous write has ended, so no buffer is refilled while it is read), filled by copies queued on the current
     stream after the step's kernels, so the training thread does not wait for them; the writer does (a CUDA
-    event) before it reads them."""
+    event) before it reads them. What later writes these tensors is ordered after the copies: kernels of the same
+    stream, and collectives, whose NCCL stream waits for the current stream's work when they are issued."""
 
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}

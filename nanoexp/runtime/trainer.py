@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanoexp.checkpoint import CheckpointManager, Progress
+from nanoexp.checkpoint import CheckpointError, CheckpointManager, Progress
 from nanoexp.config import batch_accumulation, global_batch_size
 from nanoexp.observe.console import StepClock, checkpoint_line, describe_data, memory_line, run_facts, step_line
 from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
@@ -280,8 +280,12 @@ class Trainer:
             self.log_record({**record, "checkpoint/published_after_step": self.step})
 
     def raised_together(self, error: Exception) -> Exception:
-        """`error`, which every rank raises here together: the background write is published first."""
-        self.finish_checkpoint_write(f"the run stops ({type(error).__name__})")
+        """`error`, which every rank raises here together: the background write is published first (its own
+        failure is logged, and `error` raised still)."""
+        try:
+            self.finish_checkpoint_write(f"the run stops ({type(error).__name__})")
+        except CheckpointError as failed:
+            log.error("%s", failed)
         return error
 
     def evaluate_when_due(self, step: int, stage: dict) -> None:
