@@ -214,6 +214,7 @@ class CheckpointConfig:
     load_optimizer: bool = True                # false: fresh AdamW state (fine-tuning from weights)
     load_lr_scheduler: bool = True             # false: the LR schedule restarts at the resumed step
     load_strict: bool = True                   # false: load the parameters model and checkpoint share, log the rest
+    async_save: bool = False                   # true: write interval saves in the background (docs/checkpoints.md)
 
 
 @dataclass
@@ -276,7 +277,8 @@ class FaultInjectionConfig:
     wrong_shape_rank: Optional[int] = None         # this rank posts the loss all-reduce of step 3 with shape [2]
     short_pipeline_rank: Optional[int] = None      # this rank runs step 3 with one micro-batch too few
     raise_rank: Optional[int] = None               # this rank raises at step 3
-    slow_checkpoint_s: float = 0.0                 # rank 0 sleeps this long inside each checkpoint save
+    slow_checkpoint_s: float = 0.0                 # rank 0 sleeps this long inside each checkpoint write
+    hold_checkpoint_write: int = 0                 # async_save: rank 0's write of step S waits for step S + this
 
 
 @dataclass

@@ -117,6 +117,7 @@ DOMAINS: dict[str, Domain] = {
     "fault_injection.raise_rank": at_least(0, "null: off"),
     "fault_injection.slow_checkpoint_s": Domain(lambda seconds: 0 <= seconds <= 3600, "between 0 and 3600",
                                                 "seconds"),
+    "fault_injection.hold_checkpoint_write": at_least(0, "0: off"),
     "debug.stall_s": Domain(lambda seconds: 0 <= seconds <= 1e9, "between 0 and 1e9", "seconds, null: auto, 0: off"),
     "debug.flight_recorder_entries": at_least(0, "0: off"),
 }

@@ -272,6 +272,9 @@ def weights_rules(cfg: Any) -> list[Rule]:
         (not resume_folder or os.path.isfile(os.path.join(resume_folder, "meta.json")),
          f"checkpoint.resume_checkpoint_path={resume_folder}: no such checkpoint "
          "(a folder <checkpoints_path>/<step> holding meta.json)"),
+        (not cfg.checkpoint.async_save or cfg.checkpoint.checkpoint_interval > 0,
+         "checkpoint.async_save=true: checkpoint.checkpoint_interval=0 saves only at the end of training, which the "
+         "run waits for anyway; set checkpoint.checkpoint_interval (the saves written in the background)"),
     ]
 
 
@@ -322,6 +325,9 @@ def fault_rules(cfg: Any) -> list[Rule]:
                                               "wrong_shape_rank", "short_pipeline_rank", "raise_rank") if getattr(f, key) is not None]
     rules = [must(cfg, f"fault_injection.{key}", lambda rank: rank < world, f"below dp*cp*tp*pp = {world} (a rank "
                   "of the run)") for key in ranks]
+    if f.hold_checkpoint_write:
+        rules.append((cfg.checkpoint.async_save, f"fault_injection.hold_checkpoint_write={f.hold_checkpoint_write}: "
+                      "holds back a background write; set checkpoint.async_save=true"))
     if f.short_pipeline_rank is not None:
         rules.append((cfg.parallelism.pp > 1 and batch_accumulation(cfg) > 1,
                       f"fault_injection.short_pipeline_rank={f.short_pipeline_rank}: needs a pipeline (pp > 1) "

@@ -262,14 +262,17 @@ def failing_task_folder(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("on_error", ["continue", "stop"])
+@pytest.mark.parametrize("on_error", ["continue", "stop", "stop-async"])
 def test_a_failing_task_loses_no_checkpoint(tmp_path, on_error):
     """A task that raises in the loop: the step's checkpoint is already written; with eval.on_error=continue it is
-    logged with its task and step, the other task scores and training goes on; with stop the run ends saying so."""
+    logged with its task and step, the other task scores and training goes on; with stop the run ends saying so,
+    after publishing the checkpoint that checkpoint.async_save is writing in the background."""
     run = FAST + ["tokens.train_steps=4", "tokens.val_check_interval=0", "eval.tasks=[broken_choice,shakespeare_choice]",
                   "eval.interval=2", "eval.limit=4", "checkpoint.checkpoint_interval=2",
-                  f"eval.include_path={failing_task_folder(tmp_path)}", f"eval.on_error={on_error}"]
-    if on_error == "stop":
+                  f"eval.include_path={failing_task_folder(tmp_path)}", f"eval.on_error={on_error.split('-')[0]}"]
+    if on_error == "stop-async":
+        run += ["checkpoint.async_save=true"]
+    if on_error.startswith("stop"):
         with pytest.raises(RuntimeError, match="step 2: downstream task broken_choice failed: RuntimeError: this "
                                                "scoring is broken"):
             train(tmp_path / "run", run)

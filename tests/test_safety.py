@@ -23,6 +23,12 @@ def python_sources():
 # torch's flight recorder hands its records over as pickle bytes made in the same process: decoded there, and
 # written for torch's analyzer; nanoexp reads the JSON copies (nanoexp/observe/flight_recorder.py).
 FLIGHT_RECORDER = ROOT / "nanoexp" / "observe" / "flight_recorder.py"
+# torch.distributed.checkpoint's readers unpickle a DCP folder's .metadata (DCP's own format). nanoexp reads a DCP
+# folder in one function, for scripts/convert_from_dcp.py, from the folder a person names on its command line.
+DCP_READER, DCP_READER_FUNCTION = ROOT / "nanoexp" / "interop" / "dcp.py", "read_dcp"
+DCP_READS = ("dcp.load", "dcp.load_state_dict", "torch.distributed.checkpoint.load",
+             "torch.distributed.checkpoint.load_state_dict")
+DCP_READ_PARTS = ("FileSystemReader", "read_metadata", "dcp_to_torch_save", "torch_save_to_dcp")
 # Modules that read pickles (or run code from files) however they are called.
 UNPICKLERS = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 # torch's flight-recorder analyzer: it unpickles every file in its folder (subfolders too) whose name holds the prefix.
@@ -48,6 +54,8 @@ def unpickling_calls(path: pathlib.Path, text: str | None = None) -> list[str]:
     """Every call or import in `path` (or `text`, as if it were that file) that could unpickle a file, as
     'path:line: what'."""
     found, tree = [], ast.parse(path.read_text() if text is None else text, str(path))
+    exempt = {id(node) for function in ast.walk(tree) if path == DCP_READER and isinstance(function, ast.FunctionDef)
+              and function.name == DCP_READER_FUNCTION for node in ast.walk(function)}
     for node in ast.walk(tree):
         where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Import):
@@ -71,6 +79,8 @@ def unpickling_calls(path: pathlib.Path, text: str | None = None) -> list[str]:
         if name.split(".")[0] in UNPICKLERS and name.split(".")[-1] in ("load", "loads", "Unpickler", "open"):
             if not (path == FLIGHT_RECORDER and name == "pickle.loads" and dotted(node.args[0].func) == "_raw_trace"):
                 found.append(f"{where}: {name}")
+        if (name in DCP_READS or name.split(".")[-1] in DCP_READ_PARTS) and id(node) not in exempt:
+            found.append(f"{where}: {name} (reads a DCP folder: unpickles its .metadata)")
         if name.endswith("read_pickle") or name in ("torch.serialization.load", "torch.jit.load"):
             found.append(f"{where}: {name}")
         if name == "torch.load" and keyword(node, "weights_only") is not True:
@@ -94,9 +104,30 @@ def test_the_scan_finds_each_way_to_unpickle():
              "np.load(os.path.join(a, b), allow_pickle=True)", "pickle.load(f)", "import dill",
              "from pickle import load", "subprocess.run([sys.executable, '-m', "
              "'torch.distributed.flight_recorder.fr_trace', run_dir])", "import joblib; joblib.load(p)",
-             "pd.read_pickle(p)", "from torch.distributed.flight_recorder.components.loader import read_dir"]
+             "pd.read_pickle(p)", "from torch.distributed.flight_recorder.components.loader import read_dir",
+             "dcp.load(state, checkpoint_id=run_dir)", "FileSystemReader(folder).read_metadata()",
+             "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(a, b)"]
     for case in cases:
         assert unpickling_calls(ROOT / "nanoexp" / "launch" / "watchdog.py", case), case
+    # The DCP exception is one function of one file: the same read anywhere else in that file is found.
+    assert unpickling_calls(DCP_READER, "def read_dcp(f):\n    dcp.load({}, checkpoint_id=f)") == []
+    assert unpickling_calls(DCP_READER, "def resume(f):\n    dcp.load({}, checkpoint_id=f)")
+
+
+def test_a_dcp_folder_is_read_only_where_a_person_names_it():
+    """The DCP reader's callers: its own module's conversion, which only scripts/convert_from_dcp.py calls (with
+    the folder given on its command line, whose help says the .metadata is unpickled), and the checkpoint benchmark,
+    on the folder it wrote a moment before into a private temporary folder; no run ever reads one."""
+    users = {name: set() for name in ("read_dcp", "full_state", "convert_from_dcp")}
+    for path in python_sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = {getattr(node, "id", None), getattr(node, "attr", None)} | {
+                alias.name for alias in getattr(node, "names", []) if isinstance(alias, ast.alias)}
+            for name in users.keys() & used:
+                users[name].add(str(path.relative_to(ROOT)))
+    assert users == {"read_dcp": {"nanoexp/interop/dcp.py", "benchmarks/bench_checkpoint.py"}, "full_state": {"nanoexp/interop/dcp.py"},
+                     "convert_from_dcp": {"scripts/convert_from_dcp.py"}}, users
+    assert "unpickles its .metadata" in (ROOT / "scripts" / "convert_from_dcp.py").read_text()
 
 
 def test_torchs_analyzer_runs_only_over_a_private_folder():

@@ -310,13 +310,21 @@ def load_rng(reader: CheckpointReader, ctx) -> None:
     random.setstate((version, tuple(state), gauss))
 
 
+def single_process_config(config: dict):
+    """A checkpoint's composed config (meta.json's), for one process holding the whole model: no parallelism,
+    no ZeRO, weights from the checkpoint."""
+    cfg = OmegaConf.create(config)
+    cfg.parallelism.merge_with(dict(dp=1, cp=1, ep=1, tp=1, pp=1, pp_virtual_stages=1, pp_engine="1f1b"))
+    cfg.optimizer.zero_stage = 0
+    cfg.model.init_method.path = None
+    return cfg
+
+
 def load_single_process(folder: str, device: torch.device | None = None):
     """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode, on `device`
     (default: the GPU when there is one)."""
     reader = CheckpointReader(folder)
-    cfg = OmegaConf.create(reader.meta["config"])
-    cfg.parallelism.merge_with(dict(dp=1, cp=1, tp=1, pp=1, pp_virtual_stages=1, pp_engine="1f1b"))
-    cfg.model.init_method.path = None
+    cfg = single_process_config(reader.meta["config"])
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = ParallelContext(device=device)   # one process: the whole model in one chunk
     model = build_model(cfg, ctx)

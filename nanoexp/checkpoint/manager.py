@@ -4,7 +4,9 @@
     resume = checkpoints.where_to_start()   # -> Resume(step, consumed_samples, lr_step_offset, ...), from meta.json
     checkpoints.restore(model, optimizer)   # its weights, optimizer state and RNG, from the same checkpoint
     ... after each optimizer step:
+    if checkpoints.written_everywhere(nobody_writing): checkpoints.finish_write()   # an asynchronous save
     if checkpoints.due(step, is_last, stop): checkpoints.save(step, model, optimizer, progress)
+    ... at the end, a stop signal or a failure every rank raises: checkpoints.finish_write()
 
 Where a run starts: its own checkpoint (latest.txt under checkpoint.checkpoints_path) if there is
 one, else checkpoint.resume_checkpoint_path (a seed for the first start only: a warm start), else step 1.
@@ -15,11 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from nanoexp.checkpoint.async_save import HostCopies, InFlight, finish_save, start_save
 from nanoexp.checkpoint.identity import new_run_id, run_record, training_differences
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
@@ -191,6 +195,8 @@ class CheckpointManager:
             dist.broadcast_object_list(box, src=0)
         self.start, self.run_id = box
         self.last_saved = None
+        self.in_flight: InFlight | None = None   # the checkpoint being written in the background
+        self.copies, self.records = HostCopies(), []
         # Checkpoints of this folder after the step this run started from belong to an abandoned
         # timeline (a rollback, or resume=never): the first save moves them to abandoned/.
         self.abandon_after: int | None = 0
@@ -266,7 +272,29 @@ class CheckpointManager:
         ctx = self.ctx
         return {"dp": ctx.dp, "cp": ctx.cp, "tp": ctx.tp, "pp": ctx.pp, "zero_stage": self.cfg.optimizer.zero_stage}
 
-    def save(self, step: int, model, optimizer, progress: "Progress") -> str:
+    def save(self, step: int, model, optimizer, progress: "Progress", before_write=None, wait: bool = False) -> None:
+        """Save step `step` (a collective). With checkpoint.async_save and not `wait`, only a host copy is taken now
+        and the shards are written in the background, published by a later `finish_write`; a write still in
+        flight is waited for first (at most one save in flight). `before_write` runs inside the write, before the
+        shard is written (in the writer thread when in the background). A failed write raises CheckpointError on
+        every rank; the previous checkpoint stays latest."""
+        if self.in_flight is not None:
+            self.finish_write(f"checkpoint {step} is due")
+        meta = self.meta(progress, optimizer)
+        keep, abandon = self.cfg.checkpoint.keep_last_n, self.abandon_after
+        self.last_saved, self.abandon_after = step, None
+        if self.cfg.checkpoint.async_save and not wait:
+            self.in_flight = start_save(self.root, step, model, optimizer, self.ctx, meta, abandon, self.copies,
+                                        before_write)
+            return
+        start = time.perf_counter()
+        save_checkpoint(self.root, step, model, optimizer, self.ctx, meta, keep, abandon, before_write)
+        seconds = time.perf_counter() - start
+        self.records.append({"step": step, "checkpoint/stall_sec": seconds, "checkpoint/write_sec": seconds,
+                             "checkpoint/wait_sec": 0.0, "checkpoint/background": False})
+
+    def meta(self, progress: "Progress", optimizer) -> dict:
+        """meta.json's fields of a save now (save.py adds the step, format and index)."""
         meta = {"consumed_samples": progress.consumed_samples, "skipped_steps": progress.skipped_steps,
                 "consumed_tokens": progress.consumed_tokens,
                 "global_batch_size": global_batch_size(self.cfg), "layout": self.layout(),
@@ -275,10 +303,34 @@ class CheckpointManager:
                 "run": {"id": self.run_id, "folder": os.path.abspath(self.run_dir)}}
         if progress.stage_consumed_samples:
             meta["stage_consumed_samples"] = progress.stage_consumed_samples
-        path = save_checkpoint(self.root, step, model, optimizer, self.ctx, meta, self.cfg.checkpoint.keep_last_n,
-                               self.abandon_after)
-        self.last_saved, self.abandon_after = step, None
-        return path
+        return meta
+
+    def writing(self) -> bool:
+        """Whether this rank's background write is still going (the trainer agrees it across ranks each step)."""
+        return self.in_flight is not None and not self.in_flight.write.done.is_set()
+
+    def written_everywhere(self, nobody_writing: bool) -> bool:
+        """Whether the checkpoint in flight can be published now: `nobody_writing`, agreed by every rank this step."""
+        return self.in_flight is not None and nobody_writing
+
+    def finish_write(self, reason: str | None = None) -> None:
+        """A collective: wait for the write in flight (if any) on every rank and publish it; `reason` (a save
+        due) is logged with the time waited. Raises CheckpointError on every rank if a rank's write failed."""
+        in_flight, still_writing = self.in_flight, self.writing()
+        if in_flight is None:
+            return
+        self.in_flight = None
+        record = finish_save(in_flight, self.root, self.ctx, self.cfg.checkpoint.keep_last_n)
+        if reason and self.ctx.rank == 0 and still_writing:
+            log.info("%s while checkpoint %d is still being written: waited %.2f s for its write",
+                     reason, in_flight.step, record["checkpoint/wait_sec"])
+        self.records.append(record)
+
+    def saved(self) -> list[dict]:
+        """The records of the checkpoints published since the last call (for metrics.jsonl): each one's step, the
+        training thread's stall, the longest rank's write, the time waited for it, and whether in the background."""
+        records, self.records = self.records, []
+        return records
 
     def due(self, step: int, is_last: bool, stop: bool) -> bool:
         """Whether step `step` is saved: the interval or the end of training asks for it, or `stop` (a stop signal

@@ -12,7 +12,8 @@ Layout of `<checkpoints_path>/<step>/`:
                          index: which file holds which piece of which tensor (enough to re-slice).
 The folder is written as `.tmp-<step>/` and renamed into place by rank 0 only after every rank
 reported success; `latest.txt` moves last. A crash or a failed write leaves earlier checkpoints
-as they were.
+as they were. A save is four steps (prepare_folder, take_shard, write_shard, publish): save_checkpoint runs them
+one after the other; checkpoint.async_save writes the shard in the background (async_save.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ import logging
 import os
 import random
 import shutil
+import time
 import zlib
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,12 +49,14 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
-    """This rank's tensors to store and their index entries (name, kind, slice metadata)."""
+def shard_contents(model, optimizer, ctx, to_host=None) -> tuple[dict, dict]:
+    """This rank's tensors to store and their index entries (name, kind, slice metadata). `to_host(key, tensor)`
+    gives the host tensor written for each (default: the tensor on the host, no copy where it is there already)."""
     tensors, index = {}, {}
+    to_host = to_host or (lambda key, tensor: tensor.detach().to("cpu").contiguous())
 
     def add(key, tensor, name, kind, param, flat_range=None):
-        tensors[key] = tensor.detach().to("cpu").contiguous()
+        tensors[key] = to_host(key, tensor)
         index[key] = {"name": name, "kind": kind, "tp_rank": ctx.tp_rank, "tp": ctx.tp,
                       "split_dim": placement(param).split_dim, "local_shape": list(param.shape),
                       "flat_range": flat_range or [0, param.numel()]}
@@ -123,31 +129,63 @@ def _broadcast(obj, ctx):
     return box[0]
 
 
-def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, keep_last_n: int | None,
-                    abandon_after: int | None = None) -> str:
-    """Write checkpoint `<root>/<step>` from every rank (a collective) and return its path.
-    Raises CheckpointError on every rank if any rank failed; earlier checkpoints are untouched.
-    `abandon_after`: the step this run started from, on its first save: later checkpoints in `root`
-    belong to an abandoned timeline and are moved to `<root>/abandoned/` (never deleted)."""
-    final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
-    prepared = None
+@dataclass
+class Shard:
+    """What one rank writes into a checkpoint: its tensors on the host, their index entries, its RNG states (JSON
+    metadata), and `copied`, which returns once the host copies are filled (they may still be arriving from a GPU)."""
+    tensors: dict
+    index: dict
+    metadata: dict
+    copied: Callable[[], None] = lambda: None
+
+
+def take_shard(model, optimizer, ctx, to_host=None) -> Shard:
+    """This rank's part of the checkpoint as it is now, after the step's optimizer update (see shard_contents)."""
+    tensors, index = shard_contents(model, optimizer, ctx, to_host)
+    rng_tensors, rng_json = rng_states(ctx)
+    return Shard({**tensors, **rng_tensors}, index, {"rng": rng_json})
+
+
+def prepare_folder(root: str, step: int, ctx) -> Exception | None:
+    """A collective: rank 0 makes an empty `<root>/.tmp-<step>/` (removing one a killed save left), and every rank
+    waits for it. Returns rank 0's error, if it could not (every rank's write then fails, and all raise together)."""
+    tmp, error = os.path.join(root, f".tmp-{step}"), None
     if ctx.rank == 0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
             os.makedirs(tmp)
-        except OSError as error:   # then every rank fails below, and all raise together
-            prepared = error
+        except OSError as failure:
+            error = failure
     if ctx.world_size > 1:
         dist.barrier()
+    return error
+
+
+def write_shard(root: str, step: int, shard: Shard, rank: int, before_write=None,
+                prepared: Exception | None = None) -> dict:
+    """Write this rank's shard into `<root>/.tmp-<step>/` and report it for meta.json; a failure (`prepared`: the
+    folder's) is reported with its cause, never raised (every rank learns of it when the reports are gathered).
+    Safe in a background thread."""
+    start = time.perf_counter()
     try:
-        if prepared:
+        if prepared is not None:
             raise prepared
-        tensors, index = shard_contents(model, optimizer, ctx)
-        rng_tensors, rng_json = rng_states(ctx)
-        info = write_file(os.path.join(tmp, rank_file(ctx.rank)), {**tensors, **rng_tensors}, {"rng": rng_json})
-        report = {"ok": True, "file": {**info, "rank": ctx.rank}, "index": index}
-    except Exception as error:   # reported to every rank below: all raise together, none hangs
-        report = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        if before_write is not None:
+            before_write()
+        shard.copied()
+        info = write_file(os.path.join(root, f".tmp-{step}", rank_file(rank)), shard.tensors, shard.metadata)
+        return {"ok": True, "file": {**info, "rank": rank}, "index": shard.index,
+                "seconds": time.perf_counter() - start}
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+
+
+def publish(root: str, step: int, report: dict, ctx, meta: dict, keep_last_n: int | None,
+            abandon_after: int | None = None) -> float:
+    """A collective, once every rank's write of checkpoint `step` has ended: gather the reports; rank 0 puts the
+    folder in place (commit) when all succeeded. Raises CheckpointError on every rank if any rank failed; earlier
+    checkpoints are untouched. Returns the longest rank's write, in seconds."""
+    final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
     reports = _gather(report, ctx)
     error = None
     if ctx.rank == 0:
@@ -163,7 +201,19 @@ def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, kee
     error = _broadcast(error, ctx)
     if error:
         raise CheckpointError(f"could not save checkpoint {final} ({error}); earlier checkpoints are intact")
-    return final
+    return max(rep["seconds"] for rep in reports)
+
+
+def save_checkpoint(root: str, step: int, model, optimizer, ctx, meta: dict, keep_last_n: int | None,
+                    abandon_after: int | None = None, before_write=None) -> str:
+    """Write checkpoint `<root>/<step>` from every rank (a collective) and return its path.
+    Raises CheckpointError on every rank if any rank failed; earlier checkpoints are untouched.
+    `abandon_after`: the step this run started from, on its first save: later checkpoints in `root`
+    belong to an abandoned timeline and are moved to `<root>/abandoned/` (never deleted)."""
+    prepared = prepare_folder(root, step, ctx)
+    report = write_shard(root, step, take_shard(model, optimizer, ctx), ctx.rank, before_write, prepared)
+    publish(root, step, report, ctx, meta, keep_last_n, abandon_after)
+    return os.path.join(root, str(step))
 
 
 def _write_json(path: str, obj) -> None:
@@ -196,7 +246,6 @@ def commit(root: str, tmp: str, final: str, step: int, meta: dict, reports: list
     if keep_last_n:
         for old_step in complete_steps(root)[:-keep_last_n]:
             shutil.rmtree(os.path.join(root, str(old_step)))
-    log.info("saved checkpoint %s", final)
 
 
 def move_to_abandoned(root: str, step: int) -> None:

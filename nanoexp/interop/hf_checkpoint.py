@@ -74,5 +74,5 @@ def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
     cfg.checkpoint.checkpoints_path = out
     ctx = ParallelContext()
     model = build_model(cfg, ctx)
-    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model), Progress())
+    CheckpointManager(cfg, ctx, out).save(0, model, build_optimizer(cfg, model), Progress(), wait=True)
     return overrides

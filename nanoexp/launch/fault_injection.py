@@ -6,15 +6,18 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 import time
 
 import torch
 
+from nanoexp.checkpoint.async_save import in_background_writer
 from nanoexp.runtime.trainer import TrainerHooks
 
 log = logging.getLogger("nanoexp")
 
 FAULT_STEP = 3   # the step at which the one-off desync faults strike (after two good steps)
+HOLD_LIMIT_S = 120.0   # the longest hold_checkpoint_write keeps a write back
 
 
 class FaultInjection(TrainerHooks):
@@ -27,12 +30,19 @@ class FaultInjection(TrainerHooks):
     process, the store that rank 0 hosts included, as a debugger or `kill -STOP` would); at step 3,
     `skip_collective_rank` skips the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one,
     `short_pipeline_rank` runs one micro-batch too few, `raise_rank` raises. `slow_checkpoint_s`: rank 0 sleeps
-    inside each save."""
+    inside each checkpoint write (in the background writer under checkpoint.async_save). `hold_checkpoint_write`:
+    rank 0's background write of step S's checkpoint waits until step S + that many has begun, so that it is in
+    flight while those steps train however fast the machine (at most HOLD_LIMIT_S: a run that ends sooner
+    waits that long)."""
 
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
+        self.step_begun, self.current_step = threading.Condition(), 0
 
     def before_step(self, step: int) -> None:
+        with self.step_begun:
+            self.current_step = step
+            self.step_begun.notify_all()
         if self.faults.hang_at_step == step and self.rank == self.faults.hang_rank:
             log.warning("fault injection: rank %d hangs at step %d", self.rank, step)
             time.sleep(3600)
@@ -71,6 +81,11 @@ class FaultInjection(TrainerHooks):
     def during_checkpoint(self, step: int) -> None:
         if self.rank == 0 and self.faults.slow_checkpoint_s > 0:
             time.sleep(self.faults.slow_checkpoint_s)
+        hold = self.faults.hold_checkpoint_write
+        if self.rank == 0 and hold and in_background_writer():   # in the training thread it would wait for itself
+            with self.step_begun:
+                if not self.step_begun.wait_for(lambda: self.current_step >= step + hold, timeout=HOLD_LIMIT_S):
+                    log.warning("fault injection: step %d never began; checkpoint %d is written", step + hold, step)
 
     def training_loss(self, step: int, loss):
         return loss * float("nan") if step == self.faults.nonfinite_loss_at_step else loss

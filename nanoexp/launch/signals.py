@@ -73,14 +73,17 @@ def received_signal_name() -> str | None:
     return None if signum is None else signal.Signals(signum).name
 
 
-def stop_flag(ctx) -> torch.Tensor:
-    """1 on every rank if any rank has received a stop signal, else 0, on the device (a collective: call it on
-    all ranks; the trainer reads it with the step's other scalars)."""
-    flag = torch.full((), 1.0 if stop_requested() else 0.0, device=ctx.device)
+def stop_flag(ctx, *more: bool) -> torch.Tensor:
+    """[1 on every rank if any rank has received a stop signal, else 0, then each of `more` likewise: 1 if it is
+    true on any rank], on the device: one all-reduce (a collective: call it on all ranks; the trainer reads it with
+    the step's other scalars, and agrees its checkpoint writes in the same call)."""
+    flags = torch.zeros(1 + len(more), device=ctx.device)
+    for i, raised in enumerate([stop_requested(), *more]):
+        if raised:
+            flags[i] = 1.0   # a fill on the device: no copy from the host, no wait for it
     if ctx.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag
-
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ log file. Only global rank 0 (and the launching process) prints them; this modul
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -51,6 +52,18 @@ def step_line(record: dict, total_steps: int, clock: StepClock) -> str:
             f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tokens/s | "
             f"{record['peak_memory_mb']:,.0f} MB | {duration(clock.elapsed())}, ETA "
             f"{duration(clock.eta(total_steps - step))}")
+
+
+def checkpoint_line(record: dict, root: str) -> str:
+    """`saved checkpoint <root>/40 | written in 1.20 s, training waiting`; in the background (checkpoint.async_save):
+    `... | written in the background in 1.20 s, published after step 42 | training stalled 0.05 s (0.00 s of it
+    waiting for the write)`."""
+    saved = f"saved checkpoint {os.path.join(root, str(record['step']))}"
+    if not record["checkpoint/background"]:
+        return f"{saved} | written in {record['checkpoint/write_sec']:.2f} s, training waiting"
+    return (f"{saved} | written in the background in {record['checkpoint/write_sec']:.2f} s, published after step "
+            f"{record['checkpoint/published_after_step']} | training stalled {record['checkpoint/stall_sec']:.2f} s "
+            f"({record['checkpoint/wait_sec']:.2f} s of it waiting for the write)")
 
 
 def summary_line(summary: dict, summary_path: str) -> str:

@@ -15,9 +15,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanoexp.checkpoint import CheckpointManager, Progress
+from nanoexp.checkpoint import CheckpointError, CheckpointManager, Progress
 from nanoexp.config import batch_accumulation, global_batch_size
-from nanoexp.observe.console import StepClock, describe_data, memory_line, run_facts, step_line
+from nanoexp.observe.console import StepClock, checkpoint_line, describe_data, memory_line, run_facts, step_line
 from nanoexp.data.loader import IGNORE_INDEX, eval_batches, eval_rounds
 from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
@@ -60,7 +60,8 @@ class TrainerHooks:
         return loss
 
     def during_checkpoint(self, step: int) -> None:
-        """Called on every rank inside the save of step `step`'s checkpoint, before it writes."""
+        """Called on every rank inside the save of step `step`'s checkpoint, before it writes its shard (in the
+        background writer's thread under checkpoint.async_save)."""
 
     def training_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """A training micro-batch's loss on the loss stage, as backward will see it."""
@@ -116,7 +117,7 @@ class Trainer:
                                                                    runtime.optimizer)
         self.params = list(self.model.parameters())
         self.checkpoints.restore(self.model, self.optimizer)
-        self.moe_metrics, self.stop_after_step = {}, False
+        self.moe_metrics, self.stop_after_step, self.checkpoint_writing = {}, False, False
 
     # -- one optimizer step -------------------------------------------------------------
     def step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -150,16 +151,20 @@ class Trainer:
         grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
                                    self.ctx.device)
         HEARTBEAT.at("stop-signal check")
-        stop = stop_flag(self.ctx)   # a collective: every rank stops after the same step
-        values = torch.cat([torch.stack([loss, grad_norm.float(), stop]).float(), moe_values.float()]).tolist()
-        loss, grad_norm, self.stop_after_step = values[0], values[1], bool(values[2])
-        self.moe_metrics = dict(zip(names, values[3:]))
+        # A collective: every rank stops after the same step, and publishes a background checkpoint write at the
+        # same step (once no rank is writing).
+        flags = stop_flag(self.ctx, self.checkpoints.writing())
+        values = torch.cat([torch.stack([loss, grad_norm.float()]).float(), flags, moe_values.float()]).tolist()
+        loss, grad_norm, self.stop_after_step, self.checkpoint_writing = (values[0], values[1], bool(values[2]),
+                                                                         bool(values[3]))
+        self.moe_metrics = dict(zip(names, values[4:]))
         # Loss and norm are identical on every rank, so every rank takes the same branch.
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.grad_sync.zero_grad()
             if not self.cfg.optimizer.skip_nonfinite_steps:
-                raise FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
-                                         "(set optimizer.skip_nonfinite_steps=true to skip such steps)")
+                raise self.raised_together(FloatingPointError(
+                    f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
+                    "(set optimizer.skip_nonfinite_steps=true to skip such steps)"))
             self.progress.skipped_steps += 1
             log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
             return loss, grad_norm
@@ -199,6 +204,7 @@ class Trainer:
                 stopped = self.run_step(step)
                 if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
                     break
+            self.finish_checkpoint_write("the run ends")   # checkpoint.async_save: the last write
             summary["status"] = "stopped" if stopped else "completed"
             HEARTBEAT.at("end of training")
             summary.update(self.memory_of_every_rank())
@@ -242,10 +248,7 @@ class Trainer:
             self.log_record(self.last_record)
         # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
         stop = self.stop_after_step   # agreed by every rank in train_step
-        if self.checkpoints.due(step, step == total, stop):
-            with HEARTBEAT.long_phase("checkpoint save"):   # the disk may be slow: the watchdog waits for it
-                self.hooks.during_checkpoint(step)
-                self.checkpoints.save(step, self.model, self.optimizer, self.progress)
+        self.checkpoint_step(step, stop)
         if stop and step != total:   # each rank's log says whether the signal reached it (every node, on SLURM)
             name = received_signal_name()
             log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
@@ -253,6 +256,37 @@ class Trainer:
             return True
         self.evaluate_when_due(step, stage)
         return False
+
+    def checkpoint_step(self, step: int, stop: bool) -> None:
+        """Publish the background write every rank has finished (checkpoint.async_save), then save this step when
+        due: in the background, except at the end and at a stop signal (the run waits for those)."""
+        if self.checkpoints.written_everywhere(not self.checkpoint_writing):
+            self.finish_checkpoint_write()
+        last = step == self.cfg.tokens.train_steps
+        if self.checkpoints.due(step, last, stop):
+            with HEARTBEAT.long_phase("checkpoint save"):   # the disk may be slow: the watchdog waits for it
+                self.checkpoints.save(step, self.model, self.optimizer, self.progress,
+                                      before_write=lambda: self.hooks.during_checkpoint(step), wait=last or stop)
+        self.log_checkpoints()
+
+    def finish_checkpoint_write(self, reason: str | None = None) -> None:
+        """A collective: wait for the background write in flight (if any) on every rank, publish and log it."""
+        with HEARTBEAT.long_phase("checkpoint write"):
+            self.checkpoints.finish_write(reason)
+        self.log_checkpoints()
+
+    def log_checkpoints(self) -> None:
+        for record in self.checkpoints.saved():   # those published since the last call
+            self.log_record({**record, "checkpoint/published_after_step": self.step})
+
+    def raised_together(self, error: Exception) -> Exception:
+        """`error`, which every rank raises here together: the background write is published first (its own
+        failure is logged, and `error` raised still)."""
+        try:
+            self.finish_checkpoint_write(f"the run stops ({type(error).__name__})")
+        except CheckpointError as failed:
+            log.error("%s", failed)
+        return error
 
     def evaluate_when_due(self, step: int, stage: dict) -> None:
         """The held-out loss and the downstream tasks, when their intervals (or the end of training) say so."""
@@ -269,8 +303,9 @@ class Trainer:
             self.log_record({"step": step, **scores, "eval/seconds": time.perf_counter() - start})
             for task, error in errors.items():
                 message = f"step {step}: downstream task {task} failed: {error}"
-                if self.cfg.eval.on_error == "stop":
-                    raise KnownFailure(f"{message} (eval.on_error=stop; the step's checkpoint is written)")
+                if self.cfg.eval.on_error == "stop":   # the same on every rank
+                    raise self.raised_together(
+                        KnownFailure(f"{message} (eval.on_error=stop; the step's checkpoint is written)"))
                 log.error("%s; training goes on (eval.on_error=stop ends the run instead)", message)
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
@@ -302,6 +337,8 @@ class Trainer:
         self.writer.write(record)
         if "eval_loss" in record:
             log.info("step %d/%d | eval_loss %.4f", record["step"], self.cfg.tokens.train_steps, record["eval_loss"])
+        elif "checkpoint/stall_sec" in record:
+            log.info(checkpoint_line(record, self.checkpoints.root))
         elif "eval/seconds" in record:   # downstream tasks: one line each
             for line in task_lines({k: v for k, v in record.items() if k.count("/") == 2}):
                 log.info("step %d/%d | %s", record["step"], self.cfg.tokens.train_steps, line)
