@@ -27,13 +27,13 @@ from nanoexp.evaluation.downstream import (INSTALL_HINT, environment, fewshot_pr
                                           unknown_tasks)
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
-from nanoexp.numerics.precision import set_tf32
+from nanoexp.numerics.precision import denormals_flushed, set_tf32
 from nanoexp.observe.flight_recorder import recorder_env
 from nanoexp.observe.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
-from nanoexp.launch.signals import handle_stop_signals
+from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
 from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
 
@@ -124,14 +124,20 @@ def stage_error(stage, message: str) -> str:
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
+    setup_rank_logging(run_dir, rank)
+    if device.type == "cpu" and cfg.logging.exact_cpu_memory:
+        return_freed_memory()
+    with denormals_flushed(cfg, device):   # model.flush_denormals; before the groups, whose threads copy the mode
+        return train_rank(rank, world_size, device, cfg, run_dir, cpu_peak)
+
+
+def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None) -> dict:
+    """This rank's context and peak, then its trainer under the stall watchdog."""
     from nanoexp.launch.fault_injection import FaultInjection
     from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.trainer import Trainer
 
-    setup_rank_logging(run_dir, rank)
-    if device.type == "cpu" and cfg.logging.exact_cpu_memory:
-        return_freed_memory()
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_tf32(cfg, device)   # before any matmul: model.allow_tf32 (on by default on CUDA)
@@ -180,7 +186,7 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
             log.info("run folder: %s", os.path.abspath(run_dir))
             check_resume_point(cfg, run_dir)   # once the folder is ours: nobody moves latest.txt now
         load = os.getloadavg()[0]
-        with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
+        with handle_stop_signals():   # before step 1 the run ends at once; then every rank checkpoints after its step
             launch_and_train(cfg, run_dir, env, world)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env else world
     record_machine_load(run_dir, load, os.getloadavg()[0], local_processes)
@@ -299,6 +305,11 @@ def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     job = job or HydraJob()
     try:
         run(cfg, run_dir, job)
+    except StopBeforeTraining as stop:   # one line (rank 0's), the signal's exit code: 130 for Ctrl-C, 143 for SIGTERM
+        env = launcher_env()
+        if env is None or env["rank"] == 0:
+            print(f"nanoexp: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
     except Exception as error:
         # A single run's bad config only prints; a folder another run owns is never written into.
         if (job.multirun or not isinstance(error, ConfigError)) and not isinstance(error, RunFolderBusy):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanoexp import validation
+from nanoexp.config import ConfigError
 from nanoexp.model.linear import Linear, plain_matmul
 from nanoexp.numerics import fp8
 from nanoexp.parallel.context import ParallelContext
@@ -101,16 +102,15 @@ def test_the_converter_runs_only_where_enabled_and_leaves_the_head_and_routers()
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_the_matmul_is_torchaos_float8_linear(recipe):
     """An independent reference: torchao's own Float8Linear, bit for bit in float32 (forward and both gradients),
-    on 42 rows (not a multiple of 16: our weight gradient pads them). On 0 rows (an expert without tokens), where
-    torchao's amax fails, ours gives zeros."""
-    from torchao.float8 import Float8LinearConfig
+    on 42 rows (not a multiple of 16: our weight gradient pads them), both emulated as on every CPU by default. On
+    0 rows (an expert without tokens), where torchao's amax fails, ours gives zeros."""
     from torchao.float8.float8_linear import Float8Linear
 
     torch.manual_seed(0)
-    theirs = Float8Linear.from_float(torch.nn.Linear(64, 48, bias=False), Float8LinearConfig.from_recipe_name(recipe))
+    theirs = Float8Linear.from_float(torch.nn.Linear(64, 48, bias=False), fp8.float8_config(recipe, emulate=True))
     ours = Linear(64, 48)
     ours.weight = torch.nn.Parameter(theirs.weight.detach().clone())
-    ours.matmul = fp8.Fp8Matmul(recipe, fp8.Split())
+    ours.matmul = fp8.Fp8Matmul(recipe, fp8.Split(), emulate=True)
     x, grad = torch.randn(42, 64) * torch.logspace(-2, 1, 64), torch.randn(42, 48)
     results = []
     for layer in (theirs, ours):
@@ -123,6 +123,54 @@ def test_the_matmul_is_torchaos_float8_linear(recipe):
     empty = torch.zeros(0, 64, requires_grad=True)
     ours(empty).backward(torch.zeros(0, 48))
     assert torch.equal(ours.weight.grad, torch.zeros(48, 64)) and empty.grad.shape == (0, 64)
+
+
+# The emulated products against torch._scaled_mm on the same FP8 operands and scales. Tensorwise: float32 sums in
+# another order, the scales applied before the sum instead of after (measured 1.5e-7 of the largest element).
+# Rowwise: torchao asks _scaled_mm for bf16 (its rowwise kernel has no float32 output) and emulation keeps float32,
+# so each element differs by bf16's rounding, at most half a bf16 step (2^-8 relative; measured 2^-8 exactly).
+EMULATION_TOLERANCE = {"tensorwise": {"rtol": 0, "atol_of_max": 1e-6}, "rowwise": {"rtol": 2 ** -7, "atol_of_max": 1e-6}}
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_the_emulated_products_are_scaled_mms(recipe):
+    """Forward and both gradients of a linear emulated and on torch._scaled_mm, with every product at most 64 x 64
+    (a fraction of a second on a CPU whose _scaled_mm is slow), and the emulated one differs from float32."""
+    g = torch.Generator().manual_seed(1)
+    x, grad = torch.randn(48, 64, generator=g) * torch.logspace(-2, 1, 64), torch.randn(48, 32, generator=g)
+    weight = torch.randn(32, 64, generator=g) / 8
+    results = {}
+    for emulate in (True, False):
+        layer = Linear(64, 32)
+        layer.weight = torch.nn.Parameter(weight.clone())
+        layer.matmul = fp8.Fp8Matmul(recipe, fp8.Split(), emulate=emulate)
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(grad)
+        results[emulate] = (y.detach(), xi.grad, layer.weight.grad)
+    tolerance = EMULATION_TOLERANCE[recipe]
+    for emulated, hardware in zip(results[True], results[False]):
+        torch.testing.assert_close(emulated, hardware, rtol=tolerance["rtol"],
+                                   atol=tolerance["atol_of_max"] * hardware.abs().max().item())
+    assert (results[True][0] - x @ weight.t()).abs().max() > 1e-3   # FP8's rounding, not float32's product
+
+
+def test_fp8_is_emulated_where_the_device_has_no_fp8_units(monkeypatch):
+    """model.fp8.emulate null: emulated on a CPU and on a GPU below compute capability 8.9, on FP8 units above;
+    true and false force it, except false on a GPU without the units, which is refused naming the key."""
+    cfg, gpu = compose_config(FAST + FP8), torch.device("cuda", 0)
+    assert fp8.emulated(cfg) and fp8.emulated(cfg, torch.device("cpu"))
+    monkeypatch.setattr(fp8, "has_fp8_units", lambda device: device.type == "cuda")
+    assert not fp8.emulated(cfg, gpu)
+    assert fp8.emulated(compose_config(FAST + FP8 + ["model.fp8.emulate=true"]), gpu)
+    assert not fp8.emulated(compose_config(FAST + FP8 + ["model.fp8.emulate=false"]), torch.device("cpu"))
+    monkeypatch.setattr(fp8, "has_fp8_units", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    assert fp8.emulated(cfg, gpu)
+    with pytest.raises(ConfigError, match=r"model.fp8.emulate=false needs FP8 units, which NVIDIA A100-SXM4-80GB "
+                                          r"\(compute capability 8.0"):
+        fp8.emulated(compose_config(FAST + FP8 + ["model.fp8.emulate=false"]), gpu)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -181,7 +229,7 @@ def run_layers(ctx, cp_rank: int, tp_rank: int, recipe: str, reduced: bool = Tru
     for name, layer in make_layers(ctx.axis("tp")).items():
         fp8.convert(name, layer, cfg, ctx)
         if not reduced:
-            layer.matmul = fp8.Fp8Matmul(recipe, fp8.Split())
+            layer.matmul = fp8.Fp8Matmul(recipe, fp8.Split(), emulate=True)
         full, s = full_tensors(name), slices(name, cp_rank, tp_rank, ctx.tp, ctx.cp)
         layer.weight = torch.nn.Parameter(local_slice(full["w"], layer.weight).clone())
         x = full["x"][s["M"], s["K"]].clone().requires_grad_()
@@ -295,7 +343,7 @@ def test_one_process_trains_and_stays_near_float32(reference, tmp_path):
     assert 0 < np.abs(loss - float_loss).max() < 0.15
     assert np.abs(norm / float_norm - 1).max() < 0.12
     log = open(os.path.join(reference["root"], "dense", "logs", "rank_0.log")).read()
-    assert "FP8: 28 linears in FP8 (torchao, tensorwise scaling)" in log
+    assert "FP8: 28 linears in FP8 (torchao, tensorwise scaling, products emulated in float32" in log
 
 
 def test_an_fp8_checkpoint_loads_into_a_float32_run(reference, tmp_path):
