@@ -4,6 +4,8 @@ that cannot pass 100 %, and the warning for a dtype the CPU computes far slower 
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -116,7 +118,29 @@ def test_a_slow_dtype_is_measured_within_the_budget(monkeypatch):
 def test_the_start_up_measurement_runs_in_a_child_process(monkeypatch):
     """measure_apart measures in a forked child: this process runs no long matmul (it answers signals throughout)
     and starts no OpenMP threads (which would hang a worker forked later that uses several)."""
+    monkeypatch.setitem(peak._FORK, "safe", True)   # one thread in the child: safe whatever this process ran
     monkeypatch.setattr(peak, "measure_cpu_peak", lambda dtype, threads: Peak(1.5, f"{dtype} in {os.getpid()}"))
     measured = measure_apart("float32", 1)
     assert measured.tflops == 1.5 and measured.source.startswith("float32 in ")
     assert measured.source != f"float32 in {os.getpid()}"
+
+
+# In a process of its own: it leaves that process with two OpenMP threads.
+AFTER_PARALLEL_OPS = """
+import os, time, torch
+from nanoexp.observe import peak
+torch.set_num_threads(2)
+torch.ones(1 << 20).sum()   # this process's OpenMP threads start: a child forked now hangs in its first parallel op
+start = time.perf_counter()
+measured = peak.measure_apart("float32", 2)
+print(measured.tflops > 0, peak._FORK["safe"], round(time.perf_counter() - start, 1))
+"""
+
+
+def test_a_process_that_ran_parallel_ops_measures_in_itself():
+    """Where the forked child would hang (its parent has run parallel ops: a test session, a notebook), the
+    measurement is made in this process after READY_S, and at once from then on."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", AFTER_PARALLEL_OPS], cwd=root, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    assert out[:2] == ["True", "False"] and float(out[2]) < peak.READY_S + 3
