@@ -7,8 +7,9 @@ Each case is a fresh `python train.py model=small tokens.train_steps=S logging.i
 (everything else default); the two cases run in turns, reversed every other round, so background load hits them
 alike. Reported per case: the step's own tokens/s (metrics.jsonl) at steps 5, 25 and S (the median over rounds),
 the loss at those steps (flushing must not change it beyond float32 noise) and summary.json's mean tokens/s. A CPU
-that computes denormals slowly shows the unflushed run slowing down as it trains. The machine's float32 matmul
-peak and load are printed before and after, to show how busy it was. The comparison with a plain Hugging Face loop
+that computes denormals slowly shows the unflushed run slowing down as it trains; how slowly this one does is
+printed first (a multiply of 2^20 denormals against one of normal numbers, one thread, flushing off). The
+machine's float32 matmul peak and load are printed before and after, to show how busy it was. The comparison with a plain Hugging Face loop
 timed from outside is `benchmarks/bench.py --wall` (with `model.flush_denormals=false` for the other case).
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+import torch
 
 from benchmarks.harness import in_turns, matmul_peak
 from nanoexp.observe.peak import cpu_model
@@ -43,6 +47,24 @@ def run_case(model: str, steps: int, overrides: list[str], folder: str) -> dict:
             "flushed": summary.get("denormals_flushed")}
 
 
+def denormal_penalty() -> str:
+    """How much slower this CPU multiplies denormals than normal numbers (one thread, best of 20, flushing off)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = {}
+    for name, value in (("normal", 1e-3), ("denormal", 1e-39)):
+        x = torch.full((1 << 20,), value)
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            x * 0.5
+            best = min(best, time.perf_counter() - start)
+        times[name] = best
+    torch.set_num_threads(threads)
+    return (f"2^20 multiplies: {times['normal'] * 1e3:.3f} ms on normal numbers, {times['denormal'] * 1e3:.3f} ms on "
+            f"denormals ({times['denormal'] / times['normal']:.1f}x)")
+
+
 def machine(when: str) -> str:
     return f"{when}: float32 matmul peak {matmul_peak().tflops * 1e3:.0f} GFLOP/s, load {os.getloadavg()[0]:.2f}"
 
@@ -55,7 +77,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both cases")
     args = parser.parse_args()
     shown = sorted({5, 25, args.steps} & set(range(1, args.steps + 1)))
-    print(f"{cpu_model()}, {os.cpu_count()} cores; {machine('before')}", flush=True)
+    print(f"{cpu_model()}, {os.cpu_count()} cores; {denormal_penalty()}; {machine('before')}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in CASES}
     for i, name in in_turns(list(CASES), args.rounds):
         with tempfile.TemporaryDirectory() as folder:

@@ -100,8 +100,9 @@ def main() -> None:
         for i in range(args.rounds):
             with tempfile.TemporaryDirectory() as folder:
                 code, seconds = stopped(args.root, args.overrides, folder, signum, args.signal_after)
-            print(f"{signal.Signals(signum).name} {args.signal_after:g} s in: exit code {code} "
-                  f"({'-' if code >= 0 else 'killed by '}{abs(code)}), {seconds:.2f} s to exit", flush=True)
+            code_text = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            print(f"{signal.Signals(signum).name} {args.signal_after:g} s in: {code_text}, {seconds:.2f} s to exit",
+                  flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
