@@ -7,6 +7,12 @@
 import os
 import sys
 
+from nanoexp.launch.signals import stop_during_start_up   # the standard library only
+
+if __name__ == "__main__":
+    stop_during_start_up()   # SIGINT/SIGTERM from here to the first step end the run at once: one line, exit 130/143
+
+# After that line on purpose: these imports (torch among them) take seconds.
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode

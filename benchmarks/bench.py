@@ -41,8 +41,8 @@ the end of the run cancel out. The four runs alternate, `--repeats` times; media
 
 Variants switch the same option on both sides: compile (each decoder block compiled),
 recompute (activation checkpointing per block), fused (fused AdamW), fp8 and fp8_rowwise (model.fp8; the
-reference converts the same linears with torchao's convert_to_float8_training; MFU stays against the float32
-peak, so that the variants compare); the saved-activation
+reference converts the same linears with torchao's convert_to_float8_training, emulated where nanoexp's are; MFU
+stays against the float32 peak, so that the variants compare); the saved-activation
 bytes of one micro-batch are reported for every variant (recompute saves most of them).
 """
 from __future__ import annotations
@@ -146,9 +146,10 @@ class PlainLoop:
         if cfg.parallelism.recompute_layer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.model.fp8.enabled:   # torchao's own Float8Linear on the same linears: the peer of nanoexp's FP8
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-            kept = list(cfg.model.fp8.filter_fqns)
-            convert_to_float8_training(self.model, config=Float8LinearConfig.from_recipe_name(cfg.model.fp8.recipe),
+            from torchao.float8 import convert_to_float8_training
+            from nanoexp.numerics.fp8 import emulated, float8_config
+            kept = list(cfg.model.fp8.filter_fqns)   # emulated where nanoexp's are (model.fp8.emulate, this CPU)
+            convert_to_float8_training(self.model, config=float8_config(cfg.model.fp8.recipe, emulated(cfg)),
                                        module_filter_fn=lambda module, fqn: not any(part in fqn for part in kept))
         if cfg.model.compile:
             for layer in self.model.model.layers:

@@ -12,7 +12,9 @@
 #   3. llama_1b (1.2B parameters, vocabulary 128256, sequence 2048, bf16 autocast, compiled blocks, fused AdamW) at
 #      micro-batches 4 and 8, one process each (an out-of-memory trial cannot poison the next): tokens/s, MFU
 #      against the bf16 datasheet peak, peak memory;
-#   4. FP8 (model.fp8, torchao tensorwise, when importable): llama_1b at micro-batch 4, against step 3's.
+#   4. FP8 (model.fp8, torchao tensorwise, when importable): llama_1b at micro-batch 4, against step 3's, on the
+#      GPU's FP8 units (model.fp8.emulate=false: a GPU without them is refused, never emulated unseen; the dry run
+#      emulates, as every CPU does by default).
 # Every run gets at most its cap and never more than what is left of BUDGET_S (540 s: a minute of the limit is
 # kept for start-up and the transfers back); a run with under 30 s left is skipped and said so. The run folders go
 # to a temporary folder outside $OUT; $OUT receives two files: bench_gpu.log (this output) and results.json (per
@@ -43,12 +45,14 @@ if $DRY_RUN; then   # the same steps, shapes a CPU runs in seconds
     BIG=(model=tiny tokens.sequence_length=128 tokens.train_steps=4)
     MICRO_BATCHES=(2 4)
     CAP_S=90
+    FP8=(model.fp8.enabled=true)
 else
     SMOKE=(model=tiny model.dtype=bfloat16 model.compile=true tokens.train_steps=30)
     BIG=(model=llama_1b tokens.sequence_length=2048 tokens.train_steps=12 model.compile=true
          optimizer.optimizer_factory.torch_adam_is_fused=true)
     MICRO_BATCHES=(4 8)
     CAP_S=130
+    FP8=(model.fp8.enabled=true model.fp8.emulate=false)
 fi
 # Runs that time steps: no evaluation, no checkpoint, no TensorBoard.
 # The warm-up fits the short runs (the default's 20 steps would be refused for a 12-step run).
@@ -97,7 +101,7 @@ for MB in "${MICRO_BATCHES[@]}"; do
 done
 echo "== 4. FP8 (torchao tensorwise) at micro-batch ${MICRO_BATCHES[0]}"
 if python3 -c "import torchao.float8" 2>/dev/null; then
-    run_case "fp8_mb${MICRO_BATCHES[0]}" "$CAP_S" "${BIG[@]}" model.fp8.enabled=true \
+    run_case "fp8_mb${MICRO_BATCHES[0]}" "$CAP_S" "${BIG[@]}" "${FP8[@]}" \
         tokens.micro_batch_size="${MICRO_BATCHES[0]}" tokens.global_batch_size="${MICRO_BATCHES[0]}"
 else
     echo "FP8: torchao not importable here: carry its wheel (benchmarks/gpu_wheels.txt)"

@@ -32,7 +32,8 @@ def matmul_peak(dtype: str = "float32", threads: int | None = None, device: str 
     core), best of a few. A busy machine reads low, so a benchmark that measures several times keeps the highest."""
     if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
         return Peak(*gpu_table_peak(torch.device("cuda"), dtype))
-    return measure_cpu_peak(dtype, threads or os.cpu_count() or 1, max_size=2048, min_seconds=float("inf"))
+    return measure_cpu_peak(dtype, threads or os.cpu_count() or 1, max_size=2048, min_seconds=float("inf"),
+                            budget_s=float("inf"))
 
 
 def in_turns(cases: Sequence[Case], rounds: int, alternate: bool = True) -> Iterator[tuple[int, Case]]:

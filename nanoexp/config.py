@@ -85,6 +85,9 @@ class Fp8Config:
     # a linear whose module name contains one of these stays in high precision (the LM head, MoE routers)
     filter_fqns: List[str] = field(default_factory=lambda: ["lm_head", "router"])
     gather_in_fp8: bool = False  # ZeRO-3 gathers FP8 layers' weights in FP8 (tensorwise only)
+    # the products in float32 from the same FP8 operands (torchao's emulation); null: where the device has no FP8
+    # units (a CPU, a GPU below compute capability 8.9); false: torch._scaled_mm (on a CPU: as fast as the CPU's)
+    emulate: Optional[bool] = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 64
     compile: bool = False
     allow_tf32: Optional[bool] = None   # float32 matmuls on CUDA in TF32 (null: on with CUDA; CPU: no effect)
+    flush_denormals: bool = True   # CPU: results below float32's smallest normal (1.2e-38) are 0, on every thread
     ddp_bucket_cap_mb: Optional[float] = None   # null: 25 with NCCL, 4 with gloo (its reduce-scatter copies a bucket)
     attention_mask: str = "causal"   # causal | document (packed documents attend within themselves, positions restart)
     attention_kernel: str = "auto"   # auto | sdpa | flash (nanoexp/model/attention.py; auto: flash-attn where it runs)
@@ -268,6 +272,7 @@ class FaultInjectionConfig:
     hang_at_step: Optional[int] = None             # rank `hang_rank` sleeps before this step
     hang_rank: int = 0
     slow_step_s: float = 0.0                       # every rank sleeps this long before each step (a slow host)
+    slow_start_up_s: float = 0.0                   # every rank sleeps this long at the end of its start-up
     stall_rank: Optional[int] = None               # this rank sleeps `stall_s` in its compute at `stall_at_step`
     stall_at_step: int = 3
     stall_s: float = 3600.0

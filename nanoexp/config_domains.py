@@ -107,6 +107,7 @@ DOMAINS: dict[str, Domain] = {
     "fault_injection.hang_rank": at_least(0),
     # time.sleep raises OverflowError from about 1e10 s; an hour a step is slower than any host to imitate.
     "fault_injection.slow_step_s": Domain(lambda seconds: 0 <= seconds <= 3600, "between 0 and 3600", "seconds"),
+    "fault_injection.slow_start_up_s": Domain(lambda seconds: 0 <= seconds <= 3600, "between 0 and 3600", "seconds"),
     "fault_injection.stall_rank": at_least(0, "null: off"),
     "fault_injection.sigstop_rank": at_least(0, "null: off"),
     "fault_injection.stall_at_step": at_least(1),

@@ -28,13 +28,13 @@ from nanoexp.evaluation.downstream import (INSTALL_HINT, environment, fewshot_pr
 from nanoexp.failures import is_known
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
-from nanoexp.numerics.precision import set_tf32
+from nanoexp.numerics.precision import denormals_flushed, set_tf32
 from nanoexp.observe.flight_recorder import recorder_env
 from nanoexp.observe.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
-from nanoexp.launch.signals import handle_stop_signals
+from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
 from nanoexp.launch.sweep import place_job_checkpoints
 from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 from nanoexp.validation import validate
@@ -126,14 +126,20 @@ def stage_error(stage, message: str) -> str:
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
+    setup_rank_logging(run_dir, rank)
+    if device.type == "cpu" and cfg.logging.exact_cpu_memory:
+        return_freed_memory()
+    with denormals_flushed(cfg, device):   # model.flush_denormals; before the groups, whose threads copy the mode
+        return train_rank(rank, world_size, device, cfg, run_dir, cpu_peak)
+
+
+def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None) -> dict:
+    """This rank's context and peak, then its trainer under the stall watchdog."""
     from nanoexp.launch.fault_injection import FaultInjection
     from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.trainer import Trainer
 
-    setup_rank_logging(run_dir, rank)
-    if device.type == "cpu" and cfg.logging.exact_cpu_memory:
-        return_freed_memory()
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_tf32(cfg, device)   # before any matmul: model.allow_tf32 (on by default on CUDA)
@@ -187,7 +193,7 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
             log.info("%s", complete)
             return
         load = os.getloadavg()[0]
-        with handle_stop_signals():   # SIGTERM/SIGUSR2: every rank checkpoints after its step and returns
+        with handle_stop_signals():   # before step 1 the run ends at once; then every rank checkpoints after its step
             launch_and_train(cfg, run_dir, env, world, complete)
     if complete:
         return
@@ -334,6 +340,11 @@ def main(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     job = job or HydraJob()
     try:
         run(cfg, run_dir, job)
+    except StopBeforeTraining as stop:   # one line (rank 0's), the signal's exit code: 130 for Ctrl-C, 143 for SIGTERM
+        env = launcher_env()
+        if env is None or env["rank"] == 0:
+            print(f"nanoexp: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
     except Exception as error:
         if not keeps_its_summary(error, run_dir, job):
             record_failure(run_dir, error)

@@ -14,8 +14,6 @@ import time
 
 import pytest
 
-from nanoexp.launch.signals import handle_stop_signals, stop_requested
-from nanoexp.launch.workers import spawn_local
 from tests.helpers import FAST, SLOW, train, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,22 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = FAST + ["parallelism=dp2tp1pp1", "tokens.val_check_interval=0",
               "optimizer.learning_rate_scheduler.learning_rate=1e-3", "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
               "optimizer.learning_rate_scheduler.lr_decay_style=constant"]
-
-
-def _report_stop(rank, world_size, device, out_dir):
-    with open(os.path.join(out_dir, f"rank_{rank}"), "w") as f:
-        f.write(str(stop_requested()))
-
-
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_signal_before_workers_start_reaches_every_worker(method, tmp_path):
-    """The launcher is signalled before its workers exist: they are started, receive the signal while
-    still starting (a spawned worker is then importing torch, and would die of an unhandled SIGTERM)
-    and record it."""
-    with handle_stop_signals():
-        os.kill(os.getpid(), signal.SIGTERM)
-        spawn_local(2, _report_stop, (str(tmp_path),), timeout_s=60, method=method)
-    assert [(tmp_path / f"rank_{r}").read_text() for r in range(2)] == ["True", "True"]
 
 
 def _signal_after_two_steps(run_dir, overrides, signum, to_group: bool) -> int:

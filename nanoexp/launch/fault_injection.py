@@ -22,7 +22,8 @@ HOLD_LIMIT_S = 120.0   # the longest hold_checkpoint_write keeps a write back
 
 class FaultInjection(TrainerHooks):
     """`slow_step_s`: every step starts that much later, as on a slow host (a signal sent after a step then arrives
-    well before the end of training, however fast the machine). `hang_at_step`: rank `hang_rank` stops answering
+    well before the end of training, however fast the machine). `slow_start_up_s`: every rank's start-up ends that
+    much later (a signal sent a few seconds in then lands in the start-up, however fast the machine). `hang_at_step`: rank `hang_rank` stops answering
     before that step, as a stuck GPU or host would. `nonfinite_loss_at_step`: the training loss of that step
     becomes NaN on the loss stage. The desync faults of the stall watchdog's tests, each on one rank:
     `stall_rank` sleeps `stall_s` in its compute at `stall_at_step` (with `stall_holds_interpreter`, holding Python's
@@ -38,6 +39,10 @@ class FaultInjection(TrainerHooks):
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
         self.step_begun, self.current_step = threading.Condition(), 0
+
+    def end_of_start_up(self) -> None:
+        if self.faults.slow_start_up_s > 0:
+            time.sleep(self.faults.slow_start_up_s)
 
     def before_step(self, step: int) -> None:
         with self.step_begun:

@@ -7,8 +7,9 @@
   fork (the default on CPU: workers start in about a second, sharing the imported modules) or
   spawn (the default with CUDA, which a process that has used it cannot fork; each worker starts a
   fresh interpreter and imports torch again). Both behave alike: spawned workers rebuild the
-  launcher's console and log-file handlers (forked ones inherit them) and both record stop
-  signals from their first line (nanoexp.launch.signals).
+  launcher's console and log-file handlers (forked ones inherit them) and both handle stop
+  signals from their first line (nanoexp.launch.signals): a worker stopped before its first step
+  exits with 128 + the signal's number, and the launcher ends the run as stopped at start-up.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.failures import KnownFailure, is_known
-from nanoexp.launch.signals import handling_stop_signals, worker_records_stop_signals, workers_starting
+from nanoexp.launch.signals import (STOP_SIGNALS, StopBeforeTraining, handling_stop_signals, ignore_stop_signals,
+                                    worker_handles_stop_signals, workers_starting)
 
 log = logging.getLogger("nanoexp")
 
@@ -210,20 +212,22 @@ def end_worker(message: str) -> None:
 
 
 def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
-                  timeout_s: float, record_signals: bool, log_handlers: list | None, launcher_pid: int) -> None:
+                  timeout_s: float, handle_signals: bool, log_handlers: list | None, launcher_pid: int) -> None:
     die_with_parent(launcher_pid)
     _failure_channel.update(rank=rank, errors=errors)
-    worker_records_stop_signals(record_signals)   # first: a stop signal from now on is recorded, not fatal
-    if log_handlers is not None:   # spawned: a bare interpreter
-        _rebuild_log_handlers(*log_handlers)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     code = 0
     try:
+        worker_handles_stop_signals(handle_signals)   # first: held-back signals arrive here
+        if log_handlers is not None:   # spawned: a bare interpreter
+            _rebuild_log_handlers(*log_handlers)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         device = setup_device(rank, world_size)
         init_distributed(rank, world_size, device, timeout_s)
         fn(rank, world_size, device, *args)
         dist.destroy_process_group()
+    except StopBeforeTraining as stop:   # the launcher says it, once
+        code = stop.exit_code
     except BaseException as error:  # noqa: BLE001 - any failure must reach the parent
         # A failure that names its cause is one line; a bug brings its traceback.
         errors.put((rank, f"{type(error).__name__}: {error}", "" if is_known(error) else traceback.format_exc()))
@@ -235,6 +239,7 @@ def _leave(code: int, errors) -> None:
     """End a worker as multiprocessing ends a forked one: without the interpreter's teardown. A spawned
     worker that tore down would destroy torch's C++ state while its threads still run, and abort
     ("terminate called without an active exception", signal 6) after its work was done."""
+    ignore_stop_signals()
     errors.close()
     errors.join_thread()   # the report, if any, has reached the parent
     logging.shutdown()     # flushes the log files
@@ -256,10 +261,10 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
                              args=(r, world_size, port, fn, args, errors, timeout_s, handling_stop_signals(),
                                    log_handlers, os.getpid()))
              for r in range(world_size)]
-    with workers_starting():   # a stop signal now waits until every worker records it
+    with workers_starting():   # a stop signal now waits until every worker handles it
         for p in procs:
             p.start()
-    failure, killed = None, []
+    failure, killed, stopped = None, [], None
     try:
         while any(p.is_alive() for p in procs) and failure is None:
             time.sleep(poll_s)
@@ -269,10 +274,14 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
                     break
         if failure is not None:
             time.sleep(0.5)   # let the peers of a dead rank notice, and the reports arrive
+            stopped = _stopped_at_start_up(procs)
             killed = [(r, -p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
     finally:
         if failure is not None or any(p.is_alive() for p in procs):
-            _stop(procs)
+            # a worker stopped at start-up was signalled with its peers: one still there is inside a C call
+            _stop(procs, grace_s=5.0 if stopped is None else 1.0)
+    if stopped is not None:
+        raise StopBeforeTraining(stopped)
     if failure is not None:
         reports = []
         while not errors.empty():
@@ -291,6 +300,12 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
         if trace:   # a failure that names its cause is said once, by the command's last line
             log.error("rank %d failed: %s\n%s", rank, message, trace)
         raise WorkerFailed(f"rank {rank} failed: {message}")
+
+
+def _stopped_at_start_up(procs) -> int | None:
+    """The stop signal with which a worker ended its start-up (its exit code: 128 + the signal's number), or None."""
+    codes = {128 + s: s for s in STOP_SIGNALS}
+    return next((codes[p.exitcode] for p in procs if p.exitcode in codes), None)
 
 
 def _stop(procs, grace_s: float = 5.0) -> None:

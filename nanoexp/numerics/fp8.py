@@ -6,9 +6,14 @@ column along the matmul's inner dimension (rowwise). A rank holds a shard of som
 amax is computed locally and all-reduced with MAX over exactly the groups that split the dimensions it spans
 (`Split`, read from how the layer is placed). Data and pipeline parallelism need none: one process runs the
 same micro-batches one at a time. The table of which group reduces which amax is in docs/fp8.md.
+
+Where the device has no FP8 units (a CPU; a GPU below compute capability 8.9) the products are emulated by default
+(model.fp8.emulate): torchao's `emulate` setting multiplies the same FP8 operands, with the same scales, in float32
+instead of calling `torch._scaled_mm`, whose CPU speed depends on the CPU (docs/fp8.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanoexp.config import ConfigError
 from nanoexp.numerics.converters import CONVERTERS, Converter
 from nanoexp.parallel.context import Axis
 from nanoexp.parallel.placement import placement
@@ -42,6 +48,37 @@ def import_float8() -> None:
             log.setLevel(level)
 
 
+FP8_UNITS = (8, 9)   # the CUDA compute capability from which GPUs multiply FP8 in hardware (Ada, Hopper and later)
+
+
+def has_fp8_units(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8 operands in hardware: a CUDA GPU of compute capability >= 8.9."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_UNITS
+
+
+def emulated(cfg, device: torch.device | None = None) -> bool:
+    """Whether the FP8 products are emulated in float32: model.fp8.emulate, whose null means wherever `device`
+    (default: the CPU) has no FP8 units. A GPU without them cannot run torch._scaled_mm: forcing it there is a
+    ConfigError (known only where the GPU is)."""
+    device = device or torch.device("cpu")
+    forced = getattr(cfg.model.fp8, "emulate", None)   # absent from configs saved before the key existed
+    if forced is None:
+        return not has_fp8_units(device)
+    if not forced and device.type == "cuda" and not has_fp8_units(device):
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ConfigError(f"model.fp8.emulate=false needs FP8 units, which {torch.cuda.get_device_name(device)} "
+                          f"(compute capability {capability}, below 8.9) lacks: set model.fp8.emulate=null")
+    return bool(forced)
+
+
+def float8_config(recipe: str, emulate: bool):
+    """torchao's Float8LinearConfig of `recipe`, its products emulated in float32 (`emulate`: the FP8 operands
+    and scales as on hardware, multiplied by torch.mm) or run by torch._scaled_mm."""
+    import_float8()
+    from torchao.float8 import Float8LinearConfig
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
 @dataclass(frozen=True)
 class Split:
     """The groups (by name, in `axes`) that split each dimension of a layer's matmul y[M, N] = x[M, K] W[N, K]^T."""
@@ -58,15 +95,14 @@ class Split:
 
 class Fp8Matmul:
     """`Linear.matmul` in FP8 with `recipe`'s casts (torchao's Float8LinearConfig): the forward x W^T, and in
-    backward grad_out W and grad_out^T x, each from two float8 operands with scales agreed over `split`."""
+    backward grad_out W and grad_out^T x, each from two float8 operands with scales agreed over `split`; with
+    `emulate` the products run in float32 (torchao's emulation), else on torch._scaled_mm."""
 
-    def __init__(self, recipe: str, split: Split):
-        import_float8()
-        from torchao.float8 import Float8LinearConfig
+    def __init__(self, recipe: str, split: Split, emulate: bool):
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
         self.recipe, self.split = recipe, split
-        self.config = c = Float8LinearConfig.from_recipe_name(recipe)
+        self.config = c = float8_config(recipe, emulate)
         gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
         self.mm_config, self.padded_config = (
             LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim or pad)
@@ -74,7 +110,8 @@ class Fp8Matmul:
             for padded in (False, True))
         # which groups split dims 0 and 1 of each operand: x [M, K], W^T [K, N], grad_out [M, N]
         self.dims = {"x": (split.rows, split.inner), "w": (split.inner, split.out), "g": (split.rows, split.out)}
-        self.__name__ = f"fp8 {recipe}" + (f" (amax reduced: {split})" if str(split) else "")
+        self.__name__ = (f"fp8 {recipe}" + (" emulated" if emulate else "")
+                         + (f" (amax reduced: {split})" if str(split) else ""))
         self.precast = None   # W as gathered in FP8 by ZeRO-3 (fp8_gather.py) while its unit is whole, else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, layer) -> torch.Tensor:
@@ -123,7 +160,8 @@ class Fp8Matmul:
 
 class _Fp8Linear(torch.autograd.Function):
     """y = x W^T from float8 operands; backward: grad_x = grad_out W and grad_W = grad_out^T x, likewise. The
-    products are torchao's (`torch.mm` of its float8 tensors: torch._scaled_mm), in the dtype of x (or grad_out)."""
+    products are torchao's (`torch.mm` of its float8 tensors: torch._scaled_mm, or float32 products of the same
+    operands when emulated), in the dtype of x (or grad_out)."""
 
     @staticmethod
     def forward(ctx, x, weight, mm: Fp8Matmul):
@@ -178,7 +216,7 @@ def convert(name: str, layer, cfg, ctx) -> None:
     """Every linear whose name contains none of model.fp8.filter_fqns computes in FP8."""
     fp8 = cfg.model.fp8
     if not any(part in name for part in fp8.filter_fqns):
-        layer.matmul = Fp8Matmul(fp8.recipe, split_of(layer, ctx))
+        layer.matmul = Fp8Matmul(fp8.recipe, split_of(layer, ctx), emulated(cfg, ctx.device))
 
 
 def enabled(cfg) -> bool:

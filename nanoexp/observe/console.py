@@ -87,17 +87,20 @@ def resume_command(overrides: list[str], run_dir: str) -> str:
 
 
 def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak,
-              converted_linears: int = 0, tf32: bool = False) -> list[str]:
+              converted_linears: int = 0, tf32: bool = False, flush_denormals: bool = False,
+              fp8_emulated: bool = False) -> list[str]:
     """The lines that say what a run is: model, parametrization, number format (`converted_linears`: how many
-    linears of rank 0's model a format converted), initial weights, layout, global batch, data (`data`:
-    describe_data's words) and the peak MFU is measured against."""
+    linears of rank 0's model a format converted; whether matmuls run in TF32, denormals are flushed, FP8 products
+    emulated), initial weights, layout, global batch, data (`data`: describe_data's words) and the peak MFU is
+    measured against."""
     p, t = cfg.parallelism, cfg.tokens
     global_batch = layout.dp * t.micro_batch_size * accumulation
     active = count_active_parameters(shape)
     lines = [f"model: {num_parameters:,} parameters{f', {active:,} active per token' if shape.moe else ''} (hidden "
              f"{shape.hidden_size}, {shape.num_hidden_layers} layers, {shape.num_attention_heads} heads / "
              f"{shape.num_key_value_heads} KV heads, vocabulary {shape.vocab_size}), {cfg.model.dtype}"
-             + (" (matmuls in TF32: model.allow_tf32)" if tf32 else "")]
+             + (" (matmuls in TF32: model.allow_tf32)" if tf32 else "")
+             + ("; denormals flushed to zero (model.flush_denormals)" if flush_denormals else "")]
     if shape.moe:
         moe = shape.moe
         lines.append(f"mixture of experts: 1 layer in {moe.layer_frequency}, {moe.num_experts} experts of width "
@@ -107,8 +110,10 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
     if cfg.model.fp8.enabled:
         fp8, where = cfg.model.fp8, " (rank 0's stage)" if layout.pp > 1 else ""
-        lines.append(f"FP8: {converted_linears} linears{where} in FP8 (torchao, {fp8.recipe} scaling); in high "
-                     f"precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}"
+        products = ("products emulated in float32 (model.fp8.emulate), so MFU is against the float32 peak"
+                    if fp8_emulated else "products on FP8 units (torch._scaled_mm)")
+        lines.append(f"FP8: {converted_linears} linears{where} in FP8 (torchao, {fp8.recipe} scaling, {products}); "
+                     f"in high precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}"
                      + ("; ZeRO-3 gathers their weights in FP8" if fp8.gather_in_fp8 else ""))
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")

@@ -4,8 +4,12 @@ GPUs: a datasheet table (dense, per model.dtype) times the GPUs, or `logging.pea
 the node's peak is measured before any worker starts, as the best of a few square matmuls on all its cores.
 One measurement on a busy machine reads low (MFU above 100 % followed from it), and a small matmul reads low on
 an idle one too (1024² matrices gave 84.5 GFLOP/s where 2048² gave 131 on a 2-core CPU), so:
-- the matmuls grow until one takes long enough to be timed well (2048², or less for a dtype the CPU computes
-  slowly), and the best of a few counts;
+- the matmuls grow until one takes long enough to be timed well (2048² at most), within a time budget (1 s a
+  dtype), so that a CPU that computes a dtype slowly (FP8 at 0.03 GFLOP/s on some) measures it on small products
+  instead of for minutes, and the best of a few counts;
+- at start-up it runs in a child process: a long matmul is one C call, during which the launcher's signal handlers
+  could not run, and the launcher's OpenMP threads stay unstarted (a child forked after them hangs when it uses
+  several threads: GNU libgomp);
 - each machine keeps the best figure it ever measured, per (host, CPU model, threads, dtype), in
   `$XDG_CACHE_HOME/nanoexp/peaks.json` (~/.cache by default), refreshed when a new measurement beats it; the peak
   is the better of the cached and the new figure, and its source says which.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
 import time
@@ -82,42 +87,55 @@ def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]
 
 
 def peak_dtype(cfg, device: torch.device | None = None) -> str:
-    """The number format of the matmuls MFU is measured against: float8 when model.fp8 converts the linears
-    (they hold nearly all of the FLOPs; attention and the LM head stay in model.dtype), tfloat32 for float32 on
-    `device` with TF32 on (nanoexp/numerics/precision.py), else model.dtype."""
+    """The number format of the matmuls MFU is measured against (on `device`, default the CPU): float8 when
+    model.fp8 converts the linears and runs their products on FP8 units (they hold nearly all of the FLOPs;
+    attention and the LM head stay in model.dtype); emulated FP8 multiplies in float32, so float32's; tfloat32
+    for float32 on `device` with TF32 on (nanoexp/numerics/precision.py), else model.dtype."""
+    from nanoexp.numerics.fp8 import emulated
     from nanoexp.numerics.precision import tf32_enabled
-    if cfg.model.fp8.enabled:
+    if cfg.model.fp8.enabled and not emulated(cfg, device):
         return "float8"
-    if cfg.model.dtype == "float32" and device is not None and tf32_enabled(cfg, device):
+    float32 = cfg.model.dtype == "float32" or cfg.model.fp8.enabled
+    if float32 and device is not None and tf32_enabled(cfg, device):
         return "tfloat32"
-    return cfg.model.dtype
+    return "float32" if float32 else cfg.model.dtype
 
 
-def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: int = 3,
-                     min_seconds: float = 0.05) -> Peak:
+def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: int = 3, min_seconds: float = 0.05,
+                     budget_s: float = 1.0) -> Peak:
     """This node's matmul peak now: square matmuls in `dtype` on `threads` threads (float8: torch._scaled_mm
-    of e4m3 operands into float32, as model.fp8 runs them), the size doubling from 256 until one takes
-    `min_seconds` (or reaches max_size), then the best of `repeats` at that size. The operands are built
-    without any random generator, so the training RNG is untouched; nothing is written."""
-    torch_dtype = {"bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}.get(dtype, torch.float32)
+    of e4m3 operands into float32, as model.fp8 runs them on FP8 units), in about `budget_s` seconds on any CPU.
+    The size doubles from 64 while the next size's `repeats` products are predicted (8x the last time) to fit
+    in what is left of the budget, until one product takes `min_seconds` (long enough to time well; float8 grows
+    as far as the budget allows: a CPU converts FP8 in software, so a small product reads far low) or the size
+    reaches max_size; the best of the last size's products counts. The operands are built without any random
+    generator, so the training RNG is untouched; nothing is written."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    start, size = time.perf_counter(), 64
     try:
-        # float8 on a CPU is converted in software: a small product is slow per FLOP and would read far low
-        size = max_size if dtype == "float8" else 256
         while True:
-            a = torch.linspace(-1.0, 1.0, size * size).reshape(size, size).to(torch_dtype)
-            b = a.t().contiguous().t() if dtype == "float8" else a.t().contiguous()   # _scaled_mm: b column-major
-            _timed_mm(a, b)   # warm-up: thread pool, caches
-            times = [_timed_mm(a, b)]
-            if size >= max_size or times[0] >= min_seconds:
+            a, b = _operands(size, dtype)
+            times = []
+            for _ in range(repeats):   # the first product at a size warms up (thread pool, caches): the best counts
+                times.append(_timed_mm(a, b))
+                if time.perf_counter() - start > budget_s:
+                    break
+            left = budget_s - (time.perf_counter() - start)
+            timed_well = min(times) >= min_seconds and dtype != "float8"
+            if size >= max_size or timed_well or 8 * min(times) * repeats > left:
                 break
             size *= 2
-        times += [_timed_mm(a, b) for _ in range(repeats - 1)]
     finally:
         torch.set_num_threads(previous)
     tflops = 2.0 * size ** 3 / min(times) / 1e12
-    return Peak(tflops, f"measured: best of {repeats} {size}x{size} {dtype} matmuls on {threads} threads")
+    return Peak(tflops, f"measured: best of {len(times)} {size}x{size} {dtype} matmuls on {threads} threads")
+
+
+def _operands(size: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    torch_dtype = {"bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}.get(dtype, torch.float32)
+    a = torch.linspace(-1.0, 1.0, size * size).reshape(size, size).to(torch_dtype)
+    return a, (a.t().contiguous().t() if dtype == "float8" else a.t().contiguous())   # _scaled_mm: b column-major
 
 
 def _timed_mm(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,10 +148,67 @@ def _timed_mm(a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+_FORK = {"safe": True}   # False once a forked child hung in its first parallel op: measured here from then on
+READY_S = 3.0   # a forked child answers its first parallel op within this, or it hangs
+
+
+def measure_apart(dtype: str, threads: int) -> Peak:
+    """measure_cpu_peak in a forked child process, so that this one answers signals throughout and starts no
+    OpenMP threads (see the module docstring); the figure comes back as JSON over a pipe. A process that has run
+    parallel ops already (a test session, a notebook) would hang that child: the child proves its first parallel
+    op within READY_S, and otherwise the measurement is made here (so too where fork is not offered)."""
+    if not _FORK["safe"] or "fork" not in mp.get_all_start_methods():
+        return measure_cpu_peak(dtype, threads)
+    context = mp.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_measure_and_send, args=(send, dtype, threads), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if _receive(receive, child, READY_S) is None:
+            _FORK["safe"] = False
+            return measure_cpu_peak(dtype, threads)
+        measured = _receive(receive, child, None)
+        if measured is None:
+            raise RuntimeError(f"the {dtype} peak measurement's process ended with code {child.exitcode}")
+        return Peak(measured["tflops"], measured["source"])
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+def _receive(receive, child, timeout_s: float | None) -> dict | None:
+    """The child's next message, waited for in short polls (a signal's handler runs between them); None when it
+    does not come within `timeout_s` or the child has ended."""
+    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+    while not receive.poll(0.05):
+        if not child.is_alive() and not receive.poll(0):
+            return None
+        if deadline is not None and time.perf_counter() > deadline:
+            return None
+    return json.loads(receive.recv_bytes())
+
+
+def _measure_and_send(send, dtype: str, threads: int) -> None:
+    code = 1
+    try:
+        torch.set_num_threads(threads)
+        torch.ones(1 << 20).sum()   # a parallel op: where this process's parent had run some, it hangs here
+        send.send_bytes(b"{}")
+        peak = measure_cpu_peak(dtype, threads)
+        send.send_bytes(json.dumps({"tflops": peak.tflops, "source": peak.source}).encode())
+        code = 0
+    except BaseException:   # noqa: BLE001 - a stop signal or a failure: the parent sees the exit
+        pass
+    os._exit(code)
+
+
 def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
-    """The node's CPU peak: measured now, and the best this machine ever measured for the same CPU, threads and
-    dtype (cached, see the module docstring), whichever is higher."""
-    now = measure_cpu_peak(dtype, threads)
+    """The node's CPU peak: measured now (in a child process), and the best this machine ever measured for the
+    same CPU, threads and dtype (cached, see the module docstring), whichever is higher."""
+    now = measure_apart(dtype, threads)
     path = cache_path or default_cache_path()
     key = f"{platform.node()} | {cpu_model()} | {threads} threads | {dtype}"
     cache = _read_cache(path)
@@ -152,10 +227,10 @@ def slow_dtype_warning(dtype: str, threads: int, peak: Peak) -> str | None:
     """A warning when `dtype`'s CPU peak is far below float32's on this machine (no native bf16), else None."""
     if dtype == "float32" or not peak.tflops:
         return None
-    float32 = measure_cpu_peak("float32", threads)
+    float32 = measure_apart("float32", threads)
     if peak.tflops >= SLOW_DTYPE * float32.tflops:
         return None
-    key, fix = ("model.fp8.enabled=true", "model.fp8.enabled=false") if dtype == "float8" else \
+    key, fix = ("model.fp8.emulate=false", "model.fp8.emulate=null") if dtype == "float8" else \
         (f"model.dtype={dtype}", "model.dtype=float32")
     return (f"{key}: this CPU's {dtype} matmuls run at {peak.tflops * 1e3:.3g} GFLOP/s, "
             f"{float32.tflops / peak.tflops:.0f}x slower than float32's {float32.tflops * 1e3:.3g} (no native "

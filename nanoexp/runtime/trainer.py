@@ -23,7 +23,8 @@ from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
 from nanoexp.failures import KnownFailure
-from nanoexp.numerics.precision import tf32_enabled
+from nanoexp.numerics.fp8 import emulated as fp8_emulated
+from nanoexp.numerics.precision import flushes_denormals, tf32_enabled
 from nanoexp.observe import timing
 from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.memory import peak_memory_mb, start_measuring
@@ -38,7 +39,7 @@ from nanoexp.observe.peak import Peak
 from nanoexp.observe.profiling import StepProfiler
 from nanoexp.observe.moe_metrics import moe_step_values
 from nanoexp.runtime.step import TokenLossSum
-from nanoexp.launch.signals import received_signal_name, stop_flag
+from nanoexp.launch.signals import received_signal_name, stop_flag, training_started
 from nanoexp.observe.summary import memory_fields, write_summary
 
 log = logging.getLogger("nanoexp")
@@ -46,6 +47,9 @@ log = logging.getLogger("nanoexp")
 
 class TrainerHooks:
     """The loop's extension points; these do nothing. Subclass to act at them (nanoexp.launch.fault_injection)."""
+
+    def end_of_start_up(self) -> None:
+        """Called on every rank once its model, optimizer and data are ready, before its first step."""
 
     def before_step(self, step: int) -> None:
         """Called on every rank before optimizer step `step` reads its batch."""
@@ -195,9 +199,12 @@ class Trainer:
         rank 0 writes summary.json (also when a step raises)."""
         summary = {"status": "failed", "run_id": self.checkpoints.run_id, "world_size": self.ctx.world_size,
                    "layout": self.ctx.layout.name, "tf32": tf32_enabled(self.cfg, self.ctx.device),
+                   "denormals_flushed": flushes_denormals(self.cfg, self.ctx.device),
                    "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
         self.announce(summary["num_parameters"])
         self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
+        self.hooks.end_of_start_up()
+        training_started()   # a stop signal from here on ends the run after a step, with its checkpoint
         try:
             stopped = False
             for step in range(self.resume.step + 1, self.cfg.tokens.train_steps + 1):
@@ -378,7 +385,8 @@ class Trainer:
         named = f"stage {stage.name!r} of {len(stages)}, from step {stage.start_step}: " if self.batches.named else ""
         for line in run_facts(self.cfg, self.ctx.layout, self.shape, num_parameters, self.accumulation,
                               named + self.describe_data(), self.peak, len(self.model.converted_linears),
-                              tf32_enabled(self.cfg, self.ctx.device)):
+                              tf32_enabled(self.cfg, self.ctx.device), flushes_denormals(self.cfg, self.ctx.device),
+                              self.cfg.model.fp8.enabled and fp8_emulated(self.cfg, self.ctx.device)):
             log.info(line)
 
     def announce_stage(self, stage) -> None:
