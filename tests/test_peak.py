@@ -69,6 +69,15 @@ def test_the_node_peak_is_the_best_this_machine_measured(tmp_path):
     assert node_peak("float32", 1, cache).tflops > 1e-9 and json.load(open(cache))[key]["tflops"] > 1e-9
 
 
+def test_a_figure_measured_today_is_taken_without_measuring(tmp_path, monkeypatch):
+    """Once a day: every later start that day (a sweep's jobs, a test session's runs) reads the kept figure."""
+    cache = str(tmp_path / "peaks.json")
+    first = node_peak("float32", 1, cache)
+    monkeypatch.setattr(peak, "measure_apart", lambda *_: pytest.fail("measured again the same day"))
+    again = node_peak("float32", 1, cache)
+    assert again.tflops == first.tflops and "measured again once a day" in again.source
+
+
 def test_a_throughput_above_the_peak_is_never_reported_as_mfu(caplog):
     cfg = compose_config(FAST)
     trainer = Trainer(cfg, ParallelContext(), os.devnull, peak=Peak(2.0, "a test's peak"))
