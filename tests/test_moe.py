@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanoexp.model.moe import MoE, MoeLosses, MoeShape
 from nanoexp.parallel.context import ParallelContext
@@ -62,6 +63,12 @@ def make_layer(normalize: bool, shared: int = 1, capacity_factor: float | None =
     return layer
 
 
+def expert_output(layer: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's SwiGLU on x, from its rows of the stacked weights."""
+    experts = layer.experts
+    return F.linear(F.silu(F.linear(x, experts.gate_proj[e])) * F.linear(x, experts.up_proj[e]), experts.down_proj[e])
+
+
 def reference_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: the weighted sum of its top-k experts, plus the shared ones. With a capacity, an expert
     takes the first tokens in order that route to it, up to its capacity."""
@@ -74,7 +81,7 @@ def reference_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         kept = [(w, int(e)) for w, e in zip(weights, chosen) if capacity is None or taken[int(e)] < capacity]
         for _, e in kept:
             taken[e] += 1
-        y = sum((w * layer.experts[str(e)](token) for w, e in kept), torch.zeros_like(token))
+        y = sum((w * expert_output(layer, e, token) for w, e in kept), torch.zeros_like(token))
         out.append(y + (layer.shared_experts(token) if layer.shared_experts is not None else 0))
     return torch.stack(out).view(x.shape)
 
@@ -95,8 +102,9 @@ def test_losses_enter_the_gradient_as_their_formulas_say():
     with layer.losses.training_forward():
         layer(x).sum().backward()
     ours = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    (_, aux, z, counts, dropped), = layer.losses.records
-    assert dropped == 0
+    record, = layer.losses.records
+    aux, z, counts = record.aux, record.z, record.counts
+    assert record.dropped == 0
     layer.zero_grad()
     tokens = x.reshape(-1, 8)
     logits = layer.router(tokens)
@@ -179,7 +187,7 @@ def test_checkpoint_moves_between_layouts(tmp_path):
                                      "parallelism.tp_mode=reduce_scatter",
                                      f"checkpoint.resume_checkpoint_path={tmp_path}/a/checkpoints/3"])
     assert_same_steps(a + b, reference, steps=range(1, 7))   # losses and gradient norms
-    with pytest.raises(ValueError, match="mixture of experts"):
+    with pytest.raises(ValueError, match="no Hugging Face architecture holds: model.moe.num_shared_experts=1"):
         convert_to_hf(str(tmp_path / "a" / "checkpoints" / "3"), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")
 

@@ -26,15 +26,19 @@ EPS = 1e-7                                   # torch.optim.Muon's floor on the n
 
 def takes_muon(name: str, param) -> bool:
     """Whether Muon updates `param` (named by the values it holds, placement.value_name): the 2-D hidden
-    matrices (attention and MLP projections, experts). The embedding, the LM head, the MoE router and every
-    vector (norms) go to AdamW: their rows are looked up or scored one by one, not used as a linear map."""
-    return param.ndim == 2 and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
+    matrices (attention and MLP projections, shared experts) and the stacked routed experts (3-D: one matrix per
+    expert, each orthogonalised alone). The embedding, the LM head, the MoE router and every vector (norms) go to
+    AdamW: their rows are looked up or scored one by one, not used as a linear map."""
+    return param.ndim in (2, 3) and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
 
 
 def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
     """The quintic Newton–Schulz iteration X <- aX + (bA + cA²)X, A = XXᵀ, in bfloat16 on the wide orientation
     of the matrix scaled to unit Frobenius norm: about U·Vᵀ of update = U·S·Vᵀ (the singular values land near 1,
-    not exactly on it). The same operations as torch.optim.Muon's, so that results agree bit for bit."""
+    not exactly on it). The same operations as torch.optim.Muon's, so that results agree bit for bit. A stack of
+    matrices [E, rows, columns] (routed experts): each matrix alone."""
+    if update.ndim == 3:
+        return torch.stack([orthogonalise(matrix, coefficients, steps, eps) for matrix in update])
     a, b, c = coefficients
     tall = update.shape[0] > update.shape[1]
     x = update.bfloat16()
@@ -48,8 +52,9 @@ def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int
 
 def adjusted_lr(lr: float, adjust_lr_fn: str, shape) -> float:
     """The rate of a whole matrix of `shape` (rows, columns): "original" keeps the update's RMS across aspect
-    ratios (√max(1, rows/columns)); "match_rms_adamw" gives it AdamW's RMS (0.2·√max(rows, columns))."""
-    rows, columns = shape
+    ratios (√max(1, rows/columns)); "match_rms_adamw" gives it AdamW's RMS (0.2·√max(rows, columns)). A stack of
+    matrices: each one's."""
+    rows, columns = shape[-2:]
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, columns))
     return lr * math.sqrt(max(1.0, rows / columns))
