@@ -51,11 +51,10 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
     replicated parameter's value."""
     tensors, index = {}, {}
 
-    def add(key, tensor, name, kind, param, flat_range=None):
+    def add(key, tensor, name, kind, param, shape, flat_range):
         tensors[key] = tensor.detach().to("cpu").contiguous()
         index[key] = {"name": name, "kind": kind, "tp_rank": ctx.tp_rank, "tp": ctx.tp,
-                      "split_dim": placement(param).split_dim, "local_shape": list(param.shape),
-                      "flat_range": flat_range or [0, param.numel()]}
+                      "split_dim": placement(param).split_dim, "local_shape": list(shape), "flat_range": flat_range}
 
     zero = isinstance(optimizer, ShardedOptimizer)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -65,8 +64,8 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
             continue
         state = {} if zero or id(p) not in names else element_state(optimizer.state.get(p, {}), p)
         for kind, value in {"param": p, **state}.items():
-            for stored, like, part, _ in stored_parts(name, p, value):
-                add(stored if kind == "param" else f"{stored}:{kind}", part, stored, kind, like)
+            for stored, shape, part, flat_range in stored_parts(name, p, value):
+                add(stored if kind == "param" else f"{stored}:{kind}", part, stored, kind, p, shape, flat_range)
     if zero:
         # ZeRO's pieces: this rank's part [start, end) of each parameter's flattened elements; under ZeRO-3 their
         # values too.
@@ -77,8 +76,8 @@ def shard_contents(model, optimizer, ctx) -> tuple[dict, dict]:
             values = {"param": piece.value} if id(piece.param) in held_as_shards else {}
             values.update(element_state(optimizer.state.get(piece.value, {}), piece.value))
             for kind, value in values.items():
-                for stored, like, part, (a, b) in stored_parts(name, piece.param, value, piece.start):
-                    add(f"{stored}:{kind}@{a}", part.reshape(-1), stored, kind, like, [a, b])
+                for stored, shape, part, (a, b) in stored_parts(name, piece.param, value.reshape(-1), piece.start):
+                    add(f"{stored}:{kind}@{a}", part, stored, kind, piece.param, shape, [a, b])
     return tensors, index
 
 
@@ -89,19 +88,20 @@ def persistent_buffers(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def stored_parts(name: str, param, tensor: torch.Tensor, start: int = 0):
-    """The stored tensors that `tensor`, elements [start, start + numel) of `param` flattened (its values or its
-    state's), holds parts of: (stored name, a tensor of that stored tensor's local shape, the part, its element
-    range [a, b) there). One for a parameter; one per expert touched for a stacked routed-expert tensor."""
+    """The stored tensors that `tensor` holds parts of: `tensor` is `param`'s values or state, whole (`start` 0,
+    the parameter's shape) or elements [start, start + numel) of it flattened (a ZeRO piece). Yields (stored name,
+    its local shape, the part, its element range there): one for a parameter, one per expert touched for a stacked
+    routed-expert tensor (whose storage ZeRO-3 may have freed: only its shape is read)."""
     experts = expert_values(name, param)
     if experts is None:
-        yield name, param, tensor, [start, start + tensor.numel()]
+        yield name, param.shape, tensor, [start, start + tensor.numel()]
         return
-    size, flat = param[0].numel(), tensor.reshape(-1)
+    shape = param.shape[1:]
+    size, flat, whole = shape.numel(), tensor.reshape(-1), tensor.shape == param.shape
     for j, expert in enumerate(experts):
         a, b = max(start, j * size), min(start + flat.numel(), (j + 1) * size)
         if a < b:
-            part = flat[a - start:b - start]
-            yield expert, param[j], part.view_as(param[j]) if b - a == size else part, [a - j * size, b - j * size]
+            yield expert, shape, tensor[j] if whole else flat[a - start:b - start], [a - j * size, b - j * size]
 
 
 def element_state(state: dict, param) -> dict:

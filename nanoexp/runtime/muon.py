@@ -35,10 +35,7 @@ def takes_muon(name: str, param) -> bool:
 def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
     """The quintic Newton–Schulz iteration X <- aX + (bA + cA²)X, A = XXᵀ, in bfloat16 on the wide orientation
     of the matrix scaled to unit Frobenius norm: about U·Vᵀ of update = U·S·Vᵀ (the singular values land near 1,
-    not exactly on it). The same operations as torch.optim.Muon's, so that results agree bit for bit. A stack of
-    matrices [E, rows, columns] (routed experts): each matrix alone."""
-    if update.ndim == 3:
-        return torch.stack([orthogonalise(matrix, coefficients, steps, eps) for matrix in update])
+    not exactly on it). The same operations as torch.optim.Muon's, so that results agree bit for bit."""
     a, b, c = coefficients
     tall = update.shape[0] > update.shape[1]
     x = update.bfloat16()
@@ -48,6 +45,13 @@ def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def orthogonalise_each(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
+    """`orthogonalise` of a matrix, or of each matrix of a stack [E, rows, columns] (routed experts) alone."""
+    if update.ndim == 3:
+        return torch.stack([orthogonalise(matrix, coefficients, steps, eps) for matrix in update])
+    return orthogonalise(update, coefficients, steps, eps)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str, shape) -> float:
@@ -95,8 +99,8 @@ class TensorParallelMuon(torch.optim.Optimizer):
             lr = group["lr"]
             for p in (p for p in group["params"] if p.grad is not None):
                 direction = whole(momentum_direction(p.grad, self.state[p], group), p, self.tp_group)
-                update = local_slice(orthogonalise(direction, group["ns_coefficients"], group["ns_steps"],
-                                                   group["eps"]), p)
+                update = local_slice(orthogonalise_each(direction, group["ns_coefficients"], group["ns_steps"],
+                                                        group["eps"]), p)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], direction.shape))
 
@@ -132,7 +136,7 @@ class ShardedMuon(TensorParallelMuon):
             if not pieces:   # no piece here: the collectives above were this rank's part
                 continue
             ns = pieces[0][1]   # the Newton–Schulz settings are the optimizer's, the same in every group
-            update = local_slice(orthogonalise(direction, ns["ns_coefficients"], ns["ns_steps"], ns["eps"]),
+            update = local_slice(orthogonalise_each(direction, ns["ns_coefficients"], ns["ns_steps"], ns["eps"]),
                                  matrix).reshape(-1)
             for value, group in pieces:
                 lr = group["lr"]
