@@ -23,7 +23,7 @@ from torch import nn
 
 from nanoexp.model.experts import ExpertCounts
 from nanoexp.parallel.context import Axis
-from nanoexp.parallel.placement import place
+from nanoexp.parallel.placement import place, placement
 
 
 class _AllToAll(torch.autograd.Function):
@@ -94,6 +94,7 @@ def apply_expert_parallel(model: nn.Module, axis: Axis) -> nn.Module:
         local = module.moe.num_experts // axis.size
         for name, param in list(module.experts.named_parameters()):
             kept = nn.Parameter(param[axis.rank * local:(axis.rank + 1) * local].clone())
+            kept.placement = placement(param)   # what tp declared (sequence parallel), and now ep's share
             setattr(module.experts, name, place(kept, expert=True, first_expert=axis.rank * local))
         module.route = functools.partial(ExpertRoute, ep=axis.size, group=axis.group)
     return model
