@@ -167,11 +167,10 @@ def test_grouped_kernel_falls_back_to_the_loop_where_grouped_mm_does_not_run():
 
 
 # -- every layout trains the one-process model --------------------------------------------------------
-def moe_curves(records) -> dict[str, np.ndarray]:
+def moe_curves(records, layers=(1, 3)) -> dict[str, np.ndarray]:
     steps = [r for r in records if "loss" in r]
     return {key: np.array([r[key] for r in steps]) for key in
-            ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_imbalance/layer_1",
-             "moe_load_imbalance/layer_3")}
+            ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", *(f"moe_load_imbalance/layer_{n}" for n in layers))}
 
 
 @pytest.fixture
