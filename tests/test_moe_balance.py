@@ -151,3 +151,10 @@ def test_metrics_log_the_sequence_loss_and_the_loads(train_once):
 ])
 def test_bad_balance_config_is_named(overrides, message):
     assert message in start_error(compose_config(MOE + overrides))
+
+
+def test_the_console_shows_each_layers_load():
+    from nanoexp.observe.console import StepClock, step_line
+    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 1000.0, "peak_memory_mb": 10.0,
+              "moe_aux_loss": 2.1, "moe_load_imbalance/layer_1": 1.3125, "moe_load_imbalance/layer_3": 1.04}
+    assert "| load max/mean 1.31 1.04 |" in step_line(record, 10, StepClock())

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+LOAD_IMBALANCE = "moe_load_imbalance/layer_"   # + n: layer n's busiest expert's load over the mean
+
 
 @torch.no_grad()
 def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -30,7 +32,7 @@ def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.T
         dist.all_reduce(values)
     loads = values[4:].view(len(losses.moe_layers), experts)
     imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
-    names = ["moe_aux_loss", "moe_z_loss"] + [f"moe_load_imbalance/layer_{n}" for n in losses.moe_layers]
+    names = ["moe_aux_loss", "moe_z_loss"] + [f"{LOAD_IMBALANCE}{n}" for n in losses.moe_layers]
     parts = [values[:2] / micro_batches, imbalance]
     if moe.capacity_factor is not None:
         names.append("moe_dropped_fraction")
