@@ -43,7 +43,8 @@ the end of the run cancel out. The four runs alternate, `--repeats` times; media
 Variants switch the same option on both sides: compile (each decoder block compiled),
 recompute (activation checkpointing per block), fused (fused AdamW), fp8 and fp8_rowwise (model.fp8; the
 reference converts the same linears with torchao's convert_to_float8_training; MFU stays against the float32
-peak, so that the variants compare); the saved-activation
+peak, so that the variants compare); moe_loop runs a MoE's experts with the loop kernel (model.moe.expert_kernel;
+the reference and a dense model as in default); the saved-activation
 bytes of one micro-batch are reported for every variant (recompute saves most of them).
 """
 from __future__ import annotations
@@ -79,6 +80,7 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
     "fused": ["optimizer.optimizer_factory.torch_adam_is_fused=true"],
     "fp8": ["model.fp8.enabled=true"],
     "fp8_rowwise": ["model.fp8.enabled=true", "model.fp8.recipe=rowwise"],
+    "moe_loop": ["model.moe.expert_kernel=loop"],   # a MoE's experts one matmul each; the reference as in default
 }
 
 
