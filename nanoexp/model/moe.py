@@ -72,7 +72,7 @@ def moe_layer_shapes(hidden: int, moe: MoeShape, prefix: str) -> dict[str, tuple
 
 
 class Expert(nn.Module):
-    """A SwiGLU MLP, whole on this rank."""
+    """A SwiGLU MLP, whole on this rank: the shared experts (the routed ones are stacked: experts.py)."""
 
     def __init__(self, hidden: int, width: int):
         super().__init__()
