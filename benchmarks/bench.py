@@ -26,10 +26,11 @@ over this machine's matmul peak (the first model's dtype, the same thread count)
 
 A mixture of experts: FLOPs and MFU count its active parameters. A Mixtral-shaped one (every layer MoE, no
 shared experts, router=softmax_topk_normalized, e.g. conf/model/moe_small) is compared with transformers'
-`MixtralForCausalLM` holding the same weights (exported with nanoexp.interop.hf's Mixtral names and loaded by
-`from_pretrained`, so transformers' default expert kernel runs); its loop adds HF's load-balancing loss,
-weighted to match nanoexp's aux_loss_coef (see PlainLoop). Any other MoE shape (e.g. moe_tiny) has no
-Hugging Face counterpart: only nanoexp is timed, the reference columns say "-" (--wall skips it). When a run has
+`MixtralForCausalLM`, a Qwen3-MoE-shaped one (q/k norms, no shared experts, e.g. conf/model/qwen3_moe_small) with
+`Qwen3MoeForCausalLM`, each holding the same weights (exported with nanoexp.interop.hf's names and loaded by
+`from_pretrained`, so transformers' default expert kernel runs; benchmarks/hf_reference.py); its loop adds HF's
+load-balancing loss, weighted to match nanoexp's aux_loss_coef (see PlainLoop). Any other shape (e.g. moe_tiny) has
+no Hugging Face counterpart: only nanoexp is timed, the reference columns say "-" (--wall skips it). When a run has
 a dense model and a MoE, a closing line compares the MoE's tokens/s and MFU with the dense model's
 whose active parameter count is nearest.
 
@@ -42,13 +43,13 @@ the end of the run cancel out. The four runs alternate, `--repeats` times; media
 Variants switch the same option on both sides: compile (each decoder block compiled),
 recompute (activation checkpointing per block), fused (fused AdamW), fp8 and fp8_rowwise (model.fp8; the
 reference converts the same linears with torchao's convert_to_float8_training, emulated where nanoexp's are; MFU
-stays against the float32 peak, so that the variants compare); the saved-activation
+stays against the float32 peak, so that the variants compare); moe_loop runs a MoE's experts with the loop kernel
+(model.moe.expert_kernel; the reference and a dense model as in default); the saved-activation
 bytes of one micro-batch are reported for every variant (recompute saves most of them).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import subprocess
@@ -57,22 +58,20 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
-from nanoexp.config import batch_accumulation, global_batch_size
-from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.interop.hf import hf_config, hf_name, mixtral_mismatch
+from nanoexp.config import global_batch_size
+from nanoexp.interop.hf import hf_mismatch, hf_tensors
 from nanoexp.observe.memory import saved_activation_bytes
 from nanoexp.observe.metrics import flops_per_token
 from nanoexp.runtime.build import model_shape
 from nanoexp.model.llama import count_active_parameters, count_parameters
-from nanoexp.runtime.optim import parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import node_peak
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import compose, in_turns  # noqa: E402
+from benchmarks.hf_reference import PlainLoop  # noqa: E402
 
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
     "default": [],
@@ -81,111 +80,13 @@ VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same
     "fused": ["optimizer.optimizer_factory.torch_adam_is_fused=true"],
     "fp8": ["model.fp8.enabled=true"],
     "fp8_rowwise": ["model.fp8.enabled=true", "model.fp8.recipe=rowwise"],
+    "moe_loop": ["model.moe.expert_kernel=loop"],   # a MoE's experts one matmul each; the reference as in default
 }
 
 
 def build_trainer(cfg, run_dir: str):
     from nanoexp.runtime.trainer import Trainer
     return Trainer(cfg, ParallelContext(Layout.from_config(cfg)), run_dir)
-
-
-def hf_model(cfg, s, weights: dict | None):
-    """HF's model of shape `s` (None when it has none): LlamaForCausalLM, or MixtralForCausalLM for a
-    Mixtral-shaped mixture of experts; with `weights` (nanoexp's names) it holds those, else HF's own init."""
-    if s.moe is not None:
-        return None if mixtral_mismatch(s) else mixtral_model(cfg, s, weights)
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hf_cfg = LlamaConfig(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                         num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-                         num_key_value_heads=s.num_key_value_heads, vocab_size=s.vocab_size,
-                         max_position_embeddings=s.max_position_embeddings, rope_theta=s.rope_theta,
-                         rms_norm_eps=s.rms_norm_eps, tie_word_embeddings=s.tie_word_embeddings,
-                         attn_implementation="sdpa")
-    model = LlamaForCausalLM(hf_cfg)
-    if weights is not None:
-        missing = model.load_state_dict(weights, strict=False)
-        if missing.missing_keys or missing.unexpected_keys:
-            raise RuntimeError(f"weights do not map onto the HF model: {missing}")
-    return model
-
-
-def mixtral_model(cfg, s, weights: dict | None):
-    """transformers' Mixtral of shape `s`. The weights go through a safetensors folder with the Hub's Mixtral
-    names (nanoexp.interop.hf.hf_name), as scripts/convert_to_hf.py writes them, so that `from_pretrained` lays them
-    out for whichever transformers is installed (5 fuses each layer's experts into 3-D tensors)."""
-    from safetensors.torch import save_file
-    from transformers import MixtralConfig, MixtralForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()   # from_pretrained's "Loading weights" bar would cut into the table
-    config = MixtralConfig.from_dict(hf_config(s, build_tokenizer(cfg.tokenizer.tokenizer_name_or_path).eod_id),
-                                     attn_implementation="sdpa")
-    if weights is None:
-        return MixtralForCausalLM(config)
-    with tempfile.TemporaryDirectory() as folder:
-        config.save_pretrained(folder)
-        save_file({hf_name(k): v.detach().contiguous() for k, v in weights.items()},
-                  os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        model, info = MixtralForCausalLM.from_pretrained(folder, attn_implementation="sdpa", output_loading_info=True)
-    if any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")):
-        raise RuntimeError(f"weights do not map onto the HF Mixtral: {info}")
-    return model.float()
-
-
-class PlainLoop:
-    """HF's model of the config's shape (hf_model), trained the obvious way; with `weights` (a state dict,
-    e.g. `trainer.model`'s) it starts from those, else from HF's own init."""
-
-    def __init__(self, cfg, s, weights: dict | None = None):
-        self.model = hf_model(cfg, s, weights)
-        if self.model is None:
-            raise ValueError(f"no Hugging Face model for this mixture of experts: {mixtral_mismatch(s)}")
-        self.model.train()
-        # HF's load-balancing loss pools the MoE layers' tokens and counts top_k assignments per token: with
-        # equal loads in every layer it is top_k x nanoexp's per-layer aux, which nanoexp sums over the layers.
-        self.aux_weight = 0.0 if s.moe is None else s.moe.aux_loss_coef * s.num_hidden_layers / s.moe.top_k
-        if cfg.parallelism.recompute_layer:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.model.fp8.enabled:   # torchao's own Float8Linear on the same linears: the peer of nanoexp's FP8
-            from torchao.float8 import convert_to_float8_training
-            from nanoexp.numerics.fp8 import emulated, float8_config
-            kept = list(cfg.model.fp8.filter_fqns)   # emulated where nanoexp's are (model.fp8.emulate, this CPU)
-            convert_to_float8_training(self.model, config=float8_config(cfg.model.fp8.recipe, emulated(cfg)),
-                                       module_filter_fn=lambda module, fqn: not any(part in fqn for part in kept))
-        if cfg.model.compile:
-            for layer in self.model.model.layers:
-                layer.compile()
-        o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
-        fused = bool(f.torch_adam_is_fused)
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, o.weight_decay),
-                                           lr=o.learning_rate_scheduler.learning_rate,
-                                           betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
-                                           fused=fused or None, foreach=None if fused else True)
-        self.clip, self.accumulation = o.clip_grad, batch_accumulation(cfg)
-        self.autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.model.dtype == "bfloat16"
-                         else contextlib.nullcontext())
-
-    def losses(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
-        """The language-model loss and the loss trained on (plus, for a MoE, the load-balancing loss)."""
-        moe = self.aux_weight > 0
-        with self.autocast:
-            out = self.model(input_ids=mb["input_ids"], **({"output_router_logits": True} if moe else {}))
-        lm = F.cross_entropy(out.logits.float().flatten(0, 1), mb["labels"].flatten())
-        return lm, (lm + self.aux_weight * out.aux_loss if moe else lm)
-
-    def train_step(self, micro_batches, lr: float) -> float:
-        """One optimizer step; returns the language-model loss (as nanoexp's train_step)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = 0.0
-        for mb in micro_batches:
-            lm, loss = self.losses(mb)
-            (loss / self.accumulation).backward()
-            total += lm.item() / self.accumulation
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
 
 
 def nanoexp_activation_bytes(trainer, mb) -> int:
@@ -229,8 +130,8 @@ def bench_one(model: str, variant: str, args, extra: list[str], peak_tflops: flo
         trainer = build_trainer(cfg, run_dir)
         shape = trainer.shape
         runners = {"nanoexp": trainer}
-        if not (shape.moe and mixtral_mismatch(shape)):
-            runners["plain"] = PlainLoop(cfg, shape, trainer.model.state_dict())
+        if not hf_mismatch(shape):
+            runners["plain"] = PlainLoop(cfg, shape, hf_tensors(trainer.model))
         steps = [trainer.batches.next_step() for _ in range(args.warmup + args.steps)]
         trainer.batches.close()
         act = {name: (nanoexp_activation_bytes if name == "nanoexp" else plain_activation_bytes)(r, steps[0][0])
@@ -246,7 +147,7 @@ def bench_one(model: str, variant: str, args, extra: list[str], peak_tflops: flo
                        "mfu": flops / t / 1e12 / peak_tflops if peak_tflops else None, "act_mb": act[name] / 2**20}
     return {"model": model, "variant": variant, "tokens_per_step": tokens, "moe": shape.moe is not None,
             "parameters": count_parameters(shape), "active": count_active_parameters(shape), "sides": sides,
-            "no_reference": mixtral_mismatch(shape) if shape.moe else None,
+            "no_reference": hf_mismatch(shape),
             "reference": describe_reference(runners["plain"].model) if "plain" in runners else None}
 
 
@@ -341,8 +242,8 @@ def main_wall(args) -> None:
           f"of fresh 50-step minus 25-step runs, medians of {args.repeats}; ratio = nanoexp tok/s / plain tok/s")
     for model in args.models:
         shape = model_shape(compose([f"model={model}", *args.overrides], world_size=1))
-        if shape.moe and mixtral_mismatch(shape):
-            print(f"{model}: no Hugging Face reference ({mixtral_mismatch(shape)}), skipped")
+        if hf_mismatch(shape):
+            print(f"{model}: no Hugging Face reference ({hf_mismatch(shape)}), skipped")
             continue
         r = bench_wall(model, args.repeats, args.overrides)
         print(f"{model}: nanoexp {r['nanoexp_tok_s']:,.0f} tok/s, plain {r['plain_tok_s']:,.0f} tok/s, "

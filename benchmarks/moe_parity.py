@@ -4,7 +4,7 @@
     python -m benchmarks.moe_parity ep2 ep2cp2      # some of them
 
 Each layout trains moe_tiny on the tests' small shape for 8 steps (float32, gloo), as the test does, beside one
-process (its own, for a layout that changes the router); printed per layout: the largest relative difference
+process (its own, for a layout that changes the model: another router or expert kernel); printed per layout: the largest relative difference
 over the 8 steps of the language-model loss, the gradient norm, the load-balancing loss and the z-loss, and
 whether the expert loads were equal.
 """
@@ -35,8 +35,8 @@ def main() -> None:
         print(f"{'layout':<40} {'loss':>9} {'grad norm':>9} {'aux':>9} {'z':>9}  loads")
         for name in args.layouts:
             ours = moe_curves(train(f"{root}/{name}", FAST + MOE + STEPS + LAYOUTS[name]))
-            reference = (moe_curves(train(f"{root}/{name}-one", FAST + MOE + STEPS + LAYOUTS[name][-1:]))
-                         if "normalized" in name else one)
+            model = [o for o in LAYOUTS[name] if o.startswith("model.")]
+            reference = moe_curves(train(f"{root}/{name}-one", FAST + MOE + STEPS + model)) if model else one
             loads = all(np.array_equal(ours[k], reference[k]) for k in ours if k.startswith("moe_load"))
             print(f"{name:<40} " + " ".join(f"{relative(ours[k], reference[k]):9.1e}" for k in
                                             ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"))

@@ -50,6 +50,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    qk_norm: bool = False   # RMSNorm over each head's query and key before the rotation (Qwen3's)
 
 
 @dataclass
@@ -72,9 +73,13 @@ class MoeConfig:
     num_shared_experts: int = 0       # experts every token goes through (one MLP this many experts wide)
     layer_frequency: int = 1          # every k-th layer is MoE (layers k-1, 2k-1, ...), the others dense
     router: str = "softmax_topk"      # softmax_topk | softmax_topk_normalized (the top-k weights sum to 1)
-    aux_loss_coef: float = 0.01       # Switch/GShard load-balancing loss, per MoE layer
+    aux_loss_coef: float = 0.01       # Switch/GShard load-balancing loss, per MoE layer (balance=aux_loss only)
     z_loss_coef: float = 0.0          # router z-loss (ST-MoE), per MoE layer
     capacity_factor: Optional[float] = None   # null: dropless; c: an expert takes ceil(c x tokens x top_k / E)
+    expert_kernel: str = "grouped_mm"  # grouped_mm | loop: how the routed experts run (nanoexp/model/experts.py)
+    balance: str = "aux_loss"         # aux_loss | bias (DeepSeek-V3's routing bias, no aux loss) | none
+    bias_update_rate: Optional[float] = None   # balance=bias: the bias's step after each optimizer step (null: 0.001)
+    seq_aux_loss_coef: float = 0.0    # sequence-wise balancing loss (DeepSeek-V3's), per MoE layer
 
 
 @dataclass

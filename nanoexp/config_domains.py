@@ -66,6 +66,8 @@ DOMAINS: dict[str, Domain] = {
     "model.moe.aux_loss_coef": at_least(0),
     "model.moe.z_loss_coef": at_least(0),
     "model.moe.capacity_factor": positive("null: dropless"),
+    "model.moe.bias_update_rate": positive("null: 0.001, DeepSeek-V3's"),
+    "model.moe.seq_aux_loss_coef": at_least(0),
     "optimizer.optimizer_factory.adam_beta1": FRACTION,
     "optimizer.optimizer_factory.adam_beta2": FRACTION,
     "optimizer.optimizer_factory.adam_eps": positive(),

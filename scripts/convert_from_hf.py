@@ -1,4 +1,4 @@
-"""Turn a local Hugging Face Llama (or Mixtral) folder into a nanoexp checkpoint (step 0, no optimizer state).
+"""Turn a local Hugging Face Llama (Mixtral, Qwen3-MoE) folder into a nanoexp checkpoint (step 0, no optimizer state).
 
     python scripts/convert_from_hf.py hf_llama/ ckpt_out/ [config overrides ...]
     python train.py checkpoint.resume_checkpoint_path=ckpt_out/0 <the overrides printed> ...   # any layout

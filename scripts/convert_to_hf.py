@@ -1,4 +1,5 @@
-"""Export a checkpoint of any layout to a Hugging Face transformers Llama folder (Mixtral for a mixture of experts).
+"""Export a checkpoint of any layout to a Hugging Face transformers Llama folder (Mixtral or Qwen3-MoE for a mixture of
+experts).
 
     python scripts/convert_to_hf.py outputs/.../checkpoints/100 hf_out/
     # then: transformers.LlamaForCausalLM.from_pretrained("hf_out"), AutoTokenizer.from_pretrained("hf_out")
@@ -8,7 +9,8 @@ tokenizer files (generated for the built-in byte tokenizer, copied for an HF tok
 A µP model's multipliers are baked into the weights (q_proj and the LM head; a tied embedding is
 exported untied), so transformers' Llama gives its logits (nanoexp.interop.hf.bake_multipliers). A mixture of experts
 exports as a MixtralForCausalLM, with the Hub's Mixtral tensor names, when it is one: every layer MoE, no
-shared experts, router=softmax_topk_normalized (otherwise an error says which key differs).
+shared experts, router=softmax_topk_normalized; with q/k norms (model.model_config.qk_norm, the qwen3_moe_* models)
+as a Qwen3MoeForCausalLM: no shared experts; neither with balance=bias (otherwise an error says which key differs).
 The conversion is nanoexp/interop/hf_checkpoint.py's.
 """
 import argparse

@@ -1,16 +1,19 @@
-"""The load-balancing loss at work: two runs of a mixture of experts, with and without it, plotted step by step.
+"""Balancing a mixture of experts at work: runs of one model with different `model.moe.balance`, plotted step by step.
 
     python scripts/plot_moe_balance.py                                # 300-step moe_tiny runs -> docs/moe_balance.png
+    python scripts/plot_moe_balance.py --model qwen3_moe_tiny --balances aux_loss,bias \
+        --out docs/moe_balance_bias.png                              # the routing bias against the aux loss
     python scripts/plot_moe_balance.py --steps 60 --out /tmp/b.png    # a quick look
     python scripts/plot_moe_balance.py --run-dir outputs/moe_balance  # reuse the runs already there
 
-Each run is `python train.py model=<model> tokens.train_steps=<steps> model.moe.aux_loss_coef=<coef>` (0.01 and 0
-by default), logging every step, in <run-dir>/aux_<coef>/ (Hydra's run folder, `hydra.run.dir`). A run folder whose
-metrics.jsonl already reaches the last step is read, not run again (--rerun runs it afresh). The figure has one
-panel per MoE layer, its load imbalance (`moe_load_imbalance/layer_n`: the busiest expert's tokens over the mean,
-1 = even) against the step, and one of `moe_aux_loss` (summed over the MoE layers, before the coefficient; 1 per
-layer when the load is even), each curve a 10-step running mean over the logged values (drawn faintly).
-A table of the logged values at a few steps, and each run's eval losses, are printed.
+Each run is `python train.py model=<model> tokens.train_steps=<steps>` plus its balance's overrides (`BALANCES`:
+aux_loss keeps the model's aux_loss_coef; bias and none set it to 0), logging every step, in <run-dir>/<balance>/
+(Hydra's run folder, `hydra.run.dir`). A run folder whose metrics.jsonl already reaches the last step is read, not
+run again (--rerun runs it afresh). The figure has one panel per MoE layer, its load imbalance
+(`moe_load_imbalance/layer_n`: the busiest expert's tokens over the mean, 1 = even) against the step, and one of
+`moe_aux_loss` (summed over the MoE layers, before the coefficient; 1 per layer when the load is even), each curve a
+10-step running mean over the logged values (drawn faintly). A table of the logged values at a few steps, each
+layer's mean and largest imbalance over the last sixth of the run, and each run's eval losses are printed.
 """
 from __future__ import annotations
 
@@ -25,8 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMBALANCE = "moe_load_imbalance/layer_"
 
 
-def run_name(coef: str) -> str:
-    return f"aux_{coef}"
+BALANCES = {   # --balances: each run's overrides
+    "aux_loss": ["model.moe.balance=aux_loss"],
+    "bias": ["model.moe.balance=bias", "model.moe.aux_loss_coef=0"],
+    "none": ["model.moe.balance=none", "model.moe.aux_loss_coef=0"],
+}
 
 
 def read_metrics(folder: str) -> list[dict]:
@@ -43,14 +49,14 @@ def finished(records: list[dict], steps: int) -> bool:
     return bool(trained) and max(trained) == steps
 
 
-def train(folder: str, model: str, steps: int, coef: str, extra: list[str]) -> None:
+def train(folder: str, model: str, steps: int, balance: list[str], extra: list[str]) -> None:
     """One run of train.py into `folder` (made afresh), logging every step."""
     if os.path.isdir(folder):
         shutil.rmtree(folder)
     python = [sys.executable, "train.py"]
-    command = [*python, f"model={model}", f"tokens.train_steps={steps}",
-               f"model.moe.aux_loss_coef={coef}", "logging.iteration_step_info_interval=1",
-               "checkpoint.save_final_state=false", f"hydra.run.dir={folder}", *extra]
+    command = [*python, f"model={model}", f"tokens.train_steps={steps}", *balance,
+               "logging.iteration_step_info_interval=1", "checkpoint.save_final_state=false",
+               f"hydra.run.dir={folder}", *extra]
     print("running: train.py", " ".join(command[len(python):]), flush=True)
     subprocess.run(command, cwd=ROOT, check=True)
 
@@ -89,8 +95,7 @@ def plot(runs: dict[str, list[dict]], out: str, model: str) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=9)
-    fig.suptitle(f"{model}: with and without the load-balancing loss (10-step running means; dotted: even load)",
-                 fontsize=10)
+    fig.suptitle(f"{model}: {', '.join(runs)} (10-step running means; dotted: even load)", fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
@@ -108,6 +113,10 @@ def report(runs: dict[str, list[dict]], steps: int) -> None:
             if r:
                 loads = " / ".join(f"{r[k]:.2f}" for k in layers)
                 print(f"  step {s:>4}: loss {r['loss']:.4f}, aux {r['moe_aux_loss']:.3f}, imbalance {loads}")
+        last = [by_step[s] for s in sorted(by_step) if s > steps - steps // 6]
+        tail = ", ".join(f"{k[len(IMBALANCE):]}: {sum(r[k] for r in last) / len(last):.3f} (max "
+                         f"{max(r[k] for r in last):.3f})" for k in layers) if last else "-"
+        print(f"  imbalance by layer over steps {steps - steps // 6 + 1}-{steps}, mean (max): {tail}")
         evals = ", ".join(f"{r['eval_loss']:.4f} (step {r['step']})" for r in records if "eval_loss" in r)
         print(f"  eval loss: {evals or 'none'}")
 
@@ -119,18 +128,20 @@ def main() -> None:
     parser.add_argument("--run-dir", default=os.path.join(ROOT, "outputs", "moe_balance"),
                         help="where the runs go (and are reused from)")
     parser.add_argument("--model", default="moe_tiny")
-    parser.add_argument("--coefs", default="0.01,0", help="comma-separated model.moe.aux_loss_coef values")
+    parser.add_argument("--balances", default="aux_loss,none", help=f"comma-separated, of {', '.join(BALANCES)}")
     parser.add_argument("--rerun", action="store_true", help="run again even when a finished run is there")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     runs = {}
-    for coef in args.coefs.split(","):
-        folder = os.path.abspath(os.path.join(args.run_dir, run_name(coef)))
+    for balance in args.balances.split(","):
+        if balance not in BALANCES:
+            parser.error(f"--balances: {balance} is not one of {', '.join(BALANCES)}")
+        folder = os.path.abspath(os.path.join(args.run_dir, balance))
         if args.rerun or not finished(read_metrics(folder), args.steps):
-            train(folder, args.model, args.steps, coef, args.overrides)
+            train(folder, args.model, args.steps, BALANCES[balance], args.overrides)
         else:
             print(f"reusing {folder}")
-        runs[f"aux_loss_coef={coef}"] = [r for r in read_metrics(folder) if r["step"] <= args.steps]
+        runs[f"balance={balance}"] = [r for r in read_metrics(folder) if r["step"] <= args.steps]
     report(runs, args.steps)
     plot(runs, args.out, args.model)
 

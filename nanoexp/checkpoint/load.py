@@ -20,9 +20,10 @@ from safetensors import safe_open
 
 from nanoexp.checkpoint.save import FORMAT_VERSION, CheckpointError, rank_file
 from nanoexp.runtime.build import build_model
-from nanoexp.model.llama import parameter_shapes
+from nanoexp.model.llama import buffer_shapes, parameter_shapes
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.parallel.placement import local_slice, value_name
+from nanoexp.checkpoint.save import persistent_buffers
+from nanoexp.parallel.placement import expert_values, local_slice, stored_names
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
@@ -182,7 +183,7 @@ def check_compatible(reader: CheckpointReader, shape, model_cfg=None, strict: bo
     """(the model's parameters the checkpoint cannot fill: missing or of another shape, the checkpoint's
     parameters the model lacks). Strict: raise naming the first of either, and the model keys whose values
     differ from the checkpoint's config."""
-    saved, expected = reader.full_shapes(), parameter_shapes(shape)
+    saved, expected = reader.full_shapes(), {**parameter_shapes(shape), **buffer_shapes(shape)}
     tie = reader.meta["config"]["model"]["model_config"]["tie_word_embeddings"]
     if strict and tie != shape.tie_word_embeddings:
         raise CheckpointError(f"{reader.folder} was saved with tie_word_embeddings={tie}, this model has "
@@ -219,6 +220,15 @@ def flat_keys(tree: dict, prefix: str) -> dict:
     return flat
 
 
+def local_value(reader: CheckpointReader, name: str, param, kind: str = "param") -> torch.Tensor:
+    """This rank's part of `param`'s saved tensor of `kind`: its slice of the full tensor; for a stacked
+    routed-expert tensor, its experts' tensors stacked."""
+    experts = expert_values(name, param)
+    if experts is not None:
+        return torch.stack([reader.full_tensor(expert, kind) for expert in experts])
+    return local_slice(reader.full_tensor(stored_names(name, param)[0], kind), param)
+
+
 def fitted(local: torch.Tensor, param, name: str, kind: str) -> torch.Tensor:
     """`local`, this rank's slice of a checkpoint's tensor, when it has the shape of the model's `param` (copy_
     would broadcast some other shapes without a word); a CheckpointError naming the parameter otherwise."""
@@ -237,10 +247,10 @@ def load_model(reader: CheckpointReader, model, ctx, optimizer=None, skip: set[s
     pieces = defaultdict(list)
     for piece in optimizer.pieces if held_as_shards else []:
         pieces[id(piece.param)].append(piece)
-    for name, param in model.named_parameters():
-        if value_name(name, param) in skip:
+    for name, param in [*model.named_parameters(), *persistent_buffers(model)]:
+        if skip.intersection(stored_names(name, param)):
             continue
-        local = fitted(local_slice(reader.full_tensor(value_name(name, param)), param), param, name, "param")
+        local = fitted(local_value(reader, name, param), param, name, "param")
         if id(param) not in held_as_shards:
             param.copy_(local)
         for piece in pieces[id(param)] if id(param) in held_as_shards else []:
@@ -264,13 +274,16 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[st
         return False
     if not kinds:
         return False
-    names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def skipped(p) -> bool:
+        return bool(skip.intersection(stored_names(names[id(p)], p)))
 
     def kinds_of(p) -> list[str]:   # a parameter's own kinds: Muon's matrices and AdamW's others differ
-        return [kind for kind in kinds if (names[id(p)], kind) in reader.pieces]
+        return [kind for kind in kinds if (stored_names(names[id(p)], p)[0], kind) in reader.pieces]
 
     def local_state(p, kind):
-        return fitted(local_slice(reader.full_tensor(names[id(p)], kind), p), p, names[id(p)], kind).to(p.device)
+        return fitted(local_value(reader, names[id(p)], p, kind), p, names[id(p)], kind).to(p.device)
 
     step_device = None if optimizer.defaults.get("fused") else torch.device("cpu")
 
@@ -280,13 +293,13 @@ def load_optimizer(reader: CheckpointReader, model, optimizer, ctx, skip: set[st
         return {**state, "step": torch.tensor(float(steps), dtype=torch.float32, device=step_device or device)}
 
     if isinstance(optimizer, ShardedOptimizer):   # this rank's part of each parameter
-        for piece in (piece for piece in optimizer.pieces if names[id(piece.param)] not in skip):
+        for piece in (piece for piece in optimizer.pieces if not skipped(piece.param)):
             state = {kind: local_state(piece.param, kind).reshape(-1)[piece.start:piece.end].clone()
                      for kind in kinds_of(piece.param)}
             optimizer.state[piece.value] = with_step(state, piece.value.device)
         return True
     for group in optimizer.param_groups:
-        for p in (p for p in group["params"] if names[id(p)] not in skip):
+        for p in (p for p in group["params"] if not skipped(p)):
             optimizer.state[p] = with_step({kind: local_state(p, kind).contiguous() for kind in kinds_of(p)},
                                            p.device)
     return True

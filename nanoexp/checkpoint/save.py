@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import save as serialize
 
 from nanoexp.failures import KnownFailure
-from nanoexp.parallel.placement import counted_here, placement
+from nanoexp.parallel.placement import counted_here, expert_values, placement
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
@@ -50,26 +50,28 @@ def rank_file(rank: int) -> str:
 
 
 def shard_contents(model, optimizer, ctx, to_host=None) -> tuple[dict, dict]:
-    """This rank's tensors to store and their index entries (name, kind, slice metadata). `to_host(key, tensor)`
-    gives the host tensor written for each (default: the tensor on the host, no copy where it is there already)."""
+    """This rank's tensors to store and their index entries (name, kind, slice metadata); a stacked routed-expert
+    parameter's as one stored tensor per expert (`stored_parts`), and a MoE layer's routing bias (a buffer) as a
+    replicated parameter's value. `to_host(key, tensor)` gives the host tensor written for each (default: the
+    tensor on the host, no copy where it is there already)."""
     tensors, index = {}, {}
     to_host = to_host or (lambda key, tensor: tensor.detach().to("cpu").contiguous())
 
-    def add(key, tensor, name, kind, param, flat_range=None):
+    def add(key, tensor, name, kind, param, shape, flat_range):
         tensors[key] = to_host(key, tensor)
         index[key] = {"name": name, "kind": kind, "tp_rank": ctx.tp_rank, "tp": ctx.tp,
-                      "split_dim": placement(param).split_dim, "local_shape": list(param.shape),
-                      "flat_range": flat_range or [0, param.numel()]}
+                      "split_dim": placement(param).split_dim, "local_shape": list(shape), "flat_range": flat_range}
 
     zero = isinstance(optimizer, ShardedOptimizer)
     names = {id(p): n for n, p in model.named_parameters()}
     held_as_shards = optimizer.grad_sync.held_as_shards() if zero else set()
-    for name, p in model.named_parameters():   # of the replicas holding the same weights, the first writes
+    for name, p in [*model.named_parameters(), *persistent_buffers(model)]:   # of the replicas, the first writes
         if ctx.replica_rank(p) != 0 or not counted_here(p, ctx.tp_rank) or id(p) in held_as_shards:
             continue
-        add(name, p, name, "param", p)
-        for kind, value in ({} if zero else element_state(optimizer.state.get(p, {}), p)).items():
-            add(f"{name}:{kind}", value, name, kind, p)
+        state = {} if zero or id(p) not in names else element_state(optimizer.state.get(p, {}), p)
+        for kind, value in {"param": p, **state}.items():
+            for stored, shape, part, flat_range in stored_parts(name, p, value):
+                add(stored if kind == "param" else f"{stored}:{kind}", part, stored, kind, p, shape, flat_range)
     if zero:
         # ZeRO's pieces: this rank's part [start, end) of each parameter's flattened elements; under ZeRO-3 their
         # values too.
@@ -80,8 +82,32 @@ def shard_contents(model, optimizer, ctx, to_host=None) -> tuple[dict, dict]:
             values = {"param": piece.value} if id(piece.param) in held_as_shards else {}
             values.update(element_state(optimizer.state.get(piece.value, {}), piece.value))
             for kind, value in values.items():
-                add(f"{name}:{kind}@{piece.start}", value, name, kind, piece.param, [piece.start, piece.end])
+                for stored, shape, part, (a, b) in stored_parts(name, piece.param, value.reshape(-1), piece.start):
+                    add(f"{stored}:{kind}@{a}", part, stored, kind, piece.param, shape, [a, b])
     return tensors, index
+
+
+def persistent_buffers(model) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint keeps (those of the module's state_dict: a MoE layer's routing bias)."""
+    return [(name, buffer) for name, buffer in model.named_buffers()
+            if name.rpartition(".")[2] not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+
+
+def stored_parts(name: str, param, tensor: torch.Tensor, start: int = 0):
+    """The stored tensors that `tensor` holds parts of: `tensor` is `param`'s values or state, whole (`start` 0,
+    the parameter's shape) or elements [start, start + numel) of it flattened (a ZeRO piece). Yields (stored name,
+    its local shape, the part, its element range there): one for a parameter, one per expert touched for a stacked
+    routed-expert tensor (whose storage ZeRO-3 may have freed: only its shape is read)."""
+    experts = expert_values(name, param)
+    if experts is None:
+        yield name, param.shape, tensor, [start, start + tensor.numel()]
+        return
+    shape = param.shape[1:]
+    size, flat, whole = shape.numel(), tensor.reshape(-1), tensor.shape == param.shape
+    for j, expert in enumerate(experts):
+        a, b = max(start, j * size), min(start + flat.numel(), (j + 1) * size)
+        if a < b:
+            yield expert, shape, tensor[j] if whole else flat[a - start:b - start], [a - j * size, b - j * size]
 
 
 def element_state(state: dict, param) -> dict:

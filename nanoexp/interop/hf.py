@@ -2,8 +2,9 @@
 
 nanoexp's parameter names already equal LlamaForCausalLM's, so the mapping is the identity (full
 shapes: `nanoexp.model.llama.parameter_shapes`), except a mixture of experts' blocks, which are named as
-Mixtral's checkpoints name them (`hf_name`); what this module adds is the translation between
-`model.model_config` and HF's LlamaConfig (MixtralConfig), loading HF weights on any layout, and the tokenizer
+Mixtral's or Qwen3-MoE's checkpoints name them (`hf_name`); what this module adds is the choice of the
+architecture (`hf_architecture`: Llama; a mixture of experts as Mixtral, or with q/k norms as Qwen3-MoE), the
+translation between `model.model_config` and HF's configs, loading HF weights on any layout, and the tokenizer
 files for the built-in byte tokenizer.
 
 Vocabulary: HF's `vocab_size` is nanoexp's padded vocabulary (`model.make_vocab_size_divisible_by`),
@@ -23,25 +24,50 @@ from safetensors import safe_open
 
 from nanoexp.model.llama import LlamaShape, parameter_shapes
 from nanoexp.model.mup import ROUTER
-from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, local_slice, placement, value_name
+from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, expert_values, local_slice, placement, stored_names
 
 EOD_TOKEN = "<|endoftext|>"
 
 
-def mixtral_mismatch(shape: LlamaShape) -> str | None:
-    """Why a mixture of experts is not a transformers Mixtral (None when it is): Mixtral's every layer is MoE, it
-    has no shared experts, and it renormalises the top-k weights."""
+MIXTRAL, QWEN3_MOE = "mixtral", "qwen3_moe"   # the transformers model types a nanoexp mixture of experts exports as
+
+
+def hf_mismatch(shape: LlamaShape) -> str | None:
+    """Why no transformers architecture holds a model of this shape (None when one does, `hf_architecture`):
+    Mixtral's every layer is MoE, without shared experts or q/k norms, its top-k weights renormalised; Qwen3-MoE
+    has q/k norms and no shared experts; neither routes with a bias; a dense model with q/k norms (Qwen3) is
+    not exported."""
+    if shape.moe is None:
+        return "model.model_config.qk_norm=true: a dense Qwen3 is not exported" if shape.qk_norm else None
     moe = shape.moe
-    wrong = [f"model.moe.{key}={value}" for key, value, ok in (
-        ("num_shared_experts", moe.num_shared_experts, 0), ("layer_frequency", moe.layer_frequency, 1),
-        ("router", "softmax_topk" if not moe.normalize_top_k else "", "")) if value != ok]
-    return None if not wrong else (f"{', '.join(wrong)}: Hugging Face's Mixtral has no shared experts, makes every "
-                                   "layer MoE and routes with softmax_topk_normalized")
+    wrong = [f"model.moe.num_shared_experts={moe.num_shared_experts}"] if moe.num_shared_experts else []
+    wrong += ["model.moe.balance=bias"] if moe.balance == "bias" else []
+    if not shape.qk_norm:   # Mixtral
+        wrong += [f"model.moe.layer_frequency={moe.layer_frequency}"] if moe.layer_frequency != 1 else []
+        wrong += ["model.moe.router=softmax_topk"] if not moe.normalize_top_k else []
+    return None if not wrong else (f"{', '.join(wrong)}: Hugging Face's Mixtral (every layer MoE, router "
+                                   "softmax_topk_normalized) and Qwen3-MoE (model.model_config.qk_norm=true) have no "
+                                   "shared experts and no routing bias")
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a nanoexp parameter: the same for a Llama; a MoE block's as Mixtral's
-    checkpoints on the Hub name them (`block_sparse_moe`: gate, experts.<e>.w1 / w3 / w2 = gate / up / down)."""
+def hf_architecture(shape: LlamaShape) -> str:
+    """The transformers model_type of a model of this shape: llama, mixtral or qwen3_moe (ValueError naming the
+    keys when none holds it)."""
+    if hf_mismatch(shape):
+        raise ValueError(f"no Hugging Face architecture for this model: {hf_mismatch(shape)}")
+    if shape.moe is None:
+        return "llama"
+    return QWEN3_MOE if shape.qk_norm else MIXTRAL
+
+
+def hf_name(name: str, architecture: str = "llama") -> str:
+    """The Hugging Face name of a stored nanoexp tensor (placement.stored_names): the same for a Llama and
+    Qwen3-MoE's experts; a MoE block's router is Qwen3-MoE's `mlp.gate`; Mixtral's checkpoints on the Hub name the
+    block `block_sparse_moe` (gate, experts.<e>.w1 / w3 / w2 = gate / up / down)."""
+    if architecture == QWEN3_MOE:
+        return name.replace(".mlp.router.", ".mlp.gate.")
+    if architecture != MIXTRAL:
+        return name
     if ".mlp.router." in name:
         return name.replace(".mlp.router.", ".block_sparse_moe.gate.")
     if ".mlp.experts." in name:
@@ -52,15 +78,20 @@ def hf_name(name: str) -> str:
 
 
 def hf_config(shape: LlamaShape, eod_id: int) -> dict:
-    """config.json of a transformers LlamaForCausalLM (a MixtralForCausalLM for a mixture of experts) with this
-    shape (vocab_size = padded vocabulary)."""
-    if shape.moe is not None:
-        if mixtral_mismatch(shape):
-            raise ValueError(f"no Hugging Face architecture for this mixture of experts: {mixtral_mismatch(shape)}")
-        return {**llama_config(shape, eod_id), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                "intermediate_size": shape.moe.intermediate_size, "num_local_experts": shape.moe.num_experts,
-                "num_experts_per_tok": shape.moe.top_k, "router_aux_loss_coef": shape.moe.aux_loss_coef,
+    """config.json of the transformers model (hf_architecture) with this shape (vocab_size = padded vocabulary)."""
+    architecture, moe = hf_architecture(shape), shape.moe
+    if architecture == MIXTRAL:
+        return {**llama_config(shape, eod_id), "architectures": ["MixtralForCausalLM"], "model_type": MIXTRAL,
+                "intermediate_size": moe.intermediate_size, "num_local_experts": moe.num_experts,
+                "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_coef,
                 "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+    if architecture == QWEN3_MOE:
+        return {**llama_config(shape, eod_id), "architectures": ["Qwen3MoeForCausalLM"], "model_type": QWEN3_MOE,
+                "moe_intermediate_size": moe.intermediate_size, "num_experts": moe.num_experts,
+                "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.normalize_top_k,
+                "decoder_sparse_step": moe.layer_frequency, "mlp_only_layers": [],
+                "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": False,
+                "use_sliding_window": False, "sliding_window": None}
     return llama_config(shape, eod_id)
 
 
@@ -83,9 +114,10 @@ def bake_multipliers(tensors: dict[str, torch.Tensor], shape: LlamaShape) -> tup
     mixture's router multiplier into each router). A
     tied LM head gets its own scaled tensor (the embedding keeps its values): exported untied."""
     tensors = dict(tensors)
-    if shape.attention_scale is not None:
+    if shape.attention_scale is not None:   # into q's last linear map: q_proj, or the q norm's weight after it
         factor = shape.attention_scale * math.sqrt(shape.head_dim)
-        for name in [f"model.layers.{n}.self_attn.q_proj.weight" for n in range(shape.num_hidden_layers)]:
+        q = "q_norm" if shape.qk_norm else "q_proj"
+        for name in [f"model.layers.{n}.self_attn.{q}.weight" for n in range(shape.num_hidden_layers)]:
             tensors[name] = tensors[name] * factor
     if shape.logit_multiplier != 1.0:
         tensors[LM_HEAD] = tensors.get(LM_HEAD, tensors[EMBEDDING]) * shape.logit_multiplier
@@ -109,7 +141,9 @@ def read_hf_config(folder: str) -> dict:
     with open(path) as f:
         config = json.load(f)
     unsupported = [f"model_type={config.get('model_type')}"] if config.get("model_type", "llama") not in (
-        "llama", "mixtral") else []
+        "llama", MIXTRAL, QWEN3_MOE) else []
+    unsupported += ["mlp_only_layers"] if config.get("mlp_only_layers") else []   # Qwen3-MoE's dense exceptions
+    unsupported += ["use_sliding_window"] if config.get("use_sliding_window") else []
     unsupported += [f"hidden_act={config['hidden_act']}"] if config.get("hidden_act", "silu") != "silu" else []
     unsupported += [k for k in ("rope_scaling", "attention_bias", "mlp_bias") if config.get(k)]
     if unsupported:
@@ -123,22 +157,39 @@ def read_hf_config(folder: str) -> dict:
     return config
 
 
+# For each transformers MoE model type: (nanoexp key, its value from the shape, the HF key) to match.
+MOE_KEYS = {
+    MIXTRAL: lambda moe: (("num_experts", moe.num_experts, "num_local_experts"),
+                          ("top_k", moe.top_k, "num_experts_per_tok"),
+                          ("moe_intermediate_size", moe.intermediate_size, "intermediate_size")),
+    QWEN3_MOE: lambda moe: (("num_experts", moe.num_experts, "num_experts"),
+                            ("top_k", moe.top_k, "num_experts_per_tok"),
+                            ("moe_intermediate_size", moe.intermediate_size, "moe_intermediate_size"),
+                            ("layer_frequency", moe.layer_frequency, "decoder_sparse_step")),
+}
+
+
 def check_hf_matches(config: dict, shape: LlamaShape, folder: str) -> None:
     """Raise naming the first model.model_config (or model.moe) key whose value differs from the HF config."""
-    mixtral = config.get("model_type") == "mixtral"
-    if mixtral != (shape.moe is not None):
-        raise ValueError(f"model.init_method.path={folder} holds a {config.get('model_type', 'llama')} model: set "
-                         f"model.moe.num_experts={config.get('num_local_experts', 0)} to load it")
-    if mixtral:
-        moe = shape.moe
-        for key, ours, theirs in (("num_experts", moe.num_experts, "num_local_experts"),
-                                  ("top_k", moe.top_k, "num_experts_per_tok"),
-                                  ("moe_intermediate_size", moe.intermediate_size, "intermediate_size")):
-            if config[theirs] != ours:
-                raise ValueError(f"model.init_method.path={folder}: its config.json has {theirs}={config[theirs]} "
-                                 f"but model.moe.{key}={ours}; set model.moe.{key}={config[theirs]}")
+    model_type = config.get("model_type", "llama")
+    moe_keys = MOE_KEYS.get(model_type)
+    experts = config.get("num_local_experts", config.get("num_experts", 0))
+    if (moe_keys is not None) != (shape.moe is not None):
+        raise ValueError(f"model.init_method.path={folder} holds a {model_type} model: set "
+                         f"model.moe.num_experts={experts} to load it")
+    if (model_type == QWEN3_MOE) != shape.qk_norm:
+        raise ValueError(f"model.init_method.path={folder} holds a {model_type} model: set "
+                         f"model.model_config.qk_norm={str(model_type == QWEN3_MOE).lower()} to load it")
+    for key, ours, theirs in moe_keys(shape.moe) if moe_keys else ():
+        if config.get(theirs, 1) != ours:
+            raise ValueError(f"model.init_method.path={folder}: its config.json has {theirs}={config.get(theirs, 1)} "
+                             f"but model.moe.{key}={ours}; set model.moe.{key}={config.get(theirs, 1)}")
+    if model_type == QWEN3_MOE and config.get("norm_topk_prob", False) != shape.moe.normalize_top_k:
+        router = "softmax_topk_normalized" if config.get("norm_topk_prob") else "softmax_topk"
+        raise ValueError(f"model.init_method.path={folder}: its config.json has norm_topk_prob="
+                         f"{config.get('norm_topk_prob', False)}; set model.moe.router={router}")
     for key in MATCHED_KEYS:
-        if mixtral and key == "intermediate_size":   # Mixtral's is the experts' width (above)
+        if model_type == MIXTRAL and key == "intermediate_size":   # Mixtral's is the experts' width (above)
             continue
         ours = getattr(shape, key)
         if key in config and config[key] != ours:
@@ -159,32 +210,52 @@ def hf_weight_files(folder: str) -> list[str]:
 
 @torch.no_grad()
 def load_hf_weights(model, folder: str) -> None:
-    """Fill this rank's shard of `model` from a local HF Llama folder (any layout). Vocabulary rows
-    beyond the HF vocabulary (nanoexp's padding) keep their initial values."""
+    """Fill this rank's shard of `model` from a local HF Llama, Mixtral or Qwen3-MoE folder (any layout).
+    Vocabulary rows beyond the HF vocabulary (nanoexp's padding) keep their initial values."""
     config = read_hf_config(folder)
     check_hf_matches(config, model.shape, folder)
+    architecture, full_shapes = config.get("model_type", "llama"), parameter_shapes(model.shape)
     where = {}
     for path in hf_weight_files(folder):
         with safe_open(path, "pt") as f:
             where.update({key: path for key in f.keys()})
+
+    def read(source: str) -> torch.Tensor:
+        name = hf_name(source, architecture)
+        if name not in where:
+            raise KeyError(f"{folder} has no tensor {name}")
+        with safe_open(where[name], "pt") as f:
+            tensor = f.get_tensor(name).float()
+        if source not in (EMBEDDING, LM_HEAD) and tuple(tensor.shape) != full_shapes[source]:
+            raise ValueError(f"{where[name]}: {name} has shape {tuple(tensor.shape)}, expected {full_shapes[source]}")
+        return tensor
+
     for name, param in model.named_parameters():
-        source = value_name(name, param)
-        if hf_name(source) not in where:
-            raise KeyError(f"{folder} has no tensor {hf_name(source)}")
-        with safe_open(where[hf_name(source)], "pt") as f:
-            hf_tensor = f.get_tensor(hf_name(source)).float()
+        sources = stored_names(name, param)
+        if len(sources) > 1:   # a stacked routed-expert tensor: one HF tensor per expert
+            param.copy_(torch.stack([read(source) for source in sources]))
+            continue
+        source = sources[0]
+        hf_tensor = read(source)
         if source in (EMBEDDING, LM_HEAD):   # [vocab, h], split over rows
             if hf_tensor.shape[1] != param.shape[1]:
-                raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected "
+                raise ValueError(f"{folder}: {hf_name(source)} has shape {tuple(hf_tensor.shape)}, expected "
                                  f"[<= {model.shape.vocab_size}, {param.shape[1]}]")
             start = placement(param).part * param.shape[0]
             rows = hf_tensor[start:start + param.shape[0]]
             param[:rows.shape[0]].copy_(rows)   # rows past the HF vocabulary (padding) keep their init
             continue
-        full = parameter_shapes(model.shape)[source]
-        if tuple(hf_tensor.shape) != full:
-            raise ValueError(f"{where[source]}: {source} has shape {tuple(hf_tensor.shape)}, expected {full}")
         param.copy_(local_slice(hf_tensor, param))
+
+
+def hf_tensors(model) -> dict[str, torch.Tensor]:
+    """A one-process model's weights by the names of its Hugging Face architecture (hf_architecture), each
+    routed expert's matrices apart: what `from_pretrained` reads."""
+    architecture, out = hf_architecture(model.shape), {}
+    for name, param in model.named_parameters():
+        for source, values in zip(stored_names(name, param), param if expert_values(name, param) else [param]):
+            out[hf_name(source, architecture)] = values.detach().contiguous()
+    return out
 
 
 def write_byte_tokenizer(folder: str) -> None:

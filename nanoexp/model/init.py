@@ -5,7 +5,9 @@ ones. So that any layout trains the same model, a value must not depend on which
 is cut along its split dimension (placement.split_dim: the one tensor parallelism divides; dimension 0 for a
 replicated one) into slabs of SLAB indices, and slab j is drawn from its own generator, seeded by (seed, the
 name of the values the parameter holds, j). A rank draws only the slabs its slice overlaps: 1/tp of the tensor
-plus at most one partial slab at each end, never the full tensor.
+plus at most one partial slab at each end, never the full tensor. A stacked routed-expert tensor is drawn
+expert by expert, each matrix under its own name (placement.expert_values), so an expert's values do not depend on
+which rank holds it, nor on how many experts share its tensor.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import zlib
 import torch
 
 from nanoexp.model.mup import STANDARD, Parametrization
-from nanoexp.parallel.placement import placement, value_name
+from nanoexp.parallel.placement import expert_values, placement, value_name
 
 SLAB = 64   # indices of the split dimension a generator draws: 64 rows of a 2048-wide matrix are 0.5 MB
 
@@ -53,6 +55,11 @@ def init_weights(model, std: float, seed: int, parametrization: Parametrization 
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+            continue
+        experts = expert_values(name, param)
+        if experts is not None:   # [E, rows, columns]: each expert's matrix as a replicated one of its name
+            for matrix, source in zip(param, experts):
+                fill_normal(matrix, 0, 0, matrix.shape[0], parametrization.init_std(source, 2, std), seed, source)
             continue
         where, source = placement(param), value_name(name, param)
         dim, parts, part = (0, 1, 0) if where.split_dim is None else (where.split_dim, where.parts, where.part)

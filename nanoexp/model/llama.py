@@ -45,6 +45,7 @@ class LlamaShape:
     logit_multiplier: float = 1.0
     moe: MoeShape | None = None   # model.moe (None: every layer dense)
     attention_kernel: str = "auto"   # model.attention_kernel (attention.py)
+    qk_norm: bool = False   # an RMSNorm over each head's q and k before the rotation (Qwen3's)
 
     def is_moe_layer(self, n: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(n)
@@ -59,7 +60,10 @@ def layer_shapes(shape: LlamaShape, n: int) -> dict[str, tuple[int, ...]]:
     q, kv, p = shape.num_attention_heads * d, shape.num_key_value_heads * d, f"model.layers.{n}."
     shapes = {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
               p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-              p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)}
+              p + "self_attn.o_proj.weight": (h, q)}
+    if shape.qk_norm:
+        shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
     if shape.is_moe_layer(n):
         return {**shapes, **moe_layer_shapes(h, shape.moe, p + "mlp.")}
     return {**shapes, p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
@@ -76,6 +80,14 @@ def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
     if not shape.tie_word_embeddings:
         shapes[LM_HEAD] = (shape.vocab_size, shape.hidden_size)
     return shapes
+
+
+def buffer_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """The buffers checkpoints keep beside the parameters: each MoE layer's routing bias under balance=bias."""
+    if shape.moe is None or shape.moe.balance != "bias":
+        return {}
+    return {f"model.layers.{n}.mlp.expert_bias": (shape.moe.num_experts,) for n in range(shape.num_hidden_layers)
+            if shape.is_moe_layer(n)}
 
 
 def count_parameters(shape: LlamaShape) -> int:
@@ -133,13 +145,15 @@ class Attention(nn.Module):
         self.k_proj = Linear(shape.hidden_size, shape.num_key_value_heads * d)
         self.v_proj = Linear(shape.hidden_size, shape.num_key_value_heads * d)
         self.o_proj = Linear(shape.num_attention_heads * d, shape.hidden_size)
+        self.q_norm = RMSNorm(d, shape.rms_norm_eps) if shape.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d, shape.rms_norm_eps) if shape.qk_norm else nn.Identity()
         self.kernel = attention_kernel(shape.attention_kernel)
 
     def forward(self, x, cos, sin, mask):
         x = self.qkv_input(x)
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)      # [b, heads, s, d]
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)   # [b, heads, s, d]
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.kernel(q, k, v, self.scale, mask)

@@ -1,23 +1,30 @@
 """Mixture of experts: a router sends each token to its top-k of E SwiGLU experts, dropless, beside shared experts
-every token goes through; the Switch load-balancing loss and the ST-MoE router z-loss keep the routing healthy.
+every token goes through. The routed experts' weights are stacked and run by a kernel (nanoexp/model/experts.py).
+The routing is kept even by the Switch load-balancing loss (`balance=aux_loss`) or by DeepSeek-V3's routing bias
+(`balance=bias`: added to the scores for the choice of experts only, moved after each step by `update_expert_biases`
+from the loads every rank routed), optionally with a sequence-wise balancing loss and the ST-MoE router z-loss.
 The block is built whole and plain; expert parallelism keeps a rank's share of the experts and replaces `route`
 by an exchange between ranks (nanoexp/parallel/expert_parallel.py). Where ranks split a micro-batch's tokens (cp,
 tp under sequence parallelism) `MoeLosses.token_sums` add the router's counts over them, so the losses are the
 whole micro-batch's on every layout; they enter backward where the layer runs (`_AddLossGradient`).
-The losses' formulas and the parity measurements: docs/moe.md."""
+The losses' formulas, the balancing and the parity measurements: docs/moe.md."""
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoexp.model.experts import ExpertCounts, GroupedExperts
 from nanoexp.model.linear import Linear
 
 ROUTERS = ("softmax_topk", "softmax_topk_normalized")
+BALANCES = ("aux_loss", "bias", "none")   # model.moe.balance
+DEFAULT_BIAS_UPDATE_RATE = 0.001   # DeepSeek-V3's gamma (model.moe.bias_update_rate=null)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,10 @@ class MoeShape:
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None   # None: dropless
     router_multiplier: float = 1.0         # on the router's logits: 1/m under µP (mup.py), else 1
+    expert_kernel: str = "grouped_mm"      # experts.EXPERT_KERNELS
+    balance: str = "aux_loss"              # BALANCES
+    bias_update_rate: float = DEFAULT_BIAS_UPDATE_RATE   # balance=bias: the bias's step per optimizer step
+    seq_aux_loss_coef: float = 0.0         # the sequence-wise balancing loss, per MoE layer
 
     def capacity(self, tokens: int) -> int | None:
         """The most assignments an expert takes from `tokens` tokens: ceil(capacity_factor x tokens x top_k / E)
@@ -47,7 +58,8 @@ class MoeShape:
 
 
 def moe_layer_shapes(hidden: int, moe: MoeShape, prefix: str) -> dict[str, tuple[int, ...]]:
-    """The full shape of every parameter of one MoE block (`prefix`: "model.layers.<n>.mlp.")."""
+    """The full shape of every parameter of one MoE block (`prefix`: "model.layers.<n>.mlp."), each routed expert's
+    matrices apart, as checkpoints store them (experts.expert_value_names)."""
     h, i = hidden, moe.intermediate_size
     shapes = {prefix + "router.weight": (moe.num_experts, h)}
     experts = [f"experts.{e}." for e in range(moe.num_experts)]
@@ -60,7 +72,7 @@ def moe_layer_shapes(hidden: int, moe: MoeShape, prefix: str) -> dict[str, tuple
 
 
 class Expert(nn.Module):
-    """A SwiGLU MLP, whole on this rank."""
+    """A SwiGLU MLP, whole on this rank: the shared experts (the routed ones are stacked: experts.py)."""
 
     def __init__(self, hidden: int, width: int):
         super().__init__()
@@ -70,6 +82,16 @@ class Expert(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoeRecord(NamedTuple):
+    """What a MoE layer's training forward leaves for the step's metrics and the bias update."""
+    layer: int
+    aux: torch.Tensor        # the load-balancing loss (before its coefficient)
+    z: torch.Tensor          # the router z-loss
+    counts: torch.Tensor     # assignments per expert, the micro-batch's (summed over the ranks splitting it)
+    dropped: torch.Tensor | int   # assignments beyond their expert's capacity
+    seq_aux: torch.Tensor | None   # the sequence-wise balancing loss (None: its coefficient is 0)
 
 
 class MoeLosses:
@@ -82,31 +104,38 @@ class MoeLosses:
     def __init__(self, moe: MoeShape, moe_layers: list[int]):
         self.moe, self.moe_layers = moe, moe_layers   # the model's MoE layers (all stages)
         self.scale, self.recording = 1.0, False
-        self.records: list[tuple] = []   # (layer, aux, z, assignments per expert, assignments dropped)
+        self.records: list[MoeRecord] = []
         self.token_sums: list = []       # callables summing a counts tensor over ranks, in place
 
     def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
-            dropped: torch.Tensor | int = 0):
+            dropped: torch.Tensor | int = 0, sequences: int = 1):
         """`out` with the layer's losses attached (in a forward with grad). A forward recomputed inside backward
         (parallelism.recompute_layer) computes them again, as activation checkpointing needs the same saved
-        tensors, but records nothing."""
+        tensors, but records nothing. The tokens are `sequences` sequences' (the micro-batch's rows) in order."""
         if not torch.is_grad_enabled():
             return out
-        moe = self.moe
-        with torch.no_grad():
-            counts = expert_counts(chosen.reshape(-1), moe.num_experts).to(probs.dtype)
-            counts = torch.cat([counts, torch.full((1,), float(logits.shape[0]), device=counts.device,
-                                                   dtype=counts.dtype)])   # + this rank's tokens
+        moe, experts = self.moe, self.moe.num_experts
+        by_sequence = moe.seq_aux_loss_coef > 0
+        with torch.no_grad():   # one tensor of counts, summed over the ranks splitting the micro-batch at once
+            counts = [expert_counts(chosen.reshape(-1), experts), torch.tensor([logits.shape[0]], device=chosen.device)]
+            if by_sequence:
+                counts += [sequence_counts(chosen, sequences, experts).reshape(-1),
+                           torch.full((sequences,), logits.shape[0] // sequences, device=chosen.device)]
+            counts = torch.cat(counts).to(probs.dtype)
             for token_sum in self.token_sums:
                 token_sum(counts)
-        counts, tokens = counts[:-1], counts[-1]
-        share = counts / (tokens * moe.top_k)   # f_e
-        aux = moe.num_experts * (share * probs.sum(0) / tokens).sum()
+        tokens = counts[experts]
+        share = counts[:experts] / (tokens * moe.top_k)   # f_e
+        aux = experts * (share * probs.sum(0) / tokens).sum()
         z = torch.logsumexp(logits, dim=-1).pow(2).sum() / tokens
+        seq_aux = sequence_aux_loss(counts[experts + 1:], probs, sequences, moe) if by_sequence else None
         if self.recording:
-            self.records.append((layer, aux.detach(), z.detach(), counts, dropped))
-        loss = self.scale * (moe.aux_loss_coef * aux + moe.z_loss_coef * z)
-        return _AddLossGradient.apply(out, loss)
+            self.records.append(MoeRecord(layer, aux.detach(), z.detach(), counts[:experts], dropped,
+                                          None if seq_aux is None else seq_aux.detach()))
+        loss = moe.aux_loss_coef * aux + moe.z_loss_coef * z
+        if seq_aux is not None:
+            loss = loss + moe.seq_aux_loss_coef * seq_aux
+        return _AddLossGradient.apply(out, self.scale * loss)
 
     @contextlib.contextmanager
     def training_forward(self):
@@ -118,6 +147,24 @@ class MoeLosses:
             self.recording = False
 
 
+def sequence_counts(chosen: torch.Tensor, sequences: int, num_experts: int) -> torch.Tensor:
+    """[sequences, E]: how many of each sequence's assignments went to each expert."""
+    chosen = chosen.reshape(sequences, -1)
+    return torch.zeros(sequences, num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+        1, chosen, torch.ones_like(chosen))
+
+
+def sequence_aux_loss(counts: torch.Tensor, probs: torch.Tensor, sequences: int, moe: MoeShape) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balancing loss, averaged over the micro-batch's sequences: for a sequence of T
+    tokens, E * sum_e (n_e / kT) * (sum_t p_te / T), n_e its assignments to expert e (1 when even, as the aux
+    loss). `counts` holds each sequence's E counts, then each one's T (whole sequences: summed over the ranks
+    splitting them); `probs` [tokens, E], this rank's part of each sequence, sequence by sequence."""
+    experts = moe.num_experts
+    per_expert, tokens = counts[:sequences * experts].view(sequences, experts), counts[sequences * experts:, None]
+    probs_sum = probs.view(sequences, -1, experts).sum(1)   # this rank's part of each sequence's sum_t p_te
+    return (experts * (per_expert / (tokens * moe.top_k)) * probs_sum / tokens).sum() / sequences
+
+
 def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many entries of `expert` name each expert, on the device (bincount on CUDA reads the largest value on
     the host first)."""
@@ -126,20 +173,21 @@ def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 class LocalRoute:
-    """Rows sorted by expert to the experts, all on this rank: `counts[e]` rows for expert e. The split sizes are
-    the layer's one read of the device on the host."""
+    """Rows sorted by expert to the experts, all on this rank, as they are. Dropless, every assignment is kept and
+    their number is known on the host: nothing is read from the device; with a capacity the kept rows are counted
+    on the host, the layer's one read of the device."""
 
-    def __init__(self, counts: torch.Tensor):
-        self.local_counts = counts.tolist()
-        self.rows = sum(self.local_counts)   # the rows this rank routes
+    def __init__(self, counts: torch.Tensor, dropless: bool):
+        self.counts = ExpertCounts(counts) if dropless else ExpertCounts(counts, counts.tolist())
+        self.rows = None if dropless else sum(self.counts.sizes)   # the kept rows (None: all of them)
 
-    def dispatch(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """One block of rows per expert (empty blocks included)."""
-        return list(rows.split(self.local_counts))
+    def dispatch(self, rows: torch.Tensor) -> tuple[torch.Tensor, ExpertCounts]:
+        """The rows the experts compute, sorted by expert, and how many each gets."""
+        return rows, self.counts
 
-    def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+    def combine(self, outputs: torch.Tensor) -> torch.Tensor:
         """The experts' outputs back in the order of the rows."""
-        return torch.cat(outputs)
+        return outputs
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -156,16 +204,18 @@ class _AddLossGradient(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring). `experts` are those this
-    rank holds, named by their global index; `route(counts)` takes rows sorted by expert to them and back."""
+    """The MLP of a MoE layer: router, routed experts, shared experts (module docstring). `experts` holds those this
+    rank computes; `route(counts, dropless)` takes rows sorted by expert to them and back. Under balance=bias,
+    `expert_bias` [E] (a buffer: no gradient, saved in checkpoints) is added to the scores to choose the experts."""
 
     def __init__(self, hidden: int, moe: MoeShape, losses: MoeLosses, layer: int):
         super().__init__()
         self.moe, self.losses, self.layer = moe, losses, layer
         self.router = Linear(hidden, moe.num_experts)
-        self.experts = nn.ModuleDict({str(e): Expert(hidden, moe.intermediate_size) for e in range(moe.num_experts)})
+        self.experts = GroupedExperts(moe.num_experts, hidden, moe.intermediate_size, moe.expert_kernel)
         self.shared_experts = (Expert(hidden, moe.intermediate_size * moe.num_shared_experts)
                                if moe.num_shared_experts else None)
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "bias" else None)
         self.route = LocalRoute
 
     def forward(self, x):
@@ -175,21 +225,28 @@ class MoE(nn.Module):
         if self.moe.router_multiplier != 1.0:
             logits = logits * self.moe.router_multiplier
         probs = logits.softmax(dim=-1)
-        weights, chosen = probs.topk(self.moe.top_k, dim=-1)          # [T, k]
-        if self.moe.normalize_top_k:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = self.choose(probs)                           # [T, k]
         token, slot, counts, dropped = self.assignments(chosen)
         # Every expert runs, on the rows routed to it (possibly none): every rank then gets a gradient, zeros or
-        # not, for each of its experts, in the same order (ZeRO-3 relies on it).
-        route = self.route(counts)
+        # not, for each of its experts (ZeRO-3 relies on it).
+        route = self.route(counts, dropless=self.moe.capacity_factor is None)
         token, slot = token[:route.rows], slot[:route.rows]   # the kept assignments come first
-        outputs = [expert(rows) for expert, rows in zip(self.experts.values(), route.dispatch(tokens[token]))]
-        routed = route.combine(outputs) * weights[token, slot, None]
+        routed = route.combine(self.experts(*route.dispatch(tokens[token]))) * weights[token, slot, None]
         out = torch.zeros_like(tokens).index_add(0, token, routed.to(tokens.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens).to(out.dtype)
-        out = self.losses.add(self.layer, out, logits, probs, chosen, dropped)
+        out = self.losses.add(self.layer, out, logits, probs, chosen, dropped, sequences=shape[0])
         return out.view(shape)
+
+    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and their weights: the experts by probability plus the routing bias (which
+        chooses, and does not weigh), the weights their probabilities (renormalised to sum to 1 if so set)."""
+        scores = probs if self.expert_bias is None else probs + self.expert_bias
+        chosen = scores.topk(self.moe.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if self.moe.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
 
     def assignments(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The (token, slot) pairs sorted by expert then token, those that reach their expert first; the count per
@@ -206,3 +263,17 @@ class MoE(nn.Module):
             return order // self.moe.top_k, order % self.moe.top_k, kept, counts.sum() - kept.sum()
         return order // self.moe.top_k, order % self.moe.top_k, counts, torch.zeros((), dtype=torch.long,
                                                                                      device=counts.device)
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, loads: torch.Tensor) -> None:
+    """After an optimizer step, DeepSeek-V3's rule for each MoE layer of `model` under balance=bias: its bias moves
+    by bias_update_rate towards an even load, down for an expert above the mean load, up below it (by the sign of
+    the error, not its size). `loads` [the model's MoE layers (every stage), E]: the step's assignments per expert,
+    summed over every micro-batch and every rank that routed them, the same on every rank (moe_metrics.py), so
+    every replica moves its bias alike."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.expert_bias is not None:
+            load = loads[module.losses.moe_layers.index(module.layer)]
+            module.expert_bias.add_(torch.sign(load.mean() - load).to(module.expert_bias.dtype),
+                                    alpha=module.moe.bias_update_rate)

@@ -144,7 +144,7 @@ class Fp8Matmul:
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
-        if tensor.numel() == 0:   # an expert with no rows here still takes part in its groups' reductions
+        if tensor.numel() == 0:   # a product on no rows here still takes part in its groups' reductions
             shape = () if dim is None else [1 if d == dim % 2 else n for d, n in enumerate(tensor.shape)]
             amax = tensor.new_zeros(shape)
         elif dim is None:
@@ -180,7 +180,7 @@ class _Fp8Linear(torch.autograd.Function):
         mm, scales = ctx.mm, ctx.scales
         c, g, x2 = mm.config, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         # grad_weight sums over the rows: _scaled_mm on CUDA needs that inner dimension a multiple of 16, which an
-        # expert's row count need not be, so it is padded with zeros there (which add nothing)
+        # row count need not be, so it is padded with zeros there (which add nothing)
         padded = mm.padded_config if x2.shape[0] % 16 else None
         with torch.autocast(grad.device.type, enabled=False):
             grad_x = _mm(mm.cast(g, "g", c.cast_config_grad_output, -1, scales),
@@ -192,7 +192,7 @@ class _Fp8Linear(torch.autograd.Function):
 
 def _mm(a, b) -> torch.Tensor:
     """a b of two torchao float8 tensors (torch._scaled_mm), in a's high-precision dtype; zeros when a dimension is
-    empty (an expert without rows here), which needs no kernel."""
+    empty (no rows here), which needs no kernel."""
     if a.numel() and b.numel():
         return torch.mm(a, b)
     return torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
@@ -201,12 +201,11 @@ def _mm(a, b) -> torch.Tensor:
 def split_of(layer, ctx) -> Split:
     """Which groups split the layer's matmul dimensions, from the placement of its weight: tp splits N of a
     column-parallel layer (weight split on dim 0), K of a row-parallel one (dim 1), and under sequence
-    parallelism M of a MoE block's linears (placed sequence_parallel); cp splits M everywhere except for routed
-    experts under ep, whose rows the ep exchange brings from other ranks (docs/fp8.md). Groups of one rank
-    are left out: they reduce nothing."""
+    parallelism M of a MoE block's linears (placed sequence_parallel); cp splits M everywhere (docs/fp8.md).
+    Groups of one rank are left out: they reduce nothing."""
     p = placement(layer.weight)
     axes = {"tp": getattr(layer, "axis", None) or ctx.axis("tp"), "cp": ctx.axis("cp")}
-    rows = (() if p.expert else ("cp",)) + (("tp",) if p.sequence_parallel else ())
+    rows = ("cp",) + (("tp",) if p.sequence_parallel else ())
     out, inner = ("tp",) if p.split_dim == 0 else (), ("tp",) if p.split_dim == 1 else ()
     kept = tuple(name for name in axes if axes[name].size > 1)
     return Split(*(tuple(n for n in names if n in kept) for names in (rows, out, inner)), axes=axes)

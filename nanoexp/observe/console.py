@@ -15,6 +15,7 @@ from collections import deque
 
 from nanoexp.model.llama import count_active_parameters
 from nanoexp.model.mup import describe, parametrization_of
+from nanoexp.observe.moe_metrics import LOAD_IMBALANCE
 
 
 def duration(seconds: float) -> str:
@@ -46,12 +47,15 @@ class StepClock:
 
 
 def step_line(record: dict, total_steps: int, clock: StepClock) -> str:
-    """`step 10/240 | loss 2.3456 | lr 0.004 | grad_norm 0.512 | 7,012 tokens/s | 312 MB | 0m07s, ETA 2m31s`."""
+    """`step 10/240 | loss 2.3456 | lr 0.004 | grad_norm 0.512 | 7,012 tokens/s | 312 MB | 0m07s, ETA 2m31s`; a
+    mixture of experts adds its layers' expert loads, the busiest expert's over the mean (`load max/mean 1.31 1.24`)."""
     step = record["step"]
+    loads = [value for key, value in record.items() if key.startswith(LOAD_IMBALANCE)]
     return (f"step {step}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.3g} | "
-            f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tokens/s | "
-            f"{record['peak_memory_mb']:,.0f} MB | {duration(clock.elapsed())}, ETA "
-            f"{duration(clock.eta(total_steps - step))}")
+            f"grad_norm {record['grad_norm']:.3f} | "
+            + (f"load max/mean {' '.join(f'{load:.2f}' for load in loads)} | " if loads else "")
+            + f"{record['tokens_per_sec']:,.0f} tokens/s | {record['peak_memory_mb']:,.0f} MB | "
+            f"{duration(clock.elapsed())}, ETA {duration(clock.eta(total_steps - step))}")
 
 
 def checkpoint_line(record: dict, root: str) -> str:
@@ -103,9 +107,13 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
              + ("; denormals flushed to zero (model.flush_denormals)" if flush_denormals else "")]
     if shape.moe:
         moe = shape.moe
+        balance = {"aux_loss": f"aux loss x {moe.aux_loss_coef:g}", "none": "none",
+                   "bias": f"routing bias, rate {moe.bias_update_rate:g}"}[moe.balance]
+        seq = f", sequence loss x {moe.seq_aux_loss_coef:g}" if moe.seq_aux_loss_coef else ""
         lines.append(f"mixture of experts: 1 layer in {moe.layer_frequency}, {moe.num_experts} experts of width "
                      f"{moe.intermediate_size}, top-{moe.top_k}{' normalized' if moe.normalize_top_k else ''}, "
-                     f"{moe.num_shared_experts} shared, losses aux x {moe.aux_loss_coef:g}, z x {moe.z_loss_coef:g}")
+                     f"{moe.num_shared_experts} shared, {moe.expert_kernel} kernel; balance: {balance}{seq}; "
+                     f"z-loss x {moe.z_loss_coef:g}")
     if cfg.model.parametrization == "mup":
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
     if cfg.model.fp8.enabled:

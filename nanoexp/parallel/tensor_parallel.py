@@ -364,7 +364,8 @@ PLAN = {"Attention": {"qkv_input": "input", "q_proj": "column", "k_proj": "colum
 def apply_tensor_parallel(model: nn.Module, axis: Axis, sequence_parallel: bool) -> nn.Module:
     """Replace the plan's layers of a plain Llama (on the meta device) by their tp versions, in place, and declare
     what tp changes about the rest: norms and MoE blocks see part of the sequence under SP (their gradients are
-    summed over tp), a MoE block's router counts are summed over tp. With tp = 1 the layers compute what the
+    summed over tp), q/k norms part of the heads (summed over tp too), a MoE block's router counts are summed over
+    tp. With tp = 1 the layers compute what the
     plain ones do, and still declare their split dimension: initialisation draws along it on every layout."""
     tied = model.shape.tie_word_embeddings
     for module in list(model.modules()):
@@ -376,6 +377,10 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, sequence_parallel: bool)
     if tied:   # the LM head is the embedding
         model.lm_head.weight = model.model.embed_tokens.weight
     model.cross_entropy = VocabParallelCrossEntropy(axis) if axis.size > 1 else model.cross_entropy
+    for module in model.modules():   # q/k norms: each tp rank normalises its own heads, its gradient their part
+        if type(module).__name__ == "Attention" and axis.size > 1 and not sequence_parallel:
+            for param in [*module.q_norm.parameters(), *module.k_norm.parameters()]:
+                place(param, sequence_parallel=True)
     if sequence_parallel:
         for module in model.modules():
             if type(module).__name__ in ("RMSNorm", "MoE"):

@@ -17,7 +17,7 @@ from nanoexp.config import batch_accumulation, num_kv_heads, padded_vocab_size
 from nanoexp.interop.hf import load_hf_weights
 from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
-from nanoexp.model.moe import MoeShape
+from nanoexp.model.moe import DEFAULT_BIAS_UPDATE_RATE, MoeShape
 from nanoexp.model.mup import parametrization_of
 from nanoexp.numerics.converters import convert_linears, gather_format
 from nanoexp.numerics.precision import autocast
@@ -42,7 +42,12 @@ def moe_shape(cfg) -> MoeShape | None:
                     num_shared_experts=moe.num_shared_experts, layer_frequency=moe.layer_frequency,
                     normalize_top_k=moe.router == "softmax_topk_normalized", aux_loss_coef=moe.aux_loss_coef,
                     z_loss_coef=moe.z_loss_coef, capacity_factor=moe.capacity_factor,
-                    router_multiplier=parametrization_of(cfg).logit_multiplier)
+                    router_multiplier=parametrization_of(cfg).logit_multiplier,
+                    # .get: a checkpoint's config from before these keys
+                    expert_kernel=moe.get("expert_kernel", "grouped_mm"), balance=moe.get("balance", "aux_loss"),
+                    bias_update_rate=(DEFAULT_BIAS_UPDATE_RATE if moe.get("bias_update_rate") is None
+                                      else moe.bias_update_rate),
+                    seq_aux_loss_coef=moe.get("seq_aux_loss_coef", 0.0))
 
 
 def model_shape(cfg) -> LlamaShape:
@@ -54,7 +59,7 @@ def model_shape(cfg) -> LlamaShape:
                       rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings,
                       attention_scale=mup.attention_scale(m.hidden_size // m.num_attention_heads),
                       logit_multiplier=mup.logit_multiplier, moe=moe_shape(cfg),
-                      attention_kernel=cfg.model.get("attention_kernel", "auto"))
+                      attention_kernel=cfg.model.get("attention_kernel", "auto"), qk_norm=m.get("qk_norm", False))
 
 
 def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
@@ -78,9 +83,13 @@ def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Give every parameter of a model built on the meta device uninitialised memory on `device`, keeping its
-    placement and the ties between modules (a tied LM head stays the embedding tensor)."""
+    placement and the ties between modules (a tied LM head stays the embedding tensor); every buffer zeros (a MoE
+    layer's routing bias starts at 0)."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, torch.zeros_like(buffer, device=device),
+                                   persistent=name not in module._non_persistent_buffers_set)
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in made:
                 made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)

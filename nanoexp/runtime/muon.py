@@ -26,9 +26,10 @@ EPS = 1e-7                                   # torch.optim.Muon's floor on the n
 
 def takes_muon(name: str, param) -> bool:
     """Whether Muon updates `param` (named by the values it holds, placement.value_name): the 2-D hidden
-    matrices (attention and MLP projections, experts). The embedding, the LM head, the MoE router and every
-    vector (norms) go to AdamW: their rows are looked up or scored one by one, not used as a linear map."""
-    return param.ndim == 2 and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
+    matrices (attention and MLP projections, shared experts) and the stacked routed experts (3-D: one matrix per
+    expert, each orthogonalised alone). The embedding, the LM head, the MoE router and every vector (norms) go to
+    AdamW: their rows are looked up or scored one by one, not used as a linear map."""
+    return param.ndim in (2, 3) and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
 
 
 def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
@@ -46,10 +47,18 @@ def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int
     return x.T if tall else x
 
 
+def orthogonalise_each(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
+    """`orthogonalise` of a matrix, or of each matrix of a stack [E, rows, columns] (routed experts) alone."""
+    if update.ndim == 3:
+        return torch.stack([orthogonalise(matrix, coefficients, steps, eps) for matrix in update])
+    return orthogonalise(update, coefficients, steps, eps)
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str, shape) -> float:
     """The rate of a whole matrix of `shape` (rows, columns): "original" keeps the update's RMS across aspect
-    ratios (√max(1, rows/columns)); "match_rms_adamw" gives it AdamW's RMS (0.2·√max(rows, columns))."""
-    rows, columns = shape
+    ratios (√max(1, rows/columns)); "match_rms_adamw" gives it AdamW's RMS (0.2·√max(rows, columns)). A stack of
+    matrices: each one's."""
+    rows, columns = shape[-2:]
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, columns))
     return lr * math.sqrt(max(1.0, rows / columns))
@@ -90,8 +99,8 @@ class TensorParallelMuon(torch.optim.Optimizer):
             lr = group["lr"]
             for p in (p for p in group["params"] if p.grad is not None):
                 direction = whole(momentum_direction(p.grad, self.state[p], group), p, self.tp_group)
-                update = local_slice(orthogonalise(direction, group["ns_coefficients"], group["ns_steps"],
-                                                   group["eps"]), p)
+                update = local_slice(orthogonalise_each(direction, group["ns_coefficients"], group["ns_steps"],
+                                                        group["eps"]), p)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], direction.shape))
 
@@ -127,7 +136,7 @@ class ShardedMuon(TensorParallelMuon):
             if not pieces:   # no piece here: the collectives above were this rank's part
                 continue
             ns = pieces[0][1]   # the Newton–Schulz settings are the optimizer's, the same in every group
-            update = local_slice(orthogonalise(direction, ns["ns_coefficients"], ns["ns_steps"], ns["eps"]),
+            update = local_slice(orthogonalise_each(direction, ns["ns_coefficients"], ns["ns_steps"], ns["eps"]),
                                  matrix).reshape(-1)
             for value, group in pieces:
                 lr = group["lr"]

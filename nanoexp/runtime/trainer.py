@@ -38,6 +38,7 @@ from nanoexp.observe.trace import NO_TRACE, PipelineTrace
 from nanoexp.observe.peak import Peak
 from nanoexp.observe.profiling import StepProfiler
 from nanoexp.observe.moe_metrics import moe_step_values
+from nanoexp.model.moe import update_expert_biases
 from nanoexp.runtime.step import TokenLossSum
 from nanoexp.launch.signals import received_signal_name, stop_flag, training_started
 from nanoexp.observe.summary import memory_fields, write_summary
@@ -149,8 +150,9 @@ class Trainer:
         the stop-signal flag) reach the host in one read, the step's only one outside its layers."""
         set_lr(self.optimizer, lr)
         loss = self.gradients(micro_batches)
-        names, moe_values = (moe_step_values(self.model.moe_losses, self.ctx, self.ctx.dp * self.accumulation)
-                             if self.model.moe_losses else ([], loss.new_zeros(0)))
+        moe = self.model.moe_losses
+        names, moe_values, moe_loads = (moe_step_values(moe, self.ctx, self.ctx.dp * self.accumulation) if moe
+                                        else ([], loss.new_zeros(0), None))
         HEARTBEAT.at("gradient norm")
         grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
                                    self.ctx.device)
@@ -174,6 +176,8 @@ class Trainer:
             return loss, grad_norm
         HEARTBEAT.at("optimizer step")
         self.optimizer.step()
+        if moe_loads is not None:   # balance=bias: every replica moves its routing bias by the same global loads
+            update_expert_biases(self.model, moe_loads)
         self.grad_sync.zero_grad()
         return loss, grad_norm
 
