@@ -35,14 +35,17 @@ def torchao_available() -> bool:
 
 
 def import_float8() -> None:
-    """Import torchao.float8 (on first use only: seconds), without its import-time warnings (optional kernels
-    float8 training does not use, a deprecation inside torchao)."""
+    """Import torchao.float8 and the modules of it nanoexp uses (on first use only: seconds), without their
+    import-time warnings (optional kernels float8 training does not use, a deprecation inside torchao). The
+    submodules are imported here too: float8_training_tensor pulls in torchao.quantization, which warns."""
     logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.ERROR)
     try:
-        importlib.import_module("torchao.float8")
+        for module in ("torchao.float8", "torchao.float8.float8_training_tensor", "torchao.float8.float8_utils",
+                       "torchao.float8.config"):
+            importlib.import_module(module)
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
@@ -99,6 +102,7 @@ class Fp8Matmul:
     `emulate` the products run in float32 (torchao's emulation), else on torch._scaled_mm."""
 
     def __init__(self, recipe: str, split: Split, emulate: bool):
+        import_float8()
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
         self.recipe, self.split = recipe, split
