@@ -61,7 +61,9 @@ LAYOUTS = {   # name: (overrides, which step-1 grad_norm tolerance)
     "pp2-1f1b": (["parallelism=dp1tp1pp2"], "exact"),
     "pp2-interleaved": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=interleaved_1f1b",
                          "parallelism.pp_virtual_stages=2"], "exact"),
-    "cp2": (["parallelism=dp1cp2tp1pp1"], "exact"),
+    # cp2's forward is not bit-exact (4.8e-7 on the loss, the attention's sums split over the ring), and the
+    # backward's FP8 casts turn that into grad_norm differences of the tp layouts' kind (measured 2.4e-4 emulated)
+    "cp2": (["parallelism=dp1cp2tp1pp1"], "tp"),
     "dp2tp2pp2-reduce_scatter": (["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"], "tp"),
 }
 MOE_LAYOUTS = {
