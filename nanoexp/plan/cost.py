@@ -45,7 +45,7 @@ from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 GEMM_EFFICIENCY = 0.62        # fitted: the best share of peak a large GEMM reaches
 GEMM_KNEE = 512               # a GEMM whose smallest size (harmonic mean of M, K, N) is this reaches half of it
 ATTENTION_EFFICIENCY = 0.20   # fitted: causal attention's share of the bf16 peak, forward and backward
-OVERLAP = 0.80                # fitted: the share of an overlapped collective's time that is hidden
+OVERLAP = 0.85                # fitted: the share of an overlapped collective's time that is hidden
 LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
 ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
 ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
@@ -59,6 +59,7 @@ class Framework:
     dp_bytes_per_value: float = 4.0          # nanoexp reduces and gathers float32; bf16 frameworks 2
     tp_overlap: bool = False                 # Megatron's tp-comm-overlap, torchtitan's async TP
     fp8: bool = False                        # the decoder blocks' linears in FP8 (not the LM head)
+    fp8_casts_fused: bool = False            # casts fused into the norms/activations, weights cast once a step (TE)
 
 
 NANOEXP = Framework()
@@ -120,7 +121,7 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     attention = len(layers) * 2 * tokens * s * shape.num_attention_heads * shape.head_dim / tp   # causal half
     attention_time = attention / (hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY)
     moved = tokens * len(layers) * h * fw.elementwise / tp
-    if fw.fp8:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
+    if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
                                     + 2 * layer_matmul_params(shape, layers[0]) / tp)
     elementwise = moved / (hw.memory_gbps * GB)

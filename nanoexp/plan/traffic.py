@@ -11,7 +11,7 @@ holds (benchmarks/bench_parallel.py's docstring explains each line):
   cp   ring: K/V cp-1 hops forward and backward, the float32 dK/dV cp-1 hops home; all_gather: K/V gathered
        once a forward, dK/dV reduce-scattered once; the forward's share again under recomputation;
   tp   4 all-reduces of A per layer (2 forward, 2 backward; the same bytes as sequence parallelism's gathers and
-       reduce-scatters; 2 more when the block is recomputed), one for the embedding and one for the head's input, the vocab-parallel loss' 3;
+       reduce-scatters; one more when the block is recomputed), one for the embedding and one for the head's input, the vocab-parallel loss' 3;
   pp   the activation to the next stage and its gradient back, float32, per micro-batch, plus the step loss;
   model_parallel  the squared gradient norm.
 """
@@ -80,8 +80,10 @@ def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, fl
         kv_sends = forwards + (layout.cp_mode == "ring")
         out["cp"] = m * layers * (layout.cp - 1) * (kv_sends * kv * act + kv * 4)
     if layout.tp > 1:
-        forwards = 2 if cfg.parallelism.recompute_layer else 1   # a recomputed block repeats its 2 forward ones
-        per_micro = ((2 * forwards + 2) * layers + first + last) * ring(layout.tp) * mb * s * h * act
+        # a recomputed block repeats its attention's forward all-reduce, not its MLP's: recomputation stops once
+        # every saved tensor is back, and nothing saves the down projection's output (metrics.py)
+        per_layer = 4 + bool(cfg.parallelism.recompute_layer)
+        per_micro = (per_layer * layers + first + last) * ring(layout.tp) * mb * s * h * act
         if last:
             per_micro += 3 * ring(layout.tp) * mb * s * 4
         out["tp"] = m * per_micro
