@@ -127,3 +127,21 @@ def test_published_errors_and_share():
     # A deterministic model: the share within +-15 % is what docs/planning.md reports (18 of 27 rows when
     # written); this holds it from falling back, below the 80 % target.
     assert share_within([c["error"] for c in checks]) >= 0.65
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_moe"])
+def test_a_hugging_face_config_plans(model_type, tmp_path, capsys):
+    config = {"model_type": model_type, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 2048,
+              "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    if model_type == "mixtral":
+        config |= {"num_local_experts": 8, "num_experts_per_tok": 2}
+    if model_type == "qwen3_moe":
+        config |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = _plan(["--hf-config", str(path), "--gpus", "4", "--seq", "512", "--global-batch-tokens", "8192",
+                          "--top", "1000", "--json"], capsys)
+    rows = json.loads(out)
+    assert code == 0 and rows
+    assert any(row["ep"] > 1 for row in rows) == (model_type != "llama")   # experts split only for a mixture

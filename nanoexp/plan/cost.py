@@ -42,10 +42,11 @@ from nanoexp.plan.traffic import sent_bytes
 from nanoexp.runtime.build import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
-GEMM_EFFICIENCY = 0.62        # fitted: the best share of peak a large GEMM reaches
+GEMM_EFFICIENCY = 0.54        # fitted: the best share of peak a large GEMM reaches
 GEMM_KNEE = 512               # a GEMM whose smallest size (harmonic mean of M, K, N) is this reaches half of it
-ATTENTION_EFFICIENCY = 0.20   # fitted: causal attention's share of the bf16 peak, forward and backward
-OVERLAP = 0.85                # fitted: the share of an overlapped collective's time that is hidden
+ATTENTION_EFFICIENCY = 0.25   # fitted: causal attention's share of the bf16 peak, forward and backward (SDPA)
+FUSED_ATTENTION = 0.50        # cuDNN / FlashAttention-3 kernels (FA3 paper: ~75 % forward, ~55 % backward, causal less)
+OVERLAP = 0.80                # fitted: the share of an overlapped collective's time that is hidden
 LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
 ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
 ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
@@ -60,6 +61,7 @@ class Framework:
     tp_overlap: bool = False                 # Megatron's tp-comm-overlap, torchtitan's async TP
     fp8: bool = False                        # the decoder blocks' linears in FP8 (not the LM head)
     fp8_casts_fused: bool = False            # casts fused into the norms/activations, weights cast once a step (TE)
+    attention_efficiency: float | None = None   # None: ATTENTION_EFFICIENCY (SDPA's, as nanoexp and torchtitan run it)
 
 
 NANOEXP = Framework()
@@ -119,7 +121,7 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     matmul = sum(2 * tokens * layer_matmul_params(shape, n) / tp for n in layers)
     redo = sum(2 * tokens * (layer_matmul_params(shape, n) - down_projection_params(shape, n)) / tp for n in layers)
     attention = len(layers) * 2 * tokens * s * shape.num_attention_heads * shape.head_dim / tp   # causal half
-    attention_time = attention / (hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY)
+    attention_time = attention / (hw.bf16_tflops * 1e12 * attention_efficiency(fw))
     moved = tokens * len(layers) * h * fw.elementwise / tp
     if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
@@ -133,6 +135,10 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     if cfg.parallelism.recompute_layer:
         backward += redo / linear_rate + attention_time + elementwise / 3
     return forward, backward
+
+
+def attention_efficiency(fw: Framework) -> float:
+    return ATTENTION_EFFICIENCY if fw.attention_efficiency is None else fw.attention_efficiency
 
 
 def crosses_nodes(layout: Layout, group: str, gpus_per_node: int) -> bool:
@@ -188,16 +194,16 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     sent = sent_bytes(cfg, layout, shape, busiest, m)
     dp_group = "dp" if layout.cp == 1 else "dp_cp"
     sent[dp_group] *= fw.dp_bytes_per_value / 4
-    layers = sum(held_parameters(shape, layout, busiest)[1])
+    layers, stage = sum(held_parameters(shape, layout, busiest)[1]), cfg.optimizer.zero_stage
     calls = {"tp": m * (4 * layers + 2), "cp": m * layers * 2, "ep": m * layers * 4, "pp": 2 * m,
-             dp_group: max(1.0, sent[dp_group] / (25 * 2 ** 20))}
+             # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
+             dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20))}
     comm = {g: comm_seconds(b, calls.get(g, 1), group_size(layout, g), crosses_nodes(layout, g, gpus_per_node), hw)
             for g, b in sent.items()}
     hop = comm["pp"] / (2 * m) if m else 0.0
-    stage = cfg.optimizer.zero_stage
     window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage]
     attention = m * layers * 3.5 * 2 * cfg.tokens.micro_batch_size * cfg.tokens.sequence_length ** 2 / layout.cp \
-        * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY)
+        * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * attention_efficiency(fw))
     tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap else comm["tp"]
     exposed_comm = (exposed(comm[dp_group] + comm["edp"], window) + tp_time + exposed(comm["cp"], attention)
                     + comm["ep"] + comm["model_parallel"])

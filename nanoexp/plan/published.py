@@ -13,7 +13,13 @@ import math
 from dataclasses import dataclass
 
 from nanoexp.config import compose, normalize
-from nanoexp.plan.cost import ELEMENTWISE_EAGER, ELEMENTWISE_FUSED, Framework, predict
+from nanoexp.plan.cost import (
+    ELEMENTWISE_EAGER,
+    ELEMENTWISE_FUSED,
+    FUSED_ATTENTION,
+    Framework,
+    predict,
+)
 from nanoexp.plan.hardware import GPUS, Hardware
 from nanoexp.plan.search import Choice, apply, problem_of, structures, variants
 
@@ -23,8 +29,9 @@ TITAN_H200 = "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11 container)"
 
 # Megatron-Core: fused kernels (Transformer Engine), distributed optimizer (float32 gradients reduce-scattered,
-# bf16 parameters gathered), TP communication overlapped.
-MEGATRON = Framework("megatron", elementwise=ELEMENTWISE_FUSED, dp_bytes_per_value=3.0, tp_overlap=True)
+# bf16 parameters gathered), TP communication overlapped, cuDNN fused attention.
+MEGATRON = Framework("megatron", elementwise=ELEMENTWISE_FUSED, dp_bytes_per_value=3.0, tp_overlap=True,
+                     attention_efficiency=FUSED_ATTENTION)
 MEGATRON_FP8 = dataclasses.replace(MEGATRON, name="megatron fp8", fp8=True, fp8_casts_fused=True)
 # torchtitan: FSDP2 gathers bf16 (FP8 with float8 all-gather) and reduce-scatters float32; eager or compiled.
 TITAN = Framework("torchtitan", elementwise=ELEMENTWISE_EAGER, dp_bytes_per_value=3.0)
@@ -105,10 +112,10 @@ ROWS = [
     _titan("titan 70B FSDP32 TP8 async-TP (256)", H100_TITAN, 256, 32, 8192, 512, 16, TITAN_FP8_ASYNC_TP, 876, tp=8,
            recompute=True, model=("model=llama3_70b",)),
     _titan("titan 405B 1F1B (512)", H100_TITAN, 512, 8, 8192, 256, 4, TITAN_FP8_ASYNC_TP, 100, tp=8, pp=8,
-           recompute=True, zero_stage=1, model=("model=llama3_405b",), assumed="8 micro-batches (pp's)"),
-    _titan("titan 405B interleaved (512)", H100_TITAN, 512, 8, 8192, 256, 4, TITAN_FP8_ASYNC_TP, 128, tp=8, pp=8,
+           recompute=True, zero_stage=1, model=("model=llama3_405b",), assumed="8 micro-batches (torchtitan's default: one per stage)"),
+    _titan("titan 405B interleaved (512)", H100_TITAN, 512, 8, 8192, 256, 2, TITAN_FP8_ASYNC_TP, 128, tp=8, pp=8,
            schedule="interleaved_1f1b", virtual_stages=2, recompute=True, zero_stage=1, model=("model=llama3_405b",),
-           assumed="8 micro-batches, 2 chunks a rank"),
+           assumed="16 micro-batches (pp x 2 stages), 2 chunks a rank"),
     _titan("titan 8B compile fp8 (32 H200)", GPUS["h200"], 32, 32, 8192, 64, 2, TITAN_FP8, 10938, source=TITAN_H200),
     _titan("titan 8B compile fp8 (64 H200)", GPUS["h200"], 64, 64, 8192, 128, 2, TITAN_FP8, 10753, source=TITAN_H200),
     Row("Bridge 8B FP8 FSDP (8)", BRIDGE, ("model=llama3_8b",), GPUS["h100"], 8, 8192, 128, 1, 8, zero_stage=3,
@@ -161,8 +168,8 @@ def layout_rank(row: Row) -> tuple[int, int]:
     cfg = config_of(row)
     own = predict(cfg, row.hw, 8, row.framework, with_memory=False).tokens_per_s_per_gpu
     faster, layouts = set(), set()
-    for structure, problem in structures(cfg, row.gpus, 8):
-        if problem or structure.micro_batch != row.micro_batch:
+    for structure, problem in structures(cfg, row.gpus, 8, (row.micro_batch,)):
+        if problem:
             continue
         key = structure[:5]
         layouts.add(key)

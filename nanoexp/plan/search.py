@@ -74,11 +74,11 @@ def layouts(cfg, gpus: int):
                         yield dp, cp, ep, tp, pp
 
 
-def structures(cfg, gpus: int, gpus_per_node: int):
+def structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...] = MICRO_BATCHES):
     """(Choice at ZeRO-0 without recomputation, problem or None) for every layout, schedule and micro-batch."""
     for dp, cp, ep, tp, pp in layouts(cfg, gpus):
         for schedule, v in SCHEDULES if pp > 1 else (("1f1b", 1),):
-            for mb in MICRO_BATCHES:
+            for mb in micro_batches:
                 choice = Choice(dp, cp, ep, tp, pp, schedule, v, mb, 0, False)
                 if tp > gpus_per_node:
                     yield choice, f"tensor parallelism wider than a node (tp > {gpus_per_node})"
