@@ -124,9 +124,9 @@ def test_published_errors_and_share():
     assert share_within([0.1, -0.15, 0.2, -0.3]) == 0.5
     checks = [check(row) for row in ROWS]
     assert all("/" in row.source for row in ROWS)   # each row names its file
-    # A deterministic model: the share within +-15 % is what docs/planning.md reports (18 of 27 rows when
-    # written); this holds it from falling back, below the 80 % target.
-    assert share_within([c["error"] for c in checks]) >= 0.65
+    # A deterministic model, no timing: the share within +-15 % is docs/planning.md's (22 of 27 rows when
+    # written), held at the 80 % target.
+    assert share_within([c["error"] for c in checks]) >= 0.8
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_moe"])

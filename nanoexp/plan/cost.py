@@ -42,11 +42,11 @@ from nanoexp.plan.traffic import sent_bytes
 from nanoexp.runtime.build import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
-GEMM_EFFICIENCY = 0.54        # fitted: the best share of peak a large GEMM reaches
+GEMM_EFFICIENCY = 0.52        # fitted: the best share of peak a large GEMM reaches
 GEMM_KNEE = 512               # a GEMM whose smallest size (harmonic mean of M, K, N) is this reaches half of it
-ATTENTION_EFFICIENCY = 0.25   # fitted: causal attention's share of the bf16 peak, forward and backward (SDPA)
+ATTENTION_EFFICIENCY = 0.20   # fitted: causal attention's share of the bf16 peak, forward and backward (SDPA)
 FUSED_ATTENTION = 0.50        # cuDNN / FlashAttention-3 kernels (FA3 paper: ~75 % forward, ~55 % backward, causal less)
-OVERLAP = 0.80                # fitted: the share of an overlapped collective's time that is hidden
+OVERLAP = 0.85                # fitted: the share of an overlapped collective's time that is hidden
 LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
 ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
 ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
