@@ -16,8 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 
-from nanoexp.plan import cost  # noqa: E402
-from nanoexp.plan.published import ROWS, check, fit_constants, layout_rank, share_within  # noqa: E402
+from nanoexp.plan import cost
+from nanoexp.plan.published import ROWS, check, fit_constants, layout_rank, share_within
 
 FIT_GRID = {"GEMM_EFFICIENCY": [round(0.40 + 0.02 * i, 2) for i in range(31)],
             "OVERLAP": [round(0.50 + 0.05 * i, 2) for i in range(11)],
