@@ -45,8 +45,8 @@ def main() -> None:
         results.append(result)
         rank = "-"
         if args.ranks:
-            position, total = layout_rank(row)
-            rank = f"{position} of {total}"
+            position, total, faster = layout_rank(row)
+            rank = f"{position} of {total}" + (f" (after {', '.join(faster)})" if 1 < position <= 8 else "")
         runs = "runs" if result["problem"] is None else f"refused: {result['problem'][:60]}"
         print(f"| {row.name} | {row.source.split(' ')[0]} `{row.source.split(' ')[1]}` | {fmt(row.value, row.metric)} "
               f"| {fmt(result['predicted'], row.metric)} | {100 * result['error']:+.1f}% | "

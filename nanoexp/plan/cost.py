@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from nanoexp.config import batch_accumulation
 from nanoexp.launch.planner import GIB, HEADROOM, estimate
+from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.observe.memory_estimate import held_parameters
 from nanoexp.observe.metrics import (
     down_projection_params,
@@ -103,6 +104,11 @@ class Prediction:
         keys = ("dp", "cp", "ep", "tp", "pp", "zero_stage", "schedule", "virtual_stages", "micro_batch", "recompute",
                 "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits", "breakdown")
         return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
+
+
+def estimate_context() -> float:
+    """The CUDA context planner.estimate counts (memory.CUDA_CONTEXT_MB)."""
+    return CUDA_CONTEXT_MB * MB
 
 
 def gemm_efficiency(m: float, k: float, n: float) -> float:
@@ -216,7 +222,9 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
     mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
-    memory = sum(estimate(cfg).values()) / GIB if with_memory else float("nan")
+    memory = float("nan")
+    if with_memory:   # the planner's estimate, with this device's CUDA context (none on a CPU)
+        memory = (sum(estimate(cfg).values()) - estimate_context() + hw.cuda_context_gb * GB) / GIB
     fits = memory <= HEADROOM * hw.memory_gb * GB / GIB if with_memory else True
     p = cfg.parallelism
     return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, stage, layout.schedule,

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from nanoexp.config import compose, normalize
+from nanoexp.parallel.layout import Layout
 from nanoexp.plan.cost import (
     ELEMENTWISE_EAGER,
     ELEMENTWISE_FUSED,
@@ -161,8 +162,8 @@ def share_within(errors: list[float], tolerance: float = 0.15) -> float:
     return sum(abs(e) <= tolerance for e in errors) / len(errors) if errors else math.nan
 
 
-def layout_rank(row: Row) -> tuple[int, int]:
-    """(rank, layouts): where the row's layout stands among the distinct dp x cp x tp x pp layouts of its GPU
+def layout_rank(row: Row) -> tuple[int, int, list[str]]:
+    """(rank, layouts, the faster layouts' names): where the row's layout stands among the distinct dp x cp x tp x pp layouts of its GPU
     count that are valid and fit, each at its fastest schedule, ZeRO stage and recomputation, with the row's
     micro-batch and framework. Memory is estimated only for candidates faster than the row's own prediction."""
     cfg = config_of(row)
@@ -181,7 +182,8 @@ def layout_rank(row: Row) -> tuple[int, int]:
                     and predict(cfg, row.hw, 8, row.framework).fits:
                 faster.add(key)
                 break
-    return len(faster) + 1, len(layouts)
+    names = [Layout(dp=dp, cp=cp, ep=ep, tp=tp, pp=pp).name for dp, cp, ep, tp, pp in sorted(faster)]
+    return len(faster) + 1, len(layouts), names
 
 
 def check(row: Row) -> dict:
