@@ -68,85 +68,19 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.launch.workers import free_port
-from nanoexp.observe.memory_estimate import held_modules, held_parameters
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
+from nanoexp.plan.traffic import GROUPS, sent_bytes
 from nanoexp.verify.comm_counter import CommCounter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import compose  # noqa: E402
 
-GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding")
-
 
 def analytic_sent(cfg, ctx: ParallelContext, trainer) -> dict[str, float]:
-    """This rank's minimum bytes sent per optimizer step, per group (see the module docstring)."""
-    m, mb, s = trainer.accumulation, cfg.tokens.micro_batch_size, ctx.layout.local_tokens(cfg.tokens.sequence_length)
-    h = trainer.shape.hidden_size
-    sp = ctx.layout.sequence_parallel
-    act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4   # TP collectives run in the autocast dtype
-    activation = mb * s * h * act_bytes
-    ring = lambda n: 2 * (n - 1) / n   # noqa: E731 - all-reduce factor
-    out = {name: 0.0 for name in GROUPS}
-    held, chunks = held_parameters(trainer.shape, ctx.layout, ctx.pp_rank)
-    experts = sum(module.experts for module in held_modules(trainer.shape, ctx.layout, ctx.pp_rank))   # ep > 1 only
-    if ctx.dp * ctx.cp > 1:   # gradients (or ZeRO) over dp x cp: every cp rank holds the full weights
-        scalars = 1 + ctx.is_last_stage   # the step loss; the target-token count on the loss stage
-        out["dp" if ctx.cp == 1 else "dp_cp"] = ring(ctx.dp_cp) * 4 * ((held - experts) * zero_passes(cfg, m) / 2
-                                                                     + scalars)
-    if ctx.ep > 1:
-        out["ep"] = all_to_all_bytes(cfg, ctx, trainer.shape, m, mb * s // (ctx.tp if sp else 1))
-        out["edp"] = ring(ctx.edp) * 4 * experts * zero_passes(cfg, m) / 2 if ctx.edp > 1 else 0
-    if ctx.cp > 1:
-        kv_heads = trainer.shape.num_key_value_heads // ctx.tp
-        kv = 2 * mb * kv_heads * s * trainer.shape.head_dim   # floats of one K/V message
-        forwards = 2 if cfg.parallelism.recompute_layer else 1
-        # ring: K/V cp-1 hops per forward and again in backward, the float32 dK/dV cp-1 hops home;
-        # all_gather: K/V gathered once per forward, the float32 dK/dV reduce-scattered once (K/V saved)
-        kv_sends = forwards + (ctx.layout.cp_mode == "ring")
-        out["cp"] = m * sum(chunks) * (ctx.cp - 1) * (kv_sends * kv * act_bytes + kv * 4)
-    if ctx.tp > 1:
-        layers = sum(chunks)
-        first, last = ctx.is_first_stage, ctx.is_last_stage
-        per_micro = (4 * layers + first + last) * ring(ctx.tp) * activation
-        if last:
-            per_micro += 3 * ring(ctx.tp) * mb * s * 4
-        out["tp"] = m * per_micro
-        if sp:
-            norm_weights = (2 * layers + ctx.is_last_stage) * h   # two per layer, the final one on the last stage
-            out["tp"] += ring(ctx.tp) * 4 * norm_weights
-    if ctx.pp > 1:
-        boundary = mb * (s // ctx.tp if sp else s) * h * 4
-        out["pp"] = m * boundary * ((not ctx.is_last_stage) + (not ctx.is_first_stage)) + ring(ctx.pp) * 4
-    if ctx.tp * ctx.pp > 1:
-        out["model_parallel"] = ring(ctx.tp * ctx.pp) * 4
-    return out
-
-
-def all_to_all_bytes(cfg, ctx: ParallelContext, shape, micro_batches: int, tokens: int) -> float:
-    """Expert parallelism per step: each of the `tokens` a micro-batch has this rank route sends its hidden state
-    (float32) to its top_k experts and gets their outputs back, in every MoE layer of this stage, forward and
-    backward (and forward again under recomputation); with even routing (ep-1)/ep of the rows go to another
-    rank. Before the rows, each forward exchanges the E counts (int64)."""
-    moe, layers = shape.moe, ctx.layout.stage_layers(shape.num_hidden_layers, ctx.pp_rank)
-    moe_layers = sum(shape.is_moe_layer(n) for chunk in layers for n in chunk)
-    forwards = 2 if cfg.parallelism.recompute_layer else 1
-    rows = 4 * shape.hidden_size * tokens * moe.top_k * (2 * forwards + 2)
-    counts = 8 * moe.num_experts * forwards
-    return micro_batches * moe_layers * (rows + counts) * (ctx.ep - 1) / ctx.ep
-
-
-def zero_passes(cfg, m: int) -> int:
-    """Passes of the parameters' bytes over dp x cp per step, each a reduce-scatter or an all-gather ((n-1)/n of
-    them sent): stages 0 and 1 two (an all-reduce, or its two halves); stage 2 a reduce-scatter per micro-batch
-    and one all-gather; stage 3 per micro-batch a reduce-scatter and an all-gather before backward, and one
-    before each forward unless layers stay gathered (zero3_reshard_after_forward=false)."""
-    o = cfg.optimizer
-    if o.zero_stage <= 1:
-        return 2
-    if o.zero_stage == 2:
-        return m + 1
-    return m * (2 + o.zero3_reshard_after_forward)
+    """This rank's minimum bytes sent per optimizer step, per group (see the module docstring): the cost model's
+    own formulas (nanoexp/plan/traffic.py), so the counts checked here are the bytes the planner predicts."""
+    return sent_bytes(cfg, ctx.layout, trainer.shape, ctx.pp_rank, trainer.accumulation)
 
 
 def worker(rank, world_size, port, cfg, args, queue):

@@ -1,0 +1,233 @@
+"""A layout's predicted step time and memory on a cluster: the cost model behind scripts/plan.py.
+
+One optimizer step on the busiest pipeline rank is
+    m x (F + B)  +  bubble  +  exposed communication  +  optimizer update
+- F, B: one micro-batch's forward and backward on this rank. Matmuls take their FLOPs (metrics.layer_matmul_params,
+  split over tp) at the peak of their dtype times an efficiency that grows with the GEMM's smallest sizes
+  (`gemm_efficiency`); causal flash attention its FLOPs (half the s x s square; backward 2.5 forwards) at
+  ATTENTION_EFFICIENCY; everything else (norms, SwiGLU, rotary, residuals, FP8 casts) the bytes it moves at HBM
+  bandwidth. Backward is two forwards of matmuls; recomputation adds a forward of each block but its down
+  projection (metrics.hardware_flops_per_token's rule).
+- bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule with these F and B (and W = half of B
+  for zb_h1/zbv), one p2p hop added to each.
+- communication: the bytes of each group from nanoexp/plan/traffic.py (the comm counter's formulas) over the
+  link the group crosses (NVLink inside a node, the network across: the rank grid is (pp, dp, cp, tp), tp
+  innermost), plus a latency per ring step. What can overlap does, up to the compute it overlaps: gradient
+  buckets with the last backward (ZeRO-0/1), reduce-scatters with every backward (ZeRO-2), prefetched gathers
+  with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
+  layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
+  collective still costs (1 - OVERLAP) of its hidden time (it shares SMs and memory bandwidth).
+- memory: nanoexp/launch/planner.estimate (the busiest rank's estimate, weight copies, the CUDA context).
+
+Global constants fitted on published rows (docs/planning.md says which) are GEMM_EFFICIENCY and OVERLAP; the
+others are stated guesses or datasheet figures.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from nanoexp.config import batch_accumulation
+from nanoexp.launch.planner import GIB, HEADROOM, estimate
+from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
+from nanoexp.observe.memory_estimate import held_parameters
+from nanoexp.observe.metrics import (
+    down_projection_params,
+    flops_per_token,
+    layer_matmul_params,
+)
+from nanoexp.parallel.layout import Layout
+from nanoexp.plan.hardware import GB, Hardware
+from nanoexp.plan.traffic import sent_bytes
+from nanoexp.runtime.build import model_shape
+from nanoexp.verify.pipeline_bubble import idle_by_dependencies
+
+GEMM_EFFICIENCY = 0.52        # fitted: the best share of peak a large GEMM reaches
+GEMM_KNEE = 512               # a GEMM whose smallest size (harmonic mean of M, K, N) is this reaches half of it
+ATTENTION_EFFICIENCY = 0.20   # fitted: causal attention's share of the bf16 peak, forward and backward (SDPA)
+FUSED_ATTENTION = 0.50        # cuDNN / FlashAttention-3 kernels (FA3 paper: ~75 % forward, ~55 % backward, causal less)
+OVERLAP = 0.85                # fitted: the share of an overlapped collective's time that is hidden
+LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
+ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
+ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
+
+
+@dataclass(frozen=True)
+class Framework:
+    """How an implementation runs a layout, beyond what the config says. The default is nanoexp's own."""
+    name: str = "nanoexp"
+    elementwise: float = ELEMENTWISE_EAGER   # bytes per token, layer and hidden unit (fused kernels move fewer)
+    dp_bytes_per_value: float = 4.0          # nanoexp reduces and gathers float32; bf16 frameworks 2
+    tp_overlap: bool = False                 # Megatron's tp-comm-overlap, torchtitan's async TP
+    fp8: bool = False                        # the decoder blocks' linears in FP8 (not the LM head)
+    fp8_casts_fused: bool = False            # casts fused into the norms/activations, weights cast once a step (TE)
+    attention_efficiency: float | None = None   # None: ATTENTION_EFFICIENCY (SDPA's, as nanoexp and torchtitan run it)
+
+
+NANOEXP = Framework()
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step on a cluster. `overrides()` gives the Hydra overrides that select it."""
+    dp: int
+    cp: int
+    ep: int
+    tp: int
+    pp: int
+    zero_stage: int
+    schedule: str
+    virtual_stages: int
+    micro_batch: int
+    recompute: bool
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory_gb: float
+    fits: bool
+    breakdown: dict[str, float] = field(default_factory=dict)   # seconds per step: compute, exposed comm, bubble, ...
+
+    @property
+    def name(self) -> str:
+        return Layout(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep).name
+
+    def overrides(self) -> list[str]:
+        """parallelism.dp=..., ..., optimizer.zero_stage, tokens.micro_batch_size: `python train.py <these>`."""
+        return [f"parallelism.dp={self.dp}", f"parallelism.cp={self.cp}", f"parallelism.ep={self.ep}",
+                f"parallelism.tp={self.tp}", f"parallelism.pp={self.pp}", f"parallelism.pp_engine={self.schedule}",
+                f"parallelism.pp_virtual_stages={self.virtual_stages}",
+                f"parallelism.recompute_layer={str(self.recompute).lower()}",
+                f"optimizer.zero_stage={self.zero_stage}", f"tokens.micro_batch_size={self.micro_batch}"]
+
+    def as_dict(self) -> dict:
+        keys = ("dp", "cp", "ep", "tp", "pp", "zero_stage", "schedule", "virtual_stages", "micro_batch", "recompute",
+                "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits", "breakdown")
+        return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
+
+
+def estimate_context() -> float:
+    """The CUDA context planner.estimate counts (memory.CUDA_CONTEXT_MB)."""
+    return CUDA_CONTEXT_MB * MB
+
+
+def gemm_efficiency(m: float, k: float, n: float) -> float:
+    """Share of peak of an m x k by k x n product: GEMM_EFFICIENCY x d / (d + GEMM_KNEE), d the harmonic mean."""
+    d = 3 / (1 / m + 1 / k + 1 / n)
+    return GEMM_EFFICIENCY * d / (d + GEMM_KNEE)
+
+
+def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
+    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation)."""
+    s, h, tp = cfg.tokens.sequence_length, shape.hidden_size, layout.tp
+    tokens = cfg.tokens.micro_batch_size * s / layout.cp
+    width = shape.moe.intermediate_size if shape.moe else shape.intermediate_size
+    linear_rate = hw.peak_tflops(fw.fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp)
+    layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
+    matmul = sum(2 * tokens * layer_matmul_params(shape, n) / tp for n in layers)
+    redo = sum(2 * tokens * (layer_matmul_params(shape, n) - down_projection_params(shape, n)) / tp for n in layers)
+    attention = len(layers) * 2 * tokens * s * shape.num_attention_heads * shape.head_dim / tp   # causal half
+    attention_time = attention / (hw.bf16_tflops * 1e12 * attention_efficiency(fw))
+    moved = tokens * len(layers) * h * fw.elementwise / tp
+    if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
+        moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
+                                    + 2 * layer_matmul_params(shape, layers[0]) / tp)
+    elementwise = moved / (hw.memory_gbps * GB)
+    head = 0.0
+    if pp_rank == layout.head_rank:
+        head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp))
+    forward = matmul / linear_rate + attention_time + elementwise / 3 + head
+    backward = 2 * matmul / linear_rate + 2.5 * attention_time + 2 * elementwise / 3 + 2 * head
+    if cfg.parallelism.recompute_layer:
+        backward += redo / linear_rate + attention_time + elementwise / 3
+    return forward, backward
+
+
+def attention_efficiency(fw: Framework) -> float:
+    return ATTENTION_EFFICIENCY if fw.attention_efficiency is None else fw.attention_efficiency
+
+
+def crosses_nodes(layout: Layout, group: str, gpus_per_node: int) -> bool:
+    """Whether a group of `group` spans nodes: the ranks it reaches, (pp, dp, cp, tp) with tp innermost."""
+    inner = layout.tp * layout.cp * layout.dp
+    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.tp * layout.ep, "dp": inner, "dp_cp": inner,
+            "edp": inner, "pp": inner * layout.pp, "model_parallel": layout.world_size,
+            "embedding": layout.world_size}[group]
+    return span > gpus_per_node
+
+
+def group_size(layout: Layout, group: str) -> int:
+    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "dp_cp": layout.dp_cp,
+            "edp": layout.edp, "pp": 2, "model_parallel": layout.tp * layout.pp, "embedding": 2}[group]
+
+
+def comm_seconds(nbytes: float, calls: float, n: int, crosses: bool, hw: Hardware) -> float:
+    """A group's time: bytes over its link at LINK_EFFICIENCY, plus per call a latency per step of a tree
+    (2 log2 n: NCCL pipelines a ring's steps, so large messages do not pay n - 1 latencies)."""
+    if nbytes <= 0:
+        return 0.0
+    bandwidth = (hw.inter_gbps if crosses else hw.intra_gbps) * GB * LINK_EFFICIENCY
+    latency = (hw.inter_latency_us if crosses else hw.intra_latency_us) * 1e-6
+    return nbytes / bandwidth + calls * 2 * max(math.ceil(math.log2(n)), 1) * latency
+
+
+def exposed(comm: float, window: float) -> float:
+    """What a collective overlapped with `window` seconds of compute adds to the step."""
+    return max(comm - window, 0.0) + (1 - OVERLAP) * min(comm, window)
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) -> float:
+    """Idle time of the schedule in units of one micro-batch's F (F = 1, B = backward_ratio), simulated."""
+    if pp == 1:
+        return 0.0
+    split = schedule in ("zb_h1", "zbv")
+    backward, weight = (backward_ratio / 2, backward_ratio / 2) if split else (backward_ratio, 0.0)
+    simulated = min(m, 4 * pp * v)   # the idle time stops growing once the pipeline is full
+    simulated -= simulated % pp if schedule == "interleaved_1f1b" and simulated >= pp else 0
+    try:
+        return idle_by_dependencies(schedule, pp, v, simulated, 1.0, backward, weight)
+    except ValueError:
+        return (pp - 1) / v * (1 + backward_ratio)   # a shape the simulator refuses: the textbook bubble
+
+
+def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True) -> Prediction:
+    """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg`."""
+    layout, shape = Layout.from_config(cfg), model_shape(cfg)
+    m = batch_accumulation(cfg)
+    busiest = max(range(layout.pp), key=lambda r: sum(micro_batch_times(cfg, layout, shape, r, hw, fw)))
+    forward, backward = micro_batch_times(cfg, layout, shape, busiest, hw, fw)
+    sent = sent_bytes(cfg, layout, shape, busiest, m)
+    dp_group = "dp" if layout.cp == 1 else "dp_cp"
+    sent[dp_group] *= fw.dp_bytes_per_value / 4
+    layers, stage = sum(held_parameters(shape, layout, busiest)[1]), cfg.optimizer.zero_stage
+    calls = {"tp": m * (4 * layers + 2), "cp": m * layers * 2, "ep": m * layers * 4, "pp": 2 * m,
+             # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
+             dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20))}
+    comm = {g: comm_seconds(b, calls.get(g, 1), group_size(layout, g), crosses_nodes(layout, g, gpus_per_node), hw)
+            for g, b in sent.items()}
+    hop = comm["pp"] / (2 * m) if m else 0.0
+    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage]
+    attention = m * layers * 3.5 * 2 * cfg.tokens.micro_batch_size * cfg.tokens.sequence_length ** 2 / layout.cp \
+        * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * attention_efficiency(fw))
+    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap else comm["tp"]
+    exposed_comm = (exposed(comm[dp_group] + comm["edp"], window) + tp_time + exposed(comm["cp"], attention)
+                    + comm["ep"] + comm["model_parallel"])
+    f, b = forward + hop, backward + hop
+    bubble = bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
+    held = held_parameters(shape, layout, busiest)[0]
+    shard = held / (layout.dp_cp if stage >= 1 else 1)
+    update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
+    step = m * (forward + backward) + bubble + exposed_comm + update
+    tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
+    per_gpu = tokens / step / layout.world_size
+    mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
+    memory = float("nan")
+    if with_memory:   # the planner's estimate, with this device's CUDA context (none on a CPU)
+        memory = (sum(estimate(cfg).values()) - estimate_context() + hw.cuda_context_gb * GB) / GIB
+    fits = memory <= HEADROOM * hw.memory_gb * GB / GIB if with_memory else True
+    p = cfg.parallelism
+    return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, stage, layout.schedule,
+                      layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer), step, per_gpu, mfu,
+                      memory, fits, {"compute": m * (forward + backward), "exposed_comm": exposed_comm,
+                                     "bubble": bubble, "optimizer": update})

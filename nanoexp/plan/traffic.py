@@ -1,0 +1,97 @@
+"""Bytes one rank sends per optimizer step, per process group: the analytic minimum that
+nanoexp/verify/comm_counter.py's counts are checked against (tests/test_comm_counter.py through
+benchmarks/bench_parallel.py, which calls `sent_bytes`), and what the cost model divides by a link's bandwidth.
+
+Sent bytes follow comm_counter's ring rules: an all-reduce of B bytes over n ranks sends 2(n-1)/n x B, a
+reduce-scatter or all-gather (n-1)/n of the whole, a send its tensor. Per step, with m micro-batches, s' = seq / cp
+the tokens of a sample a rank holds, A = micro_batch x s' x hidden x activation bytes and N the parameters the rank
+holds (benchmarks/bench_parallel.py's docstring explains each line):
+  dp (dp_cp with cp > 1)  zero_passes x (n-1)/n x 4N, plus the step loss and the token count (float32 scalars);
+  edp  the experts' gradients over the expert-data-parallel ranks; ep  the all-to-all of routed tokens;
+  cp   ring: K/V cp-1 hops forward and backward, the float32 dK/dV cp-1 hops home; all_gather: K/V gathered
+       once a forward, dK/dV reduce-scattered once; the forward's share again under recomputation;
+  tp   4 all-reduces of A per layer (2 forward, 2 backward; the same bytes as sequence parallelism's gathers and
+       reduce-scatters; one more when the block is recomputed), one for the embedding and one for the head's input, the vocab-parallel loss' 3;
+  pp   the activation to the next stage and its gradient back, float32, per micro-batch, plus the step loss;
+  model_parallel  the squared gradient norm.
+"""
+from __future__ import annotations
+
+from nanoexp.observe.memory_estimate import held_modules, held_parameters
+from nanoexp.parallel.layout import Layout
+
+GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding")
+
+
+def ring(n: int) -> float:
+    """What an all-reduce sends per byte of its tensor."""
+    return 2 * (n - 1) / n
+
+
+def zero_passes(cfg, m: int) -> int:
+    """Passes of the parameters' bytes over dp x cp per step, each a reduce-scatter or an all-gather ((n-1)/n of
+    them sent): stages 0 and 1 two (an all-reduce, or its two halves); stage 2 a reduce-scatter per micro-batch
+    and one all-gather; stage 3 per micro-batch a reduce-scatter and an all-gather before backward, and one
+    before each forward unless layers stay gathered (zero3_reshard_after_forward=false)."""
+    o = cfg.optimizer
+    if o.zero_stage <= 1:
+        return 2
+    if o.zero_stage == 2:
+        return m + 1
+    return m * (2 + o.zero3_reshard_after_forward)
+
+
+def all_to_all_bytes(cfg, layout: Layout, shape, pp_rank: int, micro_batches: int, tokens: int) -> float:
+    """Expert parallelism per step: each of the `tokens` a micro-batch has this rank route sends its hidden state
+    (float32) to its top_k experts and gets their outputs back, in every MoE layer of this stage, forward and
+    backward (and forward again under recomputation); with even routing (ep-1)/ep of the rows go to another
+    rank. Before the rows, each forward exchanges the E counts (int64)."""
+    moe, layers = shape.moe, layout.stage_layers(shape.num_hidden_layers, pp_rank)
+    moe_layers = sum(shape.is_moe_layer(n) for chunk in layers for n in chunk)
+    forwards = 2 if cfg.parallelism.recompute_layer else 1
+    rows = 4 * shape.hidden_size * tokens * moe.top_k * (2 * forwards + 2)
+    counts = 8 * moe.num_experts * forwards
+    return micro_batches * moe_layers * (rows + counts) * (layout.ep - 1) / layout.ep
+
+
+def activation_bytes(cfg) -> int:
+    return 2 if cfg.model.dtype == "bfloat16" else 4   # TP and CP messages run in the autocast dtype
+
+
+def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, float]:
+    """Bytes the rank of pipeline stage `pp_rank` sends per optimizer step of `m` micro-batches, per group."""
+    mb, s, h = cfg.tokens.micro_batch_size, layout.local_tokens(cfg.tokens.sequence_length), shape.hidden_size
+    first, last, sp = pp_rank == 0, pp_rank == layout.head_rank, layout.sequence_parallel
+    act = activation_bytes(cfg)
+    out = {name: 0.0 for name in GROUPS}
+    held, chunks = held_parameters(shape, layout, pp_rank)
+    layers = sum(chunks)
+    experts = sum(module.experts for module in held_modules(shape, layout, pp_rank))   # ep > 1 only
+    if layout.dp_cp > 1:   # every cp rank holds the full weights: gradients over dp x cp
+        scalars = 1 + last   # the step loss; the target-token count on the loss stage
+        out["dp" if layout.cp == 1 else "dp_cp"] = ring(layout.dp_cp) * 4 * (
+            (held - experts) * zero_passes(cfg, m) / 2 + scalars)
+    if layout.ep > 1:
+        out["ep"] = all_to_all_bytes(cfg, layout, shape, pp_rank, m, mb * s // (layout.tp if sp else 1))
+        out["edp"] = ring(layout.edp) * 4 * experts * zero_passes(cfg, m) / 2 if layout.edp > 1 else 0
+    if layout.cp > 1:
+        kv = 2 * mb * (shape.num_key_value_heads // layout.tp) * s * shape.head_dim   # floats of one K/V message
+        forwards = 2 if cfg.parallelism.recompute_layer else 1
+        kv_sends = forwards + (layout.cp_mode == "ring")
+        out["cp"] = m * layers * (layout.cp - 1) * (kv_sends * kv * act + kv * 4)
+    if layout.tp > 1:
+        # a recomputed block repeats its attention's forward all-reduce, not its MLP's: recomputation stops once
+        # every saved tensor is back, and nothing saves the down projection's output (metrics.py)
+        per_layer = 4 + bool(cfg.parallelism.recompute_layer)
+        per_micro = (per_layer * layers + first + last) * ring(layout.tp) * mb * s * h * act
+        if last:
+            per_micro += 3 * ring(layout.tp) * mb * s * 4
+        out["tp"] = m * per_micro
+        if sp:
+            out["tp"] += ring(layout.tp) * 4 * (2 * layers + last) * h   # the norm weights' gradients
+    if layout.pp > 1:
+        boundary = mb * (s // layout.tp if sp else s) * h * 4
+        out["pp"] = m * boundary * ((not last) + (not first)) + ring(layout.pp) * 4
+    if layout.tp * layout.pp > 1:
+        out["model_parallel"] = ring(layout.tp * layout.pp) * 4
+    return out

@@ -1,0 +1,147 @@
+"""The planner's cost model (nanoexp/plan/): its bytes are the comm counter's, it ranks sensibly, scripts/plan.py's
+interface, and the published check's arithmetic."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from nanoexp.config import batch_accumulation, compose, normalize
+from nanoexp.parallel.layout import Layout
+from nanoexp.plan.cost import predict
+from nanoexp.plan.hardware import GPUS, with_network
+from nanoexp.plan.traffic import sent_bytes
+from nanoexp.runtime.build import model_shape
+from tests.helpers import FAST
+
+# Four layouts touching every group the model times except ep (whose bytes follow the routing: test_comm_counter):
+# tp with recomputation (its attention's forward all-reduce again), pp with ZeRO-1, ZeRO-3 over dp, and dp x cp ring attention.
+COUNTED = {
+    "dp1tp2-recompute": ["parallelism=dp1tp2pp1", "parallelism.recompute_layer=true"],
+    "dp2pp2-zero1": ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"],
+    "dp2-zero3": ["parallelism=dp2tp1pp1", "optimizer.zero_stage=3"],
+    "dp2cp2": ["parallelism=dp2cp2tp1pp1"],
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTED))   # 2.5-4 s each
+def test_model_bytes_equal_the_counters(name):
+    """Each rank's bytes per step and group, counted by CommCounter around a real train step, equal the cost
+    model's (traffic.sent_bytes, which cost.predict divides by the links' bandwidth) within 1 %: the float32
+    scalars (loss, token count, grad norm) are in the formula, so only rounding of the ring rule remains."""
+    from benchmarks.bench_parallel import run_layout
+    from benchmarks.harness import compose as compose_plain
+
+    cfg = compose_plain(FAST + COUNTED[name], plain=True)
+    layout, shape, m = Layout.from_config(cfg), model_shape(cfg), batch_accumulation(cfg)
+    for rank, result in enumerate(run_layout(cfg, SimpleNamespace(warmup=1, steps=1, timeout=120))):
+        model = sent_bytes(cfg, layout, shape, layout.position(rank)[0], m)
+        for group, counted in result["totals"].items():
+            if model.get(group):
+                assert abs(counted["sent_bytes"] - model[group]) <= 0.01 * model[group], (name, rank, group)
+        assert sum(model.values()) > 0
+
+
+def _config(overrides):
+    cfg = compose(["model=llama3_8b", "tokens.sequence_length=4096", "tokens.global_batch_size=64", *overrides])
+    normalize(cfg)
+    cfg.tokens.batch_accumulation_per_replica = None
+    return cfg
+
+
+@pytest.mark.parametrize("layout", [["parallelism.dp=4", "parallelism.tp=4"], ["parallelism.dp=8", "parallelism.pp=2"],
+                                    ["parallelism.dp=16", "optimizer.zero_stage=3"],
+                                    ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=4"]])
+def test_a_faster_network_never_slows_a_layout(layout):
+    cfg, h100 = _config(layout), GPUS["h100"]
+    speeds = [predict(cfg, with_network(h100, gbps), 8, with_memory=False).tokens_per_s_per_gpu
+              for gbps in (12.5, 25.0, 50.0, 100.0, 400.0)]
+    assert speeds == sorted(speeds), speeds
+    # and across nodes is never faster than one node's NVLink for the same layout
+    assert predict(cfg, h100, 16, with_memory=False).tokens_per_s_per_gpu >= speeds[-2] * 0.999
+
+
+def test_more_gpus_of_a_memory_hungry_layout_is_marked_not_fitting():
+    cfg = _config(["model=llama3_70b", "parallelism.dp=1", "parallelism.tp=2"])
+    assert not predict(cfg, GPUS["h100"], 8).fits
+    assert predict(_config(["parallelism.dp=1", "parallelism.tp=8", "parallelism.recompute_layer=true",
+                            "tokens.micro_batch_size=1"]), GPUS["h200"], 8).fits
+
+
+def test_recomputation_and_a_deeper_bubble_cost_time():
+    base = predict(_config(["parallelism.dp=8", "parallelism.pp=2"]), GPUS["h100"], 8, with_memory=False)
+    recomputed = predict(_config(["parallelism.dp=8", "parallelism.pp=2", "parallelism.recompute_layer=true"]),
+                         GPUS["h100"], 8, with_memory=False)
+    deeper = predict(_config(["parallelism.dp=4", "parallelism.pp=4"]), GPUS["h100"], 8, with_memory=False)
+    assert recomputed.tokens_per_s_per_gpu < base.tokens_per_s_per_gpu
+    assert deeper.breakdown["bubble"] > base.breakdown["bubble"] > 0
+
+
+def test_rank_returns_fitting_layouts_fastest_first_with_runnable_overrides():
+    from nanoexp.plan.search import rank
+    cfg = _config(["tokens.global_batch_size=16"])
+    ranking = rank(cfg, 8, 8, "h100", top=3)
+    speeds = [p.tokens_per_s_per_gpu for p in ranking.predictions]
+    assert len(speeds) == 3 and speeds == sorted(speeds, reverse=True)
+    assert all(p.fits for p in ranking.predictions) and ranking.reason_lines()
+    best = ranking.predictions[0]
+    chosen = compose(["model=llama3_8b", "tokens.sequence_length=4096", "tokens.global_batch_size=16",
+                      *best.overrides()])
+    assert Layout.from_config(chosen).name == best.name and chosen.optimizer.zero_stage == best.zero_stage
+
+
+def _plan(argv, capsys):
+    from scripts.plan import main
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_schema(capsys):
+    code, out, _ = _plan(["model=tiny", "--gpus", "4", "--gpu", "h100", "--top", "3", "--json"], capsys)
+    rows = json.loads(out)
+    assert code == 0 and 1 <= len(rows) <= 3
+    keys = {"dp", "cp", "ep", "tp", "pp", "zero_stage", "schedule", "micro_batch", "recompute",
+            "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits"}
+    for row in rows:
+        assert keys <= set(row) and row["dp"] * row["cp"] * row["tp"] * row["pp"] == 4 and row["fits"]
+        assert 0 < row["mfu"] < 1
+
+
+@pytest.mark.parametrize("argv, argument", [(["--gpus", "4", "--gpu", "tpu9"], "--gpu"),
+                                            (["--gpus", "12", "--gpus-per-node", "8"], "--gpus"),
+                                            (["--gpus", "0"], "--gpus")])
+def test_plan_bad_input_is_one_line_naming_the_argument(argv, argument, capsys):
+    code, _, err = _plan(["model=tiny", *argv], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and argument in err
+
+
+def test_published_errors_and_share():
+    from nanoexp.plan.published import ROWS, check, relative_error, share_within
+    assert relative_error(110.0, 100.0) == pytest.approx(0.10)
+    assert relative_error(0.40, 0.50) == pytest.approx(-0.20)
+    assert share_within([0.1, -0.15, 0.2, -0.3]) == 0.5
+    checks = [check(row) for row in ROWS]
+    assert all("/" in row.source for row in ROWS)   # each row names its file
+    # A deterministic model, no timing: the share within +-15 % is docs/planning.md's (22 of 27 rows when
+    # written), held at the issue's 80 % target.
+    assert share_within([c["error"] for c in checks]) >= 0.8
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_moe"])
+def test_a_hugging_face_config_plans(model_type, tmp_path, capsys):
+    config = {"model_type": model_type, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 2048,
+              "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    if model_type == "mixtral":
+        config |= {"num_local_experts": 8, "num_experts_per_tok": 2}
+    if model_type == "qwen3_moe":
+        config |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = _plan(["--hf-config", str(path), "--gpus", "4", "--seq", "512", "--global-batch-tokens", "8192",
+                          "--top", "1000", "--json"], capsys)
+    rows = json.loads(out)
+    assert code == 0 and rows
+    assert any(row["ep"] > 1 for row in rows) == (model_type != "llama")   # experts split only for a mixture
