@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import in_turns, matmul_peak
 
 CASES = {"off": ["debug.stall_s=0", "debug.flight_recorder_entries=0"],

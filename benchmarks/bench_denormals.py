@@ -25,6 +25,7 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import in_turns, matmul_peak
 from nanoexp.observe.peak import cpu_model
 
@@ -86,7 +87,7 @@ def main() -> None:
         print(f"round {i} {name} (summary says flushed={r['flushed']}): "
               + ", ".join(f"step {s} {r['tokens_per_sec'][s]:,.0f} tok/s loss {r['loss'][s]:.4f}" for s in shown)
               + f"; mean {r['mean']:,.0f} tok/s", flush=True)
-    print(f"| case | " + " | ".join(f"tokens/s at step {s}" for s in shown) + " | mean tokens/s | losses |")
+    print("| case | " + " | ".join(f"tokens/s at step {s}" for s in shown) + " | mean tokens/s | losses |")
     for name, results in runs.items():
         speeds = [statistics.median(r["tokens_per_sec"][s] for r in results) for s in shown]
         losses = "/".join(f"{results[0]['loss'][s]:.4f}" for s in shown)

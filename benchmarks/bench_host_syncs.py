@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import compose
 from nanoexp.launch.workers import spawn_local, start_method
 from nanoexp.parallel.context import ParallelContext

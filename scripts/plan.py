@@ -10,94 +10,12 @@ pipeline bubble, the optimizer update); then one line per reason the other candi
 list of objects (dp, cp, ep, tp, pp, zero_stage, schedule, micro_batch, recompute, tokens_per_s_per_gpu, mfu,
 memory_gb, fits, ...). Bad input: one line naming the argument, exit status 2.
 """
-from __future__ import annotations
-
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 
-from nanoexp.config import ConfigError, compose, normalize
-from nanoexp.plan.hardware import GPUS, hardware
-from nanoexp.plan.search import rank
-
-
-def fail(argument: str, message: str) -> int:
-    print(f"plan.py: error: {argument}: {message}", file=sys.stderr)
-    return 2
-
-
-def base_config(overrides: list[str], seq: int | None, batch_tokens: int | None, hf_config: str | None):
-    extra = []
-    if hf_config:
-        from nanoexp.plan.hf_config import overrides_of
-        extra = overrides_of(hf_config)
-    cfg = compose([*extra, *overrides])
-    if seq:
-        cfg.tokens.sequence_length = seq
-        cfg.model.model_config.max_position_embeddings = max(seq, cfg.model.model_config.max_position_embeddings)
-    if batch_tokens:
-        cfg.tokens.global_batch_size = batch_tokens // cfg.tokens.sequence_length
-    normalize(cfg)
-    return cfg
-
-
-def print_table(ranking, gpus: int, hw) -> None:
-    print(f"{'#':>2} {'layout':<16}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'MFU':>6}"
-          f"{'GB/GPU':>8}  {'compute':>8}{'comm':>7}{'bubble':>7}{'optim':>7}  (% of the step)")
-    for i, p in enumerate(ranking.predictions, 1):
-        schedule = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") if p.pp > 1 else "-"
-        share = {k: 100 * v / p.step_time_s for k, v in p.breakdown.items()}
-        print(f"{i:>2} {p.name:<16}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} {'y' if p.recompute else 'n':>3}"
-              f"{p.tokens_per_s_per_gpu:>11,.0f}{100 * p.mfu:>5.1f}%{p.memory_gb:>8.1f}  {share['compute']:>7.0f}%"
-              f"{share['exposed_comm']:>6.0f}%{share['bubble']:>6.0f}%{share['optimizer']:>6.0f}%")
-    if not ranking.predictions:
-        print(f"no layout of {gpus} GPUs fits in {hw.memory_gb:g} GB")
-    print("out:")
-    for line in ranking.reason_lines():
-        print(line)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=llama3_8b, ...)")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}, cpu (calibrated now)")
-    parser.add_argument("--seq", type=int, help="sequence length (tokens.sequence_length)")
-    parser.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--hf-config", help="a Hugging Face config.json (Llama, Mixtral, Qwen-MoE shapes)")
-    args = parser.parse_args(argv)
-    if args.gpus < 1:
-        return fail("--gpus", f"{args.gpus} is not a positive GPU count")
-    if args.gpus_per_node < 1 or (args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node):
-        return fail("--gpus", f"{args.gpus} GPUs do not fill nodes of --gpus-per-node {args.gpus_per_node}")
-    if args.gpu.lower() not in (*GPUS, "cpu"):
-        return fail("--gpu", f"unknown gpu {args.gpu!r}: one of {', '.join([*GPUS, 'cpu'])}")
-    if args.top < 1:
-        return fail("--top", "must be at least 1")
-    try:
-        cfg = base_config(args.overrides, args.seq, args.global_batch_tokens, args.hf_config)
-    except (ConfigError, ValueError, OSError) as error:
-        return fail("overrides", str(error).splitlines()[0])
-    if args.global_batch_tokens and cfg.tokens.global_batch_size < 1:
-        return fail("--global-batch-tokens", f"{args.global_batch_tokens} is less than one sequence")
-    hw = hardware(args.gpu)
-    ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
-    if args.json:
-        print(json.dumps([p.as_dict() for p in ranking.predictions], indent=1))
-        return 0
-    m = cfg.model.model_config
-    print(f"{args.gpus} x {hw.name} ({args.gpus_per_node} a node): hidden {m.hidden_size}, {m.num_hidden_layers} layers, "
-          f"sequence {cfg.tokens.sequence_length}, global batch {cfg.tokens.global_batch_size} sequences "
-          f"({cfg.tokens.global_batch_size * cfg.tokens.sequence_length:,} tokens)")
-    print_table(ranking, args.gpus, hw)
-    return 0
-
+from nanoexp.plan.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -92,7 +92,7 @@ def test_rank_returns_fitting_layouts_fastest_first_with_runnable_overrides():
 
 
 def _plan(argv, capsys):
-    from scripts.plan import main
+    from nanoexp.plan.cli import main
     code = main(argv)
     out = capsys.readouterr()
     return code, out.out, out.err
