@@ -27,8 +27,8 @@ import os
 import sys
 
 from nanoexp.launch.sweep_plots import plot, plot_lr_transfer
-from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, lr_sweep, ranked, table,
-                                         write_csv)
+from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, lr_sweep, plan_table, ranked,
+                                         table, write_csv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, COLUMNS if metric in COLUMNS else COLUMNS[:-2] + [metric] + COLUMNS[-2:]))
     if busy_note(rows):
         print(busy_note(rows))
+    if plan_table(args.sweep_dir, rows):
+        print(plan_table(args.sweep_dir, rows))
     write_csv(rows, os.path.join(out, "summary.csv"))
     written = ["summary.csv"]
     transfer = lr_sweep(rows, metric)
