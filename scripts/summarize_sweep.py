@@ -15,6 +15,8 @@ Promises:
   axis), one curve per width, one panel per parametrization (the µTransfer picture; every finite point inside
   the axes, the best learning rate of each width a star, jobs without an eval loss, e.g. diverged, crosses on
   the panel's top edge; the title names only the markers drawn).
+- For a `+plan=topK` sweep, the planner's predicted step time and tokens/s beside the measured ones, with their
+  ratio (sweep_report.plan_table, docs/planning.md).
 - `--rank-by eval/<task>/<metric>` (a downstream task's score, from the runs' summary.json; see
   docs/evaluation.md) orders the table by that score, best first, adds it as a column, and picks the best
   learning rate and draws lr_transfer.png by it (higher is better for a task's score); the default ranks by
