@@ -268,7 +268,7 @@ def plan_table(sweep_dir: str, rows: list[dict]) -> str | None:
     lines = [f"planned for {plan['gpus']} x {plan['gpu']} ({plan['gpus_per_node']} a node): predicted beside measured",
              (f"{'job':>4}  {'rank':>4}  {'layout':<16}{'ZeRO':>4}{'mb':>4}{'rc':>3}  {'step s pred':>11}"
               f"{'measured':>10}{'ratio':>7}  {'tok/s pred':>11}{'measured':>10}")]
-    for row in rows:
+    for row in sorted(rows, key=lambda row: row["job"]):   # in plan order, whatever order the table was ranked in
         p = plan["jobs"].get(str(row["job"]))
         if p is None:
             continue
