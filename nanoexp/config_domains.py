@@ -193,6 +193,8 @@ def domain_of(key: str) -> Domain:
 
 def unknown_key(key: str) -> str:
     """The message for a key the schema does not know, with the nearest known key (in the same stage)."""
+    if key == "plan":   # +plan=topK is a sweep's (hydra_plugins/nanoexp_sweeper.py)
+        return "plan: +plan=topK runs the planner's top K layouts as a sweep: add -m (python train.py -m +plan=top4)"
     stage = re.match(r"data_stages\[\d+\]", key)
     nearest = difflib.get_close_matches(re.sub(r"\[\d+\]", "[]", key), schema_keys(NanoexpConfig), n=1)
     if not nearest:

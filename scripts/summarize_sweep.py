@@ -15,6 +15,8 @@ Promises:
   axis), one curve per width, one panel per parametrization (the µTransfer picture; every finite point inside
   the axes, the best learning rate of each width a star, jobs without an eval loss, e.g. diverged, crosses on
   the panel's top edge; the title names only the markers drawn).
+- For a `+plan=topK` sweep, the planner's predicted step time and tokens/s beside the measured ones, with their
+  ratio (sweep_report.plan_table, docs/planning.md).
 - `--rank-by eval/<task>/<metric>` (a downstream task's score, from the runs' summary.json; see
   docs/evaluation.md) orders the table by that score, best first, adds it as a column, and picks the best
   learning rate and draws lr_transfer.png by it (higher is better for a task's score); the default ranks by
@@ -27,8 +29,8 @@ import os
 import sys
 
 from nanoexp.launch.sweep_plots import plot, plot_lr_transfer
-from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, lr_sweep, ranked, table,
-                                         write_csv)
+from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, lr_sweep, plan_table, ranked,
+                                         table, write_csv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, COLUMNS if metric in COLUMNS else COLUMNS[:-2] + [metric] + COLUMNS[-2:]))
     if busy_note(rows):
         print(busy_note(rows))
+    if plan_table(args.sweep_dir, rows):
+        print(plan_table(args.sweep_dir, rows))
     write_csv(rows, os.path.join(out, "summary.csv"))
     written = ["summary.csv"]
     transfer = lr_sweep(rows, metric)

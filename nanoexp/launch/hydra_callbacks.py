@@ -57,7 +57,7 @@ class SweepReport(Callback):
 
 
 def print_sweep_report(sweep_dir: str) -> None:
-    from nanoexp.launch.sweep_report import busy_note, collect, table
+    from nanoexp.launch.sweep_report import busy_note, collect, plan_table, table
 
     if not sweep_dir or not os.path.isdir(sweep_dir):
         return
@@ -69,6 +69,8 @@ def print_sweep_report(sweep_dir: str) -> None:
     print(f"\nsweep {os.path.abspath(sweep_dir)}: {len(rows)} jobs, {failed} failed\n{table(rows, columns)}")
     if busy_note(rows):
         print(busy_note(rows))
+    if plan_table(sweep_dir, rows):
+        print(plan_table(sweep_dir, rows))
     for row in rows:
         if row["state"] != "completed":
             print(f"  job {row['job']} {row['state']}: {row['reason']}")

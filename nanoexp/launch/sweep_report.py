@@ -10,6 +10,8 @@ several (`lr_sweep`, `best_lr_table`) and the plots (nanoexp/launch/sweep_plots.
 - `state` is `completed`, `failed`, `stopped` (checkpointed on a signal, not yet resumed) or, for a
   SLURM job that is still queued or running, its SLURM state; `reason` says why a job is not
   completed: the error in its summary.json, else the error submitit recorded, else what `sacct` says.
+- A `+plan=topK` sweep (nanoexp/plan/sweep.py) leaves each job's predicted step in `<dir>/plan.json`:
+  `plan_table` puts it beside the measured one.
 - `overrides` shows only the overrides whose values differ between the jobs (what the sweep varies).
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "token
 # One format per column (None: as is).
 FORMATS = {"lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
            "mfu": "{:.2%}", "peak_memory_mb": "{:,.0f}"}
+PLAN_FILE = "plan.json"
 SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
 
 
@@ -244,4 +247,37 @@ def best_lr_table(curves: dict, metric: str = "eval_loss") -> str:
         each = " ".join("-" if v is None else f"{v:.3f}" for _, v in points)
         lines.append(f"{parametrization:<16}{width:>6}{chosen:>18}{value if value is None else f'{value:.4f}':>11}"
                      f"   {each}")
+    return "\n".join(lines)
+
+
+def read_plan(sweep_dir: str) -> dict | None:
+    """The predictions of a `+plan=topK` sweep (nanoexp/plan/sweep.py writes them), or None."""
+    path = os.path.join(sweep_dir, PLAN_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def plan_table(sweep_dir: str, rows: list[dict]) -> str | None:
+    """Predicted beside measured step time and tokens/s (all processes) of each job that carries a prediction;
+    measured/predicted > 1: slower than predicted. None for a sweep without a plan."""
+    plan = read_plan(sweep_dir)
+    if not plan:
+        return None
+    lines = [f"planned for {plan['gpus']} x {plan['gpu']} ({plan['gpus_per_node']} a node): predicted beside measured",
+             (f"{'job':>4}  {'rank':>4}  {'layout':<16}{'ZeRO':>4}{'mb':>4}{'rc':>3}  {'step s pred':>11}"
+              f"{'measured':>10}{'ratio':>7}  {'tok/s pred':>11}{'measured':>10}")]
+    for row in sorted(rows, key=lambda row: row["job"]):   # in plan order, whatever order the table was ranked in
+        p = plan["jobs"].get(str(row["job"]))
+        if p is None:
+            continue
+        measured = row.get("tokens_per_sec")
+        step = p["tokens_per_step"] / measured if measured else None
+        ratio = f"{step / p['step_time_s']:.2f}" if step else "-"
+        lines.append(f"{row['job']:>4}  {p['rank']:>4}  {p['layout']:<16}{p['zero_stage']:>4}{p['micro_batch']:>4}"
+                     f"{'y' if p['recompute'] else 'n':>3}  {p['step_time_s']:>11.4f}"
+                     f"{'-' if step is None else f'{step:.4f}':>10}"
+                     f"{ratio:>7}"
+                     f"  {p['tokens_per_s']:>11,.0f}{'-' if not measured else f'{measured:,.0f}':>10}")
     return "\n".join(lines)
