@@ -176,6 +176,14 @@ def exposed(comm: float, window: float) -> float:
     return max(comm - window, 0.0) + (1 - OVERLAP) * min(comm, window)
 
 
+def cpu_overhead(hw: Hardware, micro_batches: int, layers: int, messages: float) -> float:
+    """What eager Python and gloo add to a step on a CPU (the Hardware's CPU-only terms; 0 on GPUs): a fixed cost
+    per step, one per micro-batch and layer of the rank, and a latency per point-to-point message (ring attention's
+    K/V hops, cp - 1 per call; the pipeline's activations and gradients) beyond the collectives' latency term."""
+    return (hw.step_overhead_s + micro_batches * layers * hw.micro_batch_overhead_s
+            + messages * hw.p2p_us * 1e-6)
+
+
 @functools.lru_cache(maxsize=4096)
 def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) -> float:
     """Idle time of the schedule in units of one micro-batch's F (F = 1, B = backward_ratio), simulated."""
@@ -218,7 +226,8 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     held = held_parameters(shape, layout, busiest)[0]
     shard = held / (layout.dp_cp if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
-    step = m * (forward + backward) + bubble + exposed_comm + update
+    overhead = cpu_overhead(hw, m, layers, calls["cp"] * (layout.cp - 1) + (calls["pp"] if layout.pp > 1 else 0))
+    step = m * (forward + backward) + bubble + exposed_comm + update + overhead
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
     mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
@@ -230,4 +239,5 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, stage, layout.schedule,
                       layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer), step, per_gpu, mfu,
                       memory, fits, {"compute": m * (forward + backward), "exposed_comm": exposed_comm,
-                                     "bubble": bubble, "optimizer": update})
+                                     "bubble": bubble, "optimizer": update}
+                      | ({"cpu_overhead": overhead} if overhead else {}))

@@ -1,0 +1,185 @@
+"""The performance model (nanoexp/plan/) against this CPU: predicted vs measured step time and per-rank memory of
+`model=small` on local gloo processes (issue 53, item 4b; results in docs/planning.md, "This CPU").
+
+    python -m benchmarks.bench_plan_cpu [--steps 4] [--only dp1,tp2] [--calibrate] [--json out.json]
+
+Each layout runs `python train.py model=small <layout> ...` (checkpoints off, one held-out batch at the end,
+logging.exact_cpu_memory=true so that the peak RSS tracks the live tensors: nanoexp/observe/memory.py); its step
+time is the median `step_time_sec` of metrics.jsonl after step 1 (warm-up), its memory the largest
+`peak_memory_mb_per_rank` of summary.json. The prediction is nanoexp.plan.cost.predict on the "cpu" device,
+calibrated now (hardware.calibrate_cpu), shared among the run's processes (hardware.cpu_share: the 2 cores are
+one node's compute, not one per rank). Predicted memory is the plan's estimate (no CUDA context on a CPU) plus
+the runtime baseline the 1-process run measured (summary.json's baseline_memory_mb: Python, torch, the warmed-up
+runtime), so that both sides count the same things.
+
+--calibrate fits the CPU overhead terms (hardware.Hardware.step_overhead_s, micro_batch_overhead_s, p2p_us) by
+least squares on the FIT layouts only and reports the held-out ones separately.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
+from benchmarks.harness import compose
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+P = "parallelism"
+LAYOUTS = {   # name: overrides (at most 4 processes)
+    "dp1": [],
+    "dp2": [f"{P}.dp=2"],
+    "tp2": [f"{P}.tp=2"],
+    "pp2 1f1b": [f"{P}.pp=2", f"{P}.pp_engine=1f1b"],
+    "pp2 afab": [f"{P}.pp=2", f"{P}.pp_engine=afab"],
+    "pp2 interleaved v3": [f"{P}.pp=2", f"{P}.pp_engine=interleaved_1f1b", f"{P}.pp_virtual_stages=3"],
+    "pp2 zb_h1": [f"{P}.pp=2", f"{P}.pp_engine=zb_h1"],
+    "cp2 ring": [f"{P}.cp=2", f"{P}.cp_mode=ring"],
+    "cp2 all_gather": [f"{P}.cp=2", f"{P}.cp_mode=all_gather"],
+    "dp2 ZeRO-1": [f"{P}.dp=2", "optimizer.zero_stage=1"],
+    "dp2 ZeRO-2": [f"{P}.dp=2", "optimizer.zero_stage=2"],
+    "dp2 ZeRO-3": [f"{P}.dp=2", "optimizer.zero_stage=3"],
+    "dp2tp2": [f"{P}.dp=2", f"{P}.tp=2"],
+    "dp2pp2": [f"{P}.dp=2", f"{P}.pp=2"],
+    "tp2pp2": [f"{P}.tp=2", f"{P}.pp=2"],
+}
+FIT = ("dp1", "dp2", "tp2", "pp2 1f1b", "cp2 ring")   # --calibrate fits on these; the others are held out
+
+
+def overrides(name: str, model: str, steps: int) -> list[str]:
+    return [f"model={model}", *LAYOUTS[name], f"tokens.train_steps={steps}",
+            "optimizer.learning_rate_scheduler.lr_warmup_steps=1", "checkpoint.save_final_state=false",
+            "tokens.val_check_interval=0", "tokens.limit_val_batches=1", "logging.tensorboard=false",
+            "logging.iteration_step_info_interval=1", "logging.exact_cpu_memory=true"]
+
+
+def measure(name: str, model: str, steps: int, folder: str) -> dict:
+    """Run the layout with train.py; median step time after step 1, the largest per-rank peak, the baseline."""
+    run_dir = os.path.join(folder, name.replace(" ", "_"))
+    cmd = [sys.executable, "train.py", *overrides(name, model, steps), f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{name}: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    times = [r["step_time_sec"] for r in records if "step_time_sec" in r and r["step"] > 1]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return {"step_s": statistics.median(times), "times": times, "memory_mb": max(summary["peak_memory_mb_per_rank"]),
+            "baseline_mb": summary["baseline_memory_mb"], "world": summary["world_size"]}
+
+
+def predict_layout(name: str, model: str, steps: int, hw):
+    from nanoexp.parallel.layout import Layout
+    from nanoexp.plan.cost import predict
+    from nanoexp.plan.hardware import cpu_share
+    cfg = compose(overrides(name, model, steps))
+    world = Layout.from_config(cfg).world_size
+    return predict(cfg, cpu_share(hw, world, os.cpu_count() or 1), gpus_per_node=world)
+
+
+def fit_overheads(hw, names, measured, model, steps):
+    """Least squares (non-negative, by clipping) of the measured step minus the model's step on the three CPU
+    overhead terms, each found from a prediction with that term set to 1 unit."""
+    import numpy as np
+    terms = ("step_overhead_s", "micro_batch_overhead_s", "p2p_us")
+    base = dataclasses.replace(hw, **{t: 0.0 for t in terms})
+    zero = np.array([predict_layout(n, model, steps, base).step_time_s for n in names])
+    columns = [np.array([predict_layout(n, model, steps, dataclasses.replace(base, **{t: 1.0})).step_time_s
+                         for n in names]) - zero for t in terms]
+    target = np.array([measured[n]["step_s"] for n in names]) - zero
+    solution = np.linalg.lstsq(np.stack(columns, 1), target, rcond=None)[0].clip(min=0)
+    return dataclasses.replace(hw, **dict(zip(terms, solution.tolist())))
+
+
+def spearman(a, b) -> float:
+    from scipy.stats import spearmanr
+    return float(spearmanr(a, b).statistic)
+
+
+def table(rows, title) -> None:
+    print(f"\n{title}")
+    print("| layout | procs | predicted s/step | measured s/step | error | predicted MB | measured MB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['world']} | {r['pred_s']:.2f} | {r['step_s']:.2f} | {r['time_err']:+.0%} | "
+              f"{r['pred_mb']:,.0f} | {r['memory_mb']:,.0f} | {r['mem_err']:+.0%} |")
+    if len(rows) > 2:
+        print(f"Spearman {spearman([r['pred_s'] for r in rows], [r['step_s'] for r in rows]):.2f}, median |time "
+              f"error| {statistics.median(abs(r['time_err']) for r in rows):.0%}, memory within ±15 %: "
+              f"{sum(abs(r['mem_err']) <= 0.15 for r in rows)}/{len(rows)} (largest "
+              f"{max(abs(r['mem_err']) for r in rows):.0%})")
+
+
+def rows_of(names, measured, hw, model, steps, baseline):
+    from nanoexp.launch.planner import GIB
+    from nanoexp.observe.memory import MB
+    rows = []
+    for n in names:
+        p, m = predict_layout(n, model, steps, hw), measured[n]
+        pred_mb = p.memory_gb * GIB / MB + baseline
+        rows.append({"name": n, **m, "pred_s": p.step_time_s, "time_err": p.step_time_s / m["step_s"] - 1,
+                     "pred_mb": pred_mb, "mem_err": pred_mb / m["memory_mb"] - 1, "breakdown": p.breakdown})
+    return rows
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=4, help="train_steps per run (step 1 is not counted)")
+    parser.add_argument("--only", help="comma-separated layout names (default: all)")
+    parser.add_argument("--calibrate", action="store_true", help=f"fit the CPU overheads on {', '.join(FIT)}")
+    parser.add_argument("--measured", help="a --json file of an earlier run: predict again without running")
+    parser.add_argument("--json", help="write the measurements here")
+    args = parser.parse_args()
+    from nanoexp.plan.hardware import calibrate_cpu
+    names = args.only.split(",") if args.only else list(LAYOUTS)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: model={args.model}, {args.steps} steps a run, "
+          f"{os.cpu_count()} CPUs, load (1/5/15 min) before: {load()}")
+    hw = calibrate_cpu()
+    print(f"calibrated: {hw.bf16_tflops:.3f} TFLOP/s matmul peak, gloo {hw.intra_gbps:.2f} GB/s")
+    if args.measured:
+        with open(args.measured) as f:
+            measured = json.load(f)
+        names = [n for n in names if n in measured]
+    else:
+        measured, folder = {}, tempfile.mkdtemp(prefix="bench_plan_cpu_")
+        try:
+            for n in names:
+                measured[n] = measure(n, args.model, args.steps, folder)
+                print(f"  {n}: {measured[n]['step_s']:.2f} s/step {measured[n]['times']}, "
+                      f"{measured[n]['memory_mb']:.0f} MB, load {load()}", flush=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"load after: {load()}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(measured, f, indent=1)
+    baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
+        m["baseline_mb"] for m in measured.values())
+    print(f"memory baseline added to the estimates: {baseline:.0f} MB (the 1-process run's)")
+    table(rows_of(names, measured, hw, args.model, args.steps, baseline), "uncalibrated (the plan's CPU terms)")
+    if args.calibrate:
+        fit = [n for n in FIT if n in measured]
+        hw = fit_overheads(hw, fit, measured, args.model, args.steps)
+        print(f"\nfitted on {', '.join(fit)}: step_overhead_s {hw.step_overhead_s:.3f}, micro_batch_overhead_s "
+              f"{hw.micro_batch_overhead_s:.4f}, p2p_us {hw.p2p_us:.0f}")
+        rows = rows_of(names, measured, hw, args.model, args.steps, baseline)
+        table([r for r in rows if r["name"] in fit], "calibrated: the fitted layouts")
+        table([r for r in rows if r["name"] not in fit], "calibrated: held out")
+        table(rows, "calibrated: all")
+
+
+if __name__ == "__main__":
+    main()
