@@ -5,7 +5,8 @@
 
 Each layout runs `python train.py model=small <layout> ...` (checkpoints off, one held-out batch at the end,
 logging.exact_cpu_memory=true so that the peak RSS tracks the live tensors: nanoexp/observe/memory.py); its step
-time is the median `step_time_sec` of metrics.jsonl after step 1 (warm-up), its memory the largest
+time is the shortest `step_time_sec` of metrics.jsonl after step 1 (warm-up; the shortest: the
+machine is shared, and load only ever adds), its memory the largest
 `peak_memory_mb_per_rank` of summary.json. The prediction is nanoexp.plan.cost.predict on the "cpu" device,
 calibrated now (hardware.calibrate_cpu), shared among the run's processes (hardware.cpu_share: the 2 cores are
 one node's compute, not one per rank). Predicted memory is the plan's estimate (no CUDA context on a CPU) plus
@@ -53,17 +54,17 @@ LAYOUTS = {   # name: overrides (at most 4 processes)
 FIT = ("dp1", "dp2", "tp2", "pp2 1f1b", "cp2 ring")   # --calibrate fits on these; the others are held out
 
 
-def overrides(name: str, model: str, steps: int) -> list[str]:
-    return [f"model={model}", *LAYOUTS[name], f"tokens.train_steps={steps}",
+def overrides(name: str, model: str, steps: int, batch: int) -> list[str]:
+    return [f"model={model}", *LAYOUTS[name], f"tokens.train_steps={steps}", f"tokens.global_batch_size={batch}",
             "optimizer.learning_rate_scheduler.lr_warmup_steps=1", "checkpoint.save_final_state=false",
             "tokens.val_check_interval=0", "tokens.limit_val_batches=1", "logging.tensorboard=false",
             "logging.iteration_step_info_interval=1", "logging.exact_cpu_memory=true"]
 
 
-def measure(name: str, model: str, steps: int, folder: str) -> dict:
-    """Run the layout with train.py; median step time after step 1, the largest per-rank peak, the baseline."""
+def measure(name: str, model: str, steps: int, batch: int, folder: str) -> dict:
+    """Run the layout with train.py; the shortest step time after step 1, the largest per-rank peak, the baseline."""
     run_dir = os.path.join(folder, name.replace(" ", "_"))
-    cmd = [sys.executable, "train.py", *overrides(name, model, steps), f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", *overrides(name, model, steps, batch), f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
     if done.returncode:
         raise RuntimeError(f"{name}: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -72,27 +73,27 @@ def measure(name: str, model: str, steps: int, folder: str) -> dict:
     times = [r["step_time_sec"] for r in records if "step_time_sec" in r and r["step"] > 1]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    return {"step_s": statistics.median(times), "times": times, "memory_mb": max(summary["peak_memory_mb_per_rank"]),
+    return {"step_s": min(times), "times": times, "memory_mb": max(summary["peak_memory_mb_per_rank"]),
             "baseline_mb": summary["baseline_memory_mb"], "world": summary["world_size"]}
 
 
-def predict_layout(name: str, model: str, steps: int, hw):
+def predict_layout(name: str, model: str, steps: int, batch: int, hw):
     from nanoexp.parallel.layout import Layout
     from nanoexp.plan.cost import predict
     from nanoexp.plan.hardware import cpu_share
-    cfg = compose(overrides(name, model, steps))
+    cfg = compose(overrides(name, model, steps, batch))
     world = Layout.from_config(cfg).world_size
     return predict(cfg, cpu_share(hw, world, os.cpu_count() or 1), gpus_per_node=world)
 
 
-def fit_overheads(hw, names, measured, model, steps):
+def fit_overheads(hw, names, measured, model, steps, batch):
     """Least squares (non-negative, by clipping) of the measured step minus the model's step on the three CPU
     overhead terms, each found from a prediction with that term set to 1 unit."""
     import numpy as np
     terms = ("step_overhead_s", "micro_batch_overhead_s", "p2p_us")
     base = dataclasses.replace(hw, **{t: 0.0 for t in terms})
-    zero = np.array([predict_layout(n, model, steps, base).step_time_s for n in names])
-    columns = [np.array([predict_layout(n, model, steps, dataclasses.replace(base, **{t: 1.0})).step_time_s
+    zero = np.array([predict_layout(n, model, steps, batch, base).step_time_s for n in names])
+    columns = [np.array([predict_layout(n, model, steps, batch, dataclasses.replace(base, **{t: 1.0})).step_time_s
                          for n in names]) - zero for t in terms]
     target = np.array([measured[n]["step_s"] for n in names]) - zero
     solution = np.linalg.lstsq(np.stack(columns, 1), target, rcond=None)[0].clip(min=0)
@@ -118,12 +119,12 @@ def table(rows, title) -> None:
               f"{max(abs(r['mem_err']) for r in rows):.0%})")
 
 
-def rows_of(names, measured, hw, model, steps, baseline):
+def rows_of(names, measured, hw, model, steps, batch, baseline):
     from nanoexp.launch.planner import GIB
     from nanoexp.observe.memory import MB
     rows = []
     for n in names:
-        p, m = predict_layout(n, model, steps, hw), measured[n]
+        p, m = predict_layout(n, model, steps, batch, hw), measured[n]
         pred_mb = p.memory_gb * GIB / MB + baseline
         rows.append({"name": n, **m, "pred_s": p.step_time_s, "time_err": p.step_time_s / m["step_s"] - 1,
                      "pred_mb": pred_mb, "mem_err": pred_mb / m["memory_mb"] - 1, "breakdown": p.breakdown})
@@ -138,15 +139,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=4, help="train_steps per run (step 1 is not counted)")
+    parser.add_argument("--batch", type=int, default=16, help="tokens.global_batch_size (sequences of 128)")
     parser.add_argument("--only", help="comma-separated layout names (default: all)")
     parser.add_argument("--calibrate", action="store_true", help=f"fit the CPU overheads on {', '.join(FIT)}")
-    parser.add_argument("--measured", help="a --json file of an earlier run: predict again without running")
+    parser.add_argument("--measured", help="a --json file of earlier runs: predict again without running")
     parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--append", action="store_true", help="add to the --json file's runs (a layout's shortest "
+                        "step of all its runs counts): rerun the layouts a burst of load hit")
     args = parser.parse_args()
     from nanoexp.plan.hardware import calibrate_cpu
     names = args.only.split(",") if args.only else list(LAYOUTS)
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: model={args.model}, {args.steps} steps a run, "
-          f"{os.cpu_count()} CPUs, load (1/5/15 min) before: {load()}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: python -m benchmarks.bench_plan_cpu "
+          f"{' '.join(sys.argv[1:])}\nmodel={args.model}, global batch {args.batch} x 128 tokens, {args.steps} steps "
+          f"a run, {os.cpu_count()} CPUs, load (1/5/15 min) before: {load()}")
     hw = calibrate_cpu()
     print(f"calibrated: {hw.bf16_tflops:.3f} TFLOP/s matmul peak, gloo {hw.intra_gbps:.2f} GB/s")
     if args.measured:
@@ -155,27 +160,33 @@ def main() -> None:
         names = [n for n in names if n in measured]
     else:
         measured, folder = {}, tempfile.mkdtemp(prefix="bench_plan_cpu_")
+        if args.append and os.path.exists(args.json):
+            with open(args.json) as f:
+                measured = json.load(f)
         try:
             for n in names:
-                measured[n] = measure(n, args.model, args.steps, folder)
+                new = measure(n, args.model, args.steps, args.batch, folder)
+                new["times"] = measured.get(n, {}).get("times", []) + new["times"]
+                measured[n] = new | {"step_s": min(new["times"])}   # an earlier run's shorter step counts too
+                if args.json:   # after each layout: a cut-short run still leaves what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(measured, f, indent=1)
                 print(f"  {n}: {measured[n]['step_s']:.2f} s/step {measured[n]['times']}, "
                       f"{measured[n]['memory_mb']:.0f} MB, load {load()}", flush=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         print(f"load after: {load()}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(measured, f, indent=1)
+        names = [n for n in LAYOUTS if n in measured]
     baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
         m["baseline_mb"] for m in measured.values())
     print(f"memory baseline added to the estimates: {baseline:.0f} MB (the 1-process run's)")
-    table(rows_of(names, measured, hw, args.model, args.steps, baseline), "uncalibrated (the plan's CPU terms)")
+    table(rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline), "uncalibrated (the plan's CPU terms)")
     if args.calibrate:
         fit = [n for n in FIT if n in measured]
-        hw = fit_overheads(hw, fit, measured, args.model, args.steps)
+        hw = fit_overheads(hw, fit, measured, args.model, args.steps, args.batch)
         print(f"\nfitted on {', '.join(fit)}: step_overhead_s {hw.step_overhead_s:.3f}, micro_batch_overhead_s "
               f"{hw.micro_batch_overhead_s:.4f}, p2p_us {hw.p2p_us:.0f}")
-        rows = rows_of(names, measured, hw, args.model, args.steps, baseline)
+        rows = rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline)
         table([r for r in rows if r["name"] in fit], "calibrated: the fitted layouts")
         table([r for r in rows if r["name"] not in fit], "calibrated: held out")
         table(rows, "calibrated: all")
