@@ -14,7 +14,7 @@ the runtime baseline the 1-process run measured (summary.json's baseline_memory_
 runtime), so that both sides count the same things.
 
 --calibrate fits the CPU overhead terms (hardware.Hardware.step_overhead_s, micro_batch_overhead_s, p2p_us) by
-least squares on the FIT layouts only and reports the held-out ones separately.
+non-negative least squares of the relative error on the FIT layouts only and reports the held-out ones separately.
 """
 from __future__ import annotations
 
@@ -65,16 +65,60 @@ def measure(name: str, model: str, steps: int, batch: int, folder: str) -> dict:
     """Run the layout with train.py; the shortest step time after step 1, the largest per-rank peak, the baseline."""
     run_dir = os.path.join(folder, name.replace(" ", "_"))
     cmd = [sys.executable, "train.py", *overrides(name, model, steps, batch), f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{name}: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+    code, waited = run_watched(cmd, os.path.join(folder, "stderr.txt"))
+    if code:
+        with open(os.path.join(folder, "stderr.txt")) as f:
+            raise RuntimeError(f"{name}: train.py exited {code}:\n{f.read()[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     times = [r["step_time_sec"] for r in records if "step_time_sec" in r and r["step"] > 1]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     return {"step_s": min(times), "times": times, "memory_mb": max(summary["peak_memory_mb_per_rank"]),
-            "baseline_mb": summary["baseline_memory_mb"], "world": summary["world_size"]}
+            "baseline_mb": summary["baseline_memory_mb"], "world": summary["world_size"], "waited": waited}
+
+
+def schedstat(pid: int) -> dict[int, tuple[int, int]]:
+    """{thread id: (ns on a CPU, ns runnable but waiting for one)} of a process (Linux /proc/<pid>/task/*/schedstat)."""
+    stats = {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu, wait, _ = f.read().split()
+            stats[int(tid)] = (int(cpu), int(wait))
+    except (OSError, ValueError):   # the process or thread ended meanwhile
+        pass
+    return stats
+
+
+def run_watched(cmd: list[str], stderr_path: str, interval: float = 0.25) -> tuple[int, float]:
+    """Run `cmd` (its stderr to a file), sampling its processes' schedstat; (exit status, waited): averaged over
+    the processes that work (the busiest thread's CPU time at least a fifth of the busiest process's), the share of
+    their lifetime their busiest thread was runnable but waited for a core, i.e. the time other load took."""
+    import psutil
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        first, last, root = {}, {}, psutil.Process(proc.pid)
+        while proc.poll() is None:
+            now = time.monotonic()
+            try:
+                pids = [proc.pid, *(c.pid for c in root.children(recursive=True))]
+            except psutil.Error:
+                pids = [proc.pid]
+            for pid in pids:
+                if stats := schedstat(pid):
+                    first.setdefault(pid, (now, stats))
+                    last[pid] = (now, stats)
+            time.sleep(interval)
+    busiest = {}
+    for pid, (end, stats) in last.items():
+        start, before = first[pid]
+        if end - start > 1:   # a thread born after the first sample started from zero
+            cpu, wait = max((c - before.get(t, (0, 0))[0], w - before.get(t, (0, 0))[1]) for t, (c, w) in stats.items())
+            busiest[pid] = (cpu, wait / 1e9 / (end - start))
+    most = max((cpu for cpu, _ in busiest.values()), default=0)
+    shares = [share for cpu, share in busiest.values() if cpu >= most / 5]
+    return proc.returncode, statistics.mean(shares) if shares else 0.0
 
 
 def predict_layout(name: str, model: str, steps: int, batch: int, hw):
@@ -87,16 +131,17 @@ def predict_layout(name: str, model: str, steps: int, batch: int, hw):
 
 
 def fit_overheads(hw, names, measured, model, steps, batch):
-    """Least squares (non-negative, by clipping) of the measured step minus the model's step on the three CPU
-    overhead terms, each found from a prediction with that term set to 1 unit."""
+    """Non-negative least squares of the relative error (each layout's residual over its measured step) on the three
+    CPU overhead terms; a term's column is the prediction with it at 1 unit minus the one without (they add)."""
     import numpy as np
+    from scipy.optimize import nnls
     terms = ("step_overhead_s", "micro_batch_overhead_s", "p2p_us")
     base = dataclasses.replace(hw, **{t: 0.0 for t in terms})
     zero = np.array([predict_layout(n, model, steps, batch, base).step_time_s for n in names])
     columns = [np.array([predict_layout(n, model, steps, batch, dataclasses.replace(base, **{t: 1.0})).step_time_s
                          for n in names]) - zero for t in terms]
-    target = np.array([measured[n]["step_s"] for n in names]) - zero
-    solution = np.linalg.lstsq(np.stack(columns, 1), target, rcond=None)[0].clip(min=0)
+    step = np.array([free_step(measured[n]) for n in names])
+    solution = nnls(np.stack(columns, 1) / step[:, None], (step - zero) / step)[0]
     return dataclasses.replace(hw, **dict(zip(terms, solution.tolist())))
 
 
@@ -107,14 +152,19 @@ def spearman(a, b) -> float:
 
 def table(rows, title) -> None:
     print(f"\n{title}")
-    print("| layout | procs | predicted s/step | measured s/step | error | predicted MB | measured MB | error |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layout | procs | predicted s/step | measured s/step | waited | load-free s/step | error | predicted MB | "
+          "measured MB | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {r['world']} | {r['pred_s']:.2f} | {r['step_s']:.2f} | {r['time_err']:+.0%} | "
-              f"{r['pred_mb']:,.0f} | {r['memory_mb']:,.0f} | {r['mem_err']:+.0%} |")
+        print(f"| {r['name']} | {r['world']} | {r['pred_s']:.2f} | {r['step_s']:.2f} | {r.get('waited', 0):.0%} | "
+              f"{r['free_s']:.2f} | {r['time_err']:+.0%} | {r['pred_mb']:,.0f} | {r['memory_mb']:,.0f} | "
+              f"{r['mem_err']:+.0%} |")
     if len(rows) > 2:
-        print(f"Spearman {spearman([r['pred_s'] for r in rows], [r['step_s'] for r in rows]):.2f}, median |time "
-              f"error| {statistics.median(abs(r['time_err']) for r in rows):.0%}, memory within ±15 %: "
+        raw = [r["pred_s"] / r["step_s"] - 1 for r in rows]
+        print(f"load-free: Spearman {spearman([r['pred_s'] for r in rows], [r['free_s'] for r in rows]):.2f}, "
+              f"median |time error| {statistics.median(abs(r['time_err']) for r in rows):.0%}; as measured: Spearman "
+              f"{spearman([r['pred_s'] for r in rows], [r['step_s'] for r in rows]):.2f}, median |time error| "
+              f"{statistics.median(abs(e) for e in raw):.0%}; memory within ±15 %: "
               f"{sum(abs(r['mem_err']) <= 0.15 for r in rows)}/{len(rows)} (largest "
               f"{max(abs(r['mem_err']) for r in rows):.0%})")
 
@@ -126,9 +176,15 @@ def rows_of(names, measured, hw, model, steps, batch, baseline):
     for n in names:
         p, m = predict_layout(n, model, steps, batch, hw), measured[n]
         pred_mb = p.memory_gb * GIB / MB + baseline
-        rows.append({"name": n, **m, "pred_s": p.step_time_s, "time_err": p.step_time_s / m["step_s"] - 1,
+        rows.append({"name": n, **m, "pred_s": p.step_time_s, "free_s": free_step(m),
+                     "time_err": p.step_time_s / free_step(m) - 1,
                      "pred_mb": pred_mb, "mem_err": pred_mb / m["memory_mb"] - 1, "breakdown": p.breakdown})
     return rows
+
+
+def free_step(m: dict) -> float:
+    """The step as if no other load had run: the measured one less the share its ranks waited for a core."""
+    return m["step_s"] * (1 - m.get("waited", 0.0))
 
 
 def load() -> str:
@@ -144,8 +200,6 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help=f"fit the CPU overheads on {', '.join(FIT)}")
     parser.add_argument("--measured", help="a --json file of earlier runs: predict again without running")
     parser.add_argument("--json", help="write the measurements here")
-    parser.add_argument("--append", action="store_true", help="add to the --json file's runs (a layout's shortest "
-                        "step of all its runs counts): rerun the layouts a burst of load hit")
     args = parser.parse_args()
     from nanoexp.plan.hardware import calibrate_cpu
     names = args.only.split(",") if args.only else list(LAYOUTS)
@@ -160,18 +214,14 @@ def main() -> None:
         names = [n for n in names if n in measured]
     else:
         measured, folder = {}, tempfile.mkdtemp(prefix="bench_plan_cpu_")
-        if args.append and os.path.exists(args.json):
-            with open(args.json) as f:
-                measured = json.load(f)
         try:
             for n in names:
-                new = measure(n, args.model, args.steps, args.batch, folder)
-                new["times"] = measured.get(n, {}).get("times", []) + new["times"]
-                measured[n] = new | {"step_s": min(new["times"])}   # an earlier run's shorter step counts too
+                measured[n] = measure(n, args.model, args.steps, args.batch, folder)
                 if args.json:   # after each layout: a cut-short run still leaves what it measured
                     with open(args.json, "w") as f:
                         json.dump(measured, f, indent=1)
-                print(f"  {n}: {measured[n]['step_s']:.2f} s/step {measured[n]['times']}, "
+                print(f"  {n}: {measured[n]['step_s']:.2f} s/step {measured[n]['times']}, waited "
+                      f"{measured[n]['waited']:.0%}, "
                       f"{measured[n]['memory_mb']:.0f} MB, load {load()}", flush=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -20,12 +20,17 @@ def _config(overrides):
 
 
 def test_processes_share_the_cores():
-    """Two ranks on two cores get the node's compute each core's worth; four ranks half that; one rank all."""
+    """Two ranks on two cores get half the node's compute each, four a quarter, one all; overheads stretch past
+    one rank a core."""
     assert cpu_share(CPU, 1, 2).bf16_tflops == CPU.bf16_tflops
     assert cpu_share(CPU, 2, 2).bf16_tflops == pytest.approx(CPU.bf16_tflops)
     four = cpu_share(CPU, 4, 2)
     assert (four.bf16_tflops, four.fp8_tflops, four.memory_gbps) == pytest.approx((0.25, 0.25, 5.0))
     assert four.intra_gbps == CPU.intra_gbps   # the links are measured between processes already
+    slow = dataclasses.replace(CPU, step_overhead_s=0.1, micro_batch_overhead_s=0.01, p2p_us=200.0)
+    assert cpu_share(slow, 2, 2) == slow   # one core each: Python's overheads as on one process
+    stretched = cpu_share(slow, 4, 2)
+    assert (stretched.step_overhead_s, stretched.micro_batch_overhead_s, stretched.p2p_us) == pytest.approx((0.2, 0.02, 200.0))
 
 
 def test_cpu_overhead_is_its_three_terms():

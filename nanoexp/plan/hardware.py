@@ -69,10 +69,12 @@ def with_network(hw: Hardware, inter_gbps: float) -> Hardware:
 
 def cpu_share(hw: Hardware, processes: int, cpus: int) -> Hardware:
     """One of `processes` local ranks of a calibrated CPU: they share its `cpus` cores, so each gets
-    min(1, cpus / processes) of the node's compute and memory bandwidth (calibrate_cpu measures the whole node)."""
-    share = min(1.0, cpus / max(processes, 1))
+    min(1, cpus / processes) of the node's compute and memory bandwidth (calibrate_cpu measures the whole node),
+    and its Python overheads (single-threaded) stretch once there are more ranks than cores."""
+    share, stretch = min(1.0, cpus / max(processes, 1)), max(1.0, processes / cpus)
     return dataclasses.replace(hw, bf16_tflops=hw.bf16_tflops * share, fp8_tflops=hw.fp8_tflops * share,
-                               memory_gbps=hw.memory_gbps * share)
+                               memory_gbps=hw.memory_gbps * share, step_overhead_s=hw.step_overhead_s * stretch,
+                               micro_batch_overhead_s=hw.micro_batch_overhead_s * stretch)
 
 
 def gloo_all_reduce_gbps(numel: int = 1 << 20, repeats: int = 5) -> float:
