@@ -13,7 +13,7 @@ one node's compute, not one per rank). Predicted memory is the plan's estimate (
 the runtime baseline the 1-process run measured (summary.json's baseline_memory_mb: Python, torch, the warmed-up
 runtime), so that both sides count the same things.
 
---calibrate fits the CPU overhead terms (hardware.Hardware.step_overhead_s, micro_batch_overhead_s, p2p_us) by
+--calibrate fits the CPU overhead terms (hardware.Hardware.step_overhead_s, micro_batch_overhead_s, message_us) by
 non-negative least squares of the relative error on the FIT layouts only and reports the held-out ones separately.
 """
 from __future__ import annotations
@@ -51,7 +51,9 @@ LAYOUTS = {   # name: overrides (at most 4 processes)
     "dp2pp2": [f"{P}.dp=2", f"{P}.pp=2"],
     "tp2pp2": [f"{P}.tp=2", f"{P}.pp=2"],
 }
-FIT = ("dp1", "dp2", "tp2", "pp2 1f1b", "cp2 ring")   # --calibrate fits on these; the others are held out
+# --calibrate fits on these; the others are held out. Not dp1: its one rank runs 2 threads, whose OpenMP barriers a
+# loaded machine stalls far more than the 1-thread ranks of the others (docs/planning.md, "This CPU").
+FIT = ("dp2", "tp2", "pp2 1f1b", "cp2 ring", "dp2pp2")
 
 
 def overrides(name: str, model: str, steps: int, batch: int) -> list[str]:
@@ -135,7 +137,7 @@ def fit_overheads(hw, names, measured, model, steps, batch):
     CPU overhead terms; a term's column is the prediction with it at 1 unit minus the one without (they add)."""
     import numpy as np
     from scipy.optimize import nnls
-    terms = ("step_overhead_s", "micro_batch_overhead_s", "p2p_us")
+    terms = ("step_overhead_s", "micro_batch_overhead_s", "message_us")
     base = dataclasses.replace(hw, **{t: 0.0 for t in terms})
     zero = np.array([predict_layout(n, model, steps, batch, base).step_time_s for n in names])
     columns = [np.array([predict_layout(n, model, steps, batch, dataclasses.replace(base, **{t: 1.0})).step_time_s
@@ -235,7 +237,7 @@ def main() -> None:
         fit = [n for n in FIT if n in measured]
         hw = fit_overheads(hw, fit, measured, args.model, args.steps, args.batch)
         print(f"\nfitted on {', '.join(fit)}: step_overhead_s {hw.step_overhead_s:.3f}, micro_batch_overhead_s "
-              f"{hw.micro_batch_overhead_s:.4f}, p2p_us {hw.p2p_us:.0f}")
+              f"{hw.micro_batch_overhead_s:.4f}, message_us {hw.message_us:.0f}")
         rows = rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline)
         table([r for r in rows if r["name"] in fit], "calibrated: the fitted layouts")
         table([r for r in rows if r["name"] not in fit], "calibrated: held out")

@@ -178,10 +178,11 @@ def exposed(comm: float, window: float) -> float:
 
 def cpu_overhead(hw: Hardware, micro_batches: int, layers: int, messages: float) -> float:
     """What eager Python and gloo add to a step on a CPU (the Hardware's CPU-only terms; 0 on GPUs): a fixed cost
-    per step, one per micro-batch and layer of the rank, and a latency per point-to-point message (ring attention's
-    K/V hops, cp - 1 per call; the pipeline's activations and gradients) beyond the collectives' latency term."""
+    per step, one per micro-batch and layer of the rank, and a latency per blocking message between a layer's or a
+    stage's compute (tp's collectives; ring attention's K/V hops, cp - 1 per call; the pipeline's activations and
+    gradients) beyond comm_seconds' latency: gloo's messages on a loaded CPU take milliseconds, not 50 µs."""
     return (hw.step_overhead_s + micro_batches * layers * hw.micro_batch_overhead_s
-            + messages * hw.p2p_us * 1e-6)
+            + messages * hw.message_us * 1e-6)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -226,7 +227,8 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     held = held_parameters(shape, layout, busiest)[0]
     shard = held / (layout.dp_cp if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
-    overhead = cpu_overhead(hw, m, layers, calls["cp"] * (layout.cp - 1) + (calls["pp"] if layout.pp > 1 else 0))
+    messages = (calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1) + (calls["pp"] if layout.pp > 1 else 0)
+    overhead = cpu_overhead(hw, m, layers, messages)
     step = m * (forward + backward) + bubble + exposed_comm + update + overhead
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size

@@ -37,7 +37,7 @@ class Hardware:
     # CPU only (0 on GPUs): what eager Python and gloo add on a CPU, fitted by benchmarks/bench_plan_cpu.py
     step_overhead_s: float = 0.0          # per optimizer step (the update's and the loop's Python)
     micro_batch_overhead_s: float = 0.0   # per micro-batch and layer a rank runs (module calls, autograd)
-    p2p_us: float = 0.0                   # per point-to-point message of ring attention and the pipeline
+    message_us: float = 0.0               # per blocking message: tp's collectives, ring attention's hops, pp's sends
 
     def peak_tflops(self, fp8: bool = False) -> float:
         return self.fp8_tflops if fp8 else self.bf16_tflops
