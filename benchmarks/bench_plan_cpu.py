@@ -188,8 +188,10 @@ def rows_of(names, measured, hw, model, steps, batch, baseline):
 
 
 def free_step(m: dict) -> float:
-    """The step as if no other load had run: the measured one less the share its ranks waited for a core."""
-    return m["step_s"] * (1 - m.get("waited", 0.0))
+    """The step as if no other load had run: the measured one less the share its ranks waited for a core beyond
+    what more ranks than cores wait for each other anyway (1 - cpus / ranks, which cpu_share already models)."""
+    own = max(0.0, 1 - (os.cpu_count() or 1) / m["world"])
+    return m["step_s"] * (1 - max(0.0, m.get("waited", 0.0) - own))
 
 
 def load() -> str:
