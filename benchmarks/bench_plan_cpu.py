@@ -198,6 +198,31 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def measure_all(names: list[str], args) -> dict:
+    """Run each layout in turn (into --json after each: a cut-short pass keeps what it measured); with --append,
+    into the --json file's earlier runs, keeping each layout's run with the shorter load-free step."""
+    measured, folder = {}, tempfile.mkdtemp(prefix="bench_plan_cpu_")
+    if args.append:
+        with open(args.json) as f:
+            measured = json.load(f)
+    try:
+        for n in names:
+            new = measure(n, args.model, args.steps, args.batch, folder)
+            runs = measured.get(n, {}).get("runs", 1 if n in measured else 0) + 1
+            if n not in measured or free_step(new) < free_step(measured[n]):
+                measured[n] = new
+            measured[n]["runs"] = runs
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(measured, f, indent=1)
+            print(f"  {n}: {new['step_s']:.2f} s/step {new['times']}, waited {new['waited']:.0%}, "
+                  f"{new['memory_mb']:.0f} MB, load {load()}", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"load after: {load()}")
+    return measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
@@ -222,29 +247,11 @@ def main() -> None:
             measured = json.load(f)
         names = [n for n in names if n in measured]
     else:
-        measured, folder = {}, tempfile.mkdtemp(prefix="bench_plan_cpu_")
-        if args.append:
-            with open(args.json) as f:
-                measured = json.load(f)
-        try:
-            for n in names:
-                new = measure(n, args.model, args.steps, args.batch, folder)
-                if n not in measured or free_step(new) < free_step(measured[n]):   # --append: the less loaded run
-                    measured[n] = new | {"runs": measured.get(n, {}).get("runs", 0) + 1}
-                else:
-                    measured[n]["runs"] = measured[n].get("runs", 1) + 1
-                if args.json:   # after each layout: a cut-short run still leaves what it measured
-                    with open(args.json, "w") as f:
-                        json.dump(measured, f, indent=1)
-                print(f"  {n}: {new['step_s']:.2f} s/step {new['times']}, waited {new['waited']:.0%}, "
-                      f"{new['memory_mb']:.0f} MB, load {load()}", flush=True)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        print(f"load after: {load()}")
+        measured = measure_all(names, args)
         names = [n for n in LAYOUTS if n in measured]
     baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
         m["baseline_mb"] for m in measured.values())
-    print(f"memory baseline added to the estimates: {baseline:.0f} MB (the 1-process run's)")
+    print(f"memory baseline added to the estimates: {baseline:.0f} MB (dp1's, else the runs' mean)")
     table(rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline), "uncalibrated (the plan's CPU terms)")
     if args.calibrate:
         fit = [n for n in FIT if n in measured]
