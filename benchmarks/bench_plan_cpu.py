@@ -252,7 +252,8 @@ def main() -> None:
     baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
         m["baseline_mb"] for m in measured.values())
     print(f"memory baseline added to the estimates: {baseline:.0f} MB (dp1's, else the runs' mean)")
-    table(rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline), "uncalibrated (the plan's CPU terms)")
+    table(rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline),
+          "uncalibrated (the plan's CPU terms)")
     if args.calibrate:
         fit = [n for n in FIT if n in measured]
         hw = fit_overheads(hw, fit, measured, args.model, args.steps, args.batch)

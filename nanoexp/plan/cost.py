@@ -17,6 +17,8 @@ One optimizer step on the busiest pipeline rank is
   with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
   layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
   collective still costs (1 - OVERLAP) of its hidden time (it shares SMs and memory bandwidth).
+- on a CPU only (`cpu_overhead`, zero on GPUs): Python's cost per step and per micro-batch and layer, and gloo's
+  latency per blocking message, fitted by benchmarks/bench_plan_cpu.py --calibrate (docs/planning.md, "This CPU").
 - memory: nanoexp/launch/planner.estimate (the busiest rank's estimate, weight copies, the CUDA context).
 
 Global constants fitted on published rows (docs/planning.md says which) are GEMM_EFFICIENCY and OVERLAP; the
@@ -227,7 +229,8 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     held = held_parameters(shape, layout, busiest)[0]
     shard = held / (layout.dp_cp if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
-    messages = (calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1) + (calls["pp"] if layout.pp > 1 else 0)
+    messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
+                + (calls["pp"] if layout.pp > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
     step = m * (forward + backward) + bubble + exposed_comm + update + overhead
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
