@@ -17,6 +17,8 @@ One optimizer step on the busiest pipeline rank is
   with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
   layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
   collective still costs (1 - OVERLAP) of its hidden time (it shares SMs and memory bandwidth).
+- on a CPU only (`cpu_overhead`, zero on GPUs): Python's cost per step and per micro-batch and layer, and gloo's
+  latency per blocking message, fitted by benchmarks/bench_plan_cpu.py --calibrate (docs/planning.md, "This CPU").
 - memory: nanoexp/launch/planner.estimate (the busiest rank's estimate, weight copies, the CUDA context).
 
 Global constants fitted on published rows (docs/planning.md says which) are GEMM_EFFICIENCY and OVERLAP; the
@@ -176,6 +178,15 @@ def exposed(comm: float, window: float) -> float:
     return max(comm - window, 0.0) + (1 - OVERLAP) * min(comm, window)
 
 
+def cpu_overhead(hw: Hardware, micro_batches: int, layers: int, messages: float) -> float:
+    """What eager Python and gloo add to a step on a CPU (the Hardware's CPU-only terms; 0 on GPUs): a fixed cost
+    per step, one per micro-batch and layer of the rank, and a latency per blocking message between a layer's or a
+    stage's compute (tp's collectives; ring attention's K/V hops, cp - 1 per call; the pipeline's activations and
+    gradients) beyond comm_seconds' latency: gloo's messages on a loaded CPU take milliseconds, not 50 µs."""
+    return (hw.step_overhead_s + micro_batches * layers * hw.micro_batch_overhead_s
+            + messages * hw.message_us * 1e-6)
+
+
 @functools.lru_cache(maxsize=4096)
 def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) -> float:
     """Idle time of the schedule in units of one micro-batch's F (F = 1, B = backward_ratio), simulated."""
@@ -218,7 +229,10 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     held = held_parameters(shape, layout, busiest)[0]
     shard = held / (layout.dp_cp if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
-    step = m * (forward + backward) + bubble + exposed_comm + update
+    messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
+                + (calls["pp"] if layout.pp > 1 else 0))
+    overhead = cpu_overhead(hw, m, layers, messages)
+    step = m * (forward + backward) + bubble + exposed_comm + update + overhead
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
     mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
@@ -230,4 +244,5 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, stage, layout.schedule,
                       layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer), step, per_gpu, mfu,
                       memory, fits, {"compute": m * (forward + backward), "exposed_comm": exposed_comm,
-                                     "bubble": bubble, "optimizer": update})
+                                     "bubble": bubble, "optimizer": update}
+                      | ({"cpu_overhead": overhead} if overhead else {}))

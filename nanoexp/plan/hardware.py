@@ -34,6 +34,10 @@ class Hardware:
     intra_latency_us: float = 3.0
     inter_latency_us: float = 10.0
     cuda_context_gb: float = 1.0   # CUDA context and library workspaces (memory.CUDA_CONTEXT_MB)
+    # CPU only (0 on GPUs): what eager Python and gloo add on a CPU, fitted by benchmarks/bench_plan_cpu.py
+    step_overhead_s: float = 0.0          # per optimizer step (the update's and the loop's Python)
+    micro_batch_overhead_s: float = 0.0   # per micro-batch and layer a rank runs (module calls, autograd)
+    message_us: float = 0.0               # per blocking message: tp's collectives, ring attention's hops, pp's sends
 
     def peak_tflops(self, fp8: bool = False) -> float:
         return self.fp8_tflops if fp8 else self.bf16_tflops
@@ -61,6 +65,16 @@ def hardware(name: str) -> Hardware:
 def with_network(hw: Hardware, inter_gbps: float) -> Hardware:
     """The same device with another network bandwidth per GPU (what-if studies, tests)."""
     return dataclasses.replace(hw, inter_gbps=inter_gbps)
+
+
+def cpu_share(hw: Hardware, processes: int, cpus: int) -> Hardware:
+    """One of `processes` local ranks of a calibrated CPU: they share its `cpus` cores, so each gets
+    min(1, cpus / processes) of the node's compute and memory bandwidth (calibrate_cpu measures the whole node),
+    and its Python overheads (single-threaded) stretch once there are more ranks than cores."""
+    share, stretch = min(1.0, cpus / max(processes, 1)), max(1.0, processes / cpus)
+    return dataclasses.replace(hw, bf16_tflops=hw.bf16_tflops * share, fp8_tflops=hw.fp8_tflops * share,
+                               memory_gbps=hw.memory_gbps * share, step_overhead_s=hw.step_overhead_s * stretch,
+                               micro_batch_overhead_s=hw.micro_batch_overhead_s * stretch)
 
 
 def gloo_all_reduce_gbps(numel: int = 1 << 20, repeats: int = 5) -> float:
