@@ -49,6 +49,7 @@ def test_exact_resume_same_layout_zero1(tmp_path):
     assert resumed == full[3:]   # bit for bit
 
 
+@pytest.mark.slow
 def test_resume_across_layouts_both_directions(tmp_path):
     tied = CONSTANT_LR + ["model.model_config.tie_word_embeddings=true"]
     reference = train(tmp_path / "ref", tied + ["tokens.train_steps=9"])
@@ -76,6 +77,7 @@ def test_any_element_wise_optimizer_is_sharded_and_resumed_on_another_layout(tmp
     assert_same_steps(a + b, reference, steps=range(1, 7))   # losses and gradient norms
 
 
+@pytest.mark.slow
 def test_resume_across_context_parallel_layouts(tmp_path):
     """Saved on cp2 (with dp2 and ZeRO-1), resumed on cp1, saved there and resumed on cp2: the curve stays the
     one-process run's, and the data position (samples and tokens consumed) is exact."""
@@ -199,6 +201,7 @@ def test_missing_resume_path_is_a_config_error(tmp_path):
         train(tmp_path, RUN + [f"checkpoint.resume_checkpoint_path={tmp_path}/nope"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_checkpoints_exits_cleanly_and_resume_auto_continues(signum, tmp_path):
     run = CONSTANT_LR + ["parallelism=dp2tp1pp1", "tokens.train_steps=400"]

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -12,6 +14,7 @@ def train_py(*args, cwd=ROOT):
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_debug_fast_run_tells_what_it_is_how_far_and_how_it_ended(tmp_path):
     result = train_py("debug=fast", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -34,6 +37,7 @@ def test_debug_fast_run_tells_what_it_is_how_far_and_how_it_ended(tmp_path):
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "4", "latest.txt"]
 
 
+@pytest.mark.slow
 def test_refused_run_leaves_no_folder_but_never_removes_an_existing_one(tmp_path):
     result = train_py("tokens.train_steps=5", cwd=tmp_path)   # warm-up 20 > 5 steps
     assert result.returncode == 2 and "use debug=fast" in result.stderr
@@ -45,6 +49,7 @@ def test_refused_run_leaves_no_folder_but_never_removes_an_existing_one(tmp_path
     assert result.returncode == 2 and (existing / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_missing_local_hf_file_fails_fast_without_the_hub(tmp_path):
     """`data/nope.jsonl` (no ./) is a local path, not a Hub name: one line, no retries."""
     result = train_py("data=hf", "data.hf_dataset_or_datasets=data/nope.jsonl", cwd=tmp_path)

@@ -63,6 +63,7 @@ def direct_logprobs(model, ids: list[int]) -> torch.Tensor:
     return F.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double()
 
 
+@pytest.mark.slow
 def test_loglikelihoods_are_the_models_own(checkpoint):
     """Each (context, continuation): the sum of the continuation's log-probabilities and whether greedy decoding
     gives it, as the model's log-softmax says; an empty context starts from the end-of-document token; a long
@@ -144,6 +145,7 @@ def test_in_the_loop_scores_reach_metrics_and_summary(checkpoint, one_process_sc
     assert "step 20/20 | shakespeare_choice: acc" in log and "step 20/20 | shakespeare_complete: exact_match" in log
 
 
+@pytest.mark.slow
 def test_in_the_loop_on_a_pipeline_scores_as_one_process(checkpoint, tmp_path):
     """The same run on pp2 (2 processes, each calling the harness): the same scores in its metrics at every
     evaluation (the run trains the same model, its log-likelihoods within 1e-5 of one process's)."""
@@ -174,6 +176,7 @@ def one_process_scores(checkpoint, tmp_path_factory):
                                "shakespeare_complete]", "eval.limit=12"], str(out), samples=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallelism.dp=2"], ["parallelism.tp=2"], ["parallelism.pp=2"],
                                     ["parallelism.cp=2"]], ids=["dp2", "tp2", "pp2", "cp2"])
 def test_every_layout_scores_the_checkpoint_alike(layout, checkpoint, one_process_scores, tmp_path):
@@ -231,6 +234,7 @@ def test_a_folder_of_ones_own_tasks(checkpoint, tmp_path):
     assert len(mine) == 4   # acc, acc_norm and their standard errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, message", [
     (["eval.tasks=[no_such_task]"], "eval.tasks: no_such_task is not a task of lm-eval"),
     (["eval.tasks=[shakespeare_choice]", "eval.include_path=/no/such/folder"],
@@ -305,6 +309,7 @@ def fake_job(folder, number: int, lr: float, eval_loss: float, acc: float) -> No
                                                   "eval/shakespeare_choice/acc_stderr": 0.01}))
 
 
+@pytest.mark.slow
 def test_the_sweep_report_ranks_by_a_tasks_score(tmp_path):
     """Ranked by eval loss the lowest wins; by a task's accuracy the highest: another job here."""
     def summarize_sweep(*args) -> str:

@@ -303,18 +303,21 @@ def assert_like_one_process(ours, expected, kind: str):
     np.testing.assert_allclose(norm, expected_norm, rtol=LATER_GRAD_NORM_RTOL, atol=0, err_msg="grad_norms")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_fp8_on_one_process(name, reference, tmp_path):
     overrides, kind = LAYOUTS[name]
     assert_like_one_process(curves(train(tmp_path, FAST + STEPS + FP8 + overrides)), reference["dense"], kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ROWWISE_LAYOUTS))
 def test_rowwise_layout_trains_like_fp8_on_one_process(name, reference, tmp_path):
     records = train(tmp_path, FAST + STEPS + FP8 + ROWWISE + ROWWISE_LAYOUTS[name])
     assert_like_one_process(curves(records), reference["rowwise"], "rowwise")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_moe_layout_trains_like_fp8_on_one_process(name, reference, tmp_path):
     overrides, kind = MOE_LAYOUTS[name]
@@ -361,6 +364,7 @@ def test_an_fp8_checkpoint_loads_into_a_float32_run(reference, tmp_path):
     assert 0 < abs(resumed[0]["loss"] - fp8_loss[2]) < 0.1
 
 
+@pytest.mark.slow
 def test_fp8_composes_with_bf16_recomputation_evaluation_resume_and_export(tmp_path):
     """FP8 linears inside bf16 autocast: recomputation re-runs a layer's forward in its backward with the same
     inputs, so the same scales and the same numbers (bit for bit); in-loop evaluation runs through them; a resume

@@ -32,6 +32,7 @@ def curves(records) -> tuple[np.ndarray, np.ndarray]:
     return np.array([r["loss"] for r in steps]), np.array([r["grad_norm"] for r in steps])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fp8_gathers_train_as_float32_gathers(name, tmp_path):
     base = FAST + FP8_ZERO3 + LAYOUTS[name]
@@ -44,6 +45,7 @@ def test_fp8_gathers_train_as_float32_gathers(name, tmp_path):
     assert "ZeRO-3 gathers their weights in FP8" in log
 
 
+@pytest.mark.slow
 def test_without_the_tp_reduction_of_the_amax_the_gathered_weights_change(tmp_path, monkeypatch):
     """The parity above is the tp all-reduce's doing: without it each tp shard is cast with its own amax."""
     base = FAST + FP8_ZERO3 + LAYOUTS["dp2tp2"] + ["tokens.train_steps=1", "optimizer.learning_rate_scheduler."
@@ -119,6 +121,7 @@ def test_the_memory_estimate_gathers_a_byte_per_fp8_weight():
     assert parts["fp8"]["parameters"] - parts["float32"]["parameters"] == 4 * layers * 2 * h / 2
 
 
+@pytest.mark.slow
 def test_fp8_gathers_compose_with_bf16_recomputation_evaluation_and_resume(tmp_path):
     """Against float32 gathers at dp 2 in bf16 autocast: with recomputation (a layer's forward again in its
     backward, from the bytes gathered then) and in-loop evaluation the same losses, and a resume from the float32

@@ -146,6 +146,7 @@ def test_kv_cache_decoding_matches_full_forward(exported):
     assert greedy == sequence[2:]
 
 
+@pytest.mark.slow
 def test_evaluate_script_reports_mean_next_token_loss(exported, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 3, encoding="utf-8")

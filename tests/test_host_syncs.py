@@ -41,6 +41,7 @@ def moe_syncs(tmp_path, overrides, world_size=1):
     return in_layers, moe_layers * micro_batches, syncs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, per_layer", [([], 0), (["model.moe.expert_kernel=loop"], 1),
                                                   (["model.moe.capacity_factor=1.0"], 1),
                                                   (["model.moe.capacity_factor=1.0", "model.moe.expert_kernel=loop"], 1)],

@@ -176,6 +176,7 @@ def test_not_a_nanotron_config_is_refused_and_nothing_written(edit, needle, conf
     assert needle in str(refused) and len(str(refused).splitlines()) == 1, refused
 
 
+@pytest.mark.slow
 def test_the_script_writes_the_experiment_or_says_in_one_line_why_not(tmp_path):
     """scripts/import_nanotron_config.py as a user runs it: the experiment and what was not carried over (exit 0);
     a file that is not a nanotron config: one line on stderr, exit code 2, nothing written."""

@@ -127,6 +127,7 @@ def measured_and_estimated(tmp_path, overrides) -> list[tuple[float, float]]:
     return [(peak - summary["baseline_memory_mb"], est) for peak, est in zip(summary["peak_memory_mb_per_rank"], estimates)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ["parallelism=dp1tp1pp1"], pytest.param(["parallelism=dp1tp1pp2"], marks=SLOW),
     # Where sharding and recomputation shrink the rest, what the estimate once left out dominated: the runtime's

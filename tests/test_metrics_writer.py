@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from omegaconf import OmegaConf
 
 from nanoexp.observe.metrics import MetricsWriter
@@ -61,6 +62,7 @@ def test_wandb_disabled_by_default(tmp_path):
     assert not (tmp_path / "wandb_run_id.txt").exists() and not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_train_py_with_wandb_offline(tmp_path):
     """The README's command, end to end, with the wandb release that `pip install -e .` resolves."""
     result = subprocess.run([sys.executable, "train.py", "debug=fast", "logging.wandb.mode=offline",

@@ -178,6 +178,7 @@ def reference(train_once):
     return moe_curves(train_once(FAST + MOE + STEPS)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["ep2-dp2tp2pp2-reduce_scatter-recompute", "ep4-dp2cp2"]))
 def test_layout_reproduces_single_process_moe_losses(name, train_once, tmp_path):
     ours = moe_curves(train(tmp_path, FAST + MOE + STEPS + LAYOUTS[name]))
@@ -222,6 +223,7 @@ def test_the_losses_train_the_router(reference, tmp_path):
     assert (reference["moe_load_imbalance/layer_1"] >= 1.0).all()
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_layouts(tmp_path):
     constant = ["optimizer.learning_rate_scheduler.lr_decay_style=constant",
                 "optimizer.learning_rate_scheduler.lr_warmup_steps=0"]
@@ -322,6 +324,7 @@ def test_mup_treats_the_router_as_an_output_layer_and_the_experts_as_hidden():
         torch.testing.assert_close(layer(x), ours, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_mup_moe_on_expert_parallel_layout_and_exported_to_mixtral(tmp_path):
     """µP with a MoE trains the one-process model on ep2 x pp2, and its Mixtral export (router multiplier
     folded into the router, as the logit multiplier into the LM head) gives nanoexp's logits."""
@@ -333,6 +336,7 @@ def test_mup_moe_on_expert_parallel_layout_and_exported_to_mixtral(tmp_path):
     assert_mixtral_export_gives_our_logits(tmp_path / "ep2pp2" / "checkpoints" / "8", tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_bf16_expert_parallel_matches_one_bf16_process(tmp_path):
     """bf16 autocast on ep2: within the bf16 contract of tests/test_bf16_parity.py (measured 1.6e-4 relative
     on the loss, 1.2e-3 on the gradient norm; the routing in float32, the rows exchanged in float32)."""

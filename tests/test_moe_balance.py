@@ -90,6 +90,7 @@ LAYOUTS = {   # loads summed over dp (ep), cp, tp under SP and the pipeline's st
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["ep2cp2-seq_aux"]))
 def test_bias_balance_trains_the_one_process_model(name, train_once, tmp_path):
     """Every replica moves its bias by the same loads: a replica whose bias differed would route other experts

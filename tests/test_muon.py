@@ -155,11 +155,13 @@ def moe_reference(tmp_path_factory):
         return train(tmp_path_factory.mktemp("muon_moe_reference"), FAST + STEPS + MUON + ["model=moe_tiny"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["dp2tp2pp2-reduce_scatter-zero3"]))
 def test_layout_reproduces_single_process(name, reference, tmp_path):
     assert_like_one_process(train(tmp_path, FAST + STEPS + MUON + LAYOUTS[name]), reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(MOE_LAYOUTS, quick=["dp2cp2-ep2-zero3"]))
 def test_moe_layout_reproduces_single_process(name, moe_reference, tmp_path, monkeypatch):
     monkeypatch.setattr(muon, "orthogonalise", orthogonalise_in_float32)   # local workers fork: they inherit it
@@ -209,6 +211,7 @@ def test_a_bad_muon_setting_is_named():
     assert len(lines) == 1 and "allowed values" in lines[0], message
 
 
+@pytest.mark.slow
 def test_momentum_moves_between_zero_stages_and_layouts(tmp_path):
     """Saved by ZeRO-3 on dp2 tp2 (momentum in flat pieces of tp shards), resumed on one process, saved, resumed by
     ZeRO-1 on dp2 pp2: the curve stays the one-process run's, to the layouts' tolerance. The optimizer state lost
@@ -328,6 +331,7 @@ def test_mup_rates_of_muons_matrices():
         assert hidden and all(g["lr_scale"] == scale and g["weight_decay"] == 0.1 / scale for g in hidden)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"],
                                     ["parallelism=dp2tp1pp1", "optimizer.zero_stage=1"]], ids=["dp2tp2pp2-SP", "zero1"])
 def test_bf16_layout_matches_one_bf16_process(layout, tmp_path):
@@ -342,6 +346,7 @@ def test_bf16_layout_matches_one_bf16_process(layout, tmp_path):
                                [r["grad_norm"] for r in expected if "loss" in r], rtol=GRAD_NORM_RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_the_optimizer_bench_times_both_optimizers(tmp_path):
     """benchmarks/bench_optimizer.py: each optimizer's step and its share of the step, from the real Trainer."""
     import subprocess

@@ -132,6 +132,7 @@ def fake_job(folder, number: int, parametrization: str, width: int, lr: float, e
     (job / "summary.json").write_text(json.dumps(status))
 
 
+@pytest.mark.slow
 def test_summarize_sweep_prints_the_best_lr_per_width_and_plots_the_transfer(tmp_path):
     losses = {("standard", 64): [2.0, 1.9, 2.1], ("standard", 256): [1.8, 1.95, None],
               ("mup", 64): [2.0, 1.9, 2.1], ("mup", 256): [1.9, 1.7, 1.8]}
@@ -148,6 +149,7 @@ def test_summarize_sweep_prints_the_best_lr_per_width_and_plots_the_transfer(tmp
     assert (tmp_path / "out" / "lr_transfer.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_a_sweep_over_optimizers_gets_the_best_lr_of_each(tmp_path):
     """A sweep that tries AdamW and Muon (optimizer.optimizer_factory.name) ranks each optimizer's learning rates
     apart: one row and one panel per optimizer."""

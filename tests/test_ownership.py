@@ -62,6 +62,7 @@ def test_a_killed_launcher_takes_its_workers_and_the_rerun_resumes_exactly(tmp_p
     assert step_losses(run_dir) == {r["step"]: r["loss"] for r in reference if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_live_runs_folders_is_refused_before_it_writes(tmp_path):
     """Same run folder, or a run folder of its own but the live run's checkpoints_path: exit 2 with one line
     naming the live run's PID and host; the live run's .hydra/ is untouched, and it goes on (it trains until
@@ -126,6 +127,7 @@ def test_without_working_locks_a_fresh_lease_is_a_live_owner(tmp_path, monkeypat
         assert json.loads((tmp_path / "e" / run_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.slow
 def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     """Every rank sees the same error: rank 0 prints it, and torchrun's report shows it (every rank's error file)
     instead of a pointer to torchrun's docs."""

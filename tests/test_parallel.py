@@ -153,6 +153,7 @@ def assert_same_curve(records, expected_records, steps: int = 10):
     np.testing.assert_allclose(eval_losses(records), eval_losses(expected_records), atol=LATER_STEP_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(CASES, quick=["dp2tp2pp2-1f1b-reduce_scatter"]))
 def test_layout_reproduces_single_process_losses(name, reference, tmp_path):
     assert_same_curve(train(tmp_path, FAST + STEPS + CASES[name]), reference("untied"))
@@ -180,12 +181,14 @@ def documents(tmp_path_factory):
     return run, train(root / "reference", run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(DOCUMENT_CASES, quick=["document-dp1cp4tp1pp1"]))
 def test_document_masking_on_a_layout_reproduces_single_process_losses(name, documents, tmp_path):
     run, expected = documents
     assert_same_curve(train(tmp_path, run + DOCUMENT_CASES[name]), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(MUP_CASES, quick=["mup-dp1cp2tp2pp1-reduce_scatter-zero1"]))
 def test_mup_layout_reproduces_single_process_losses(name, train_once, tmp_path):
     records = train(tmp_path, FAST + STEPS + MUP + MUP_CASES[name])
@@ -265,6 +268,7 @@ def test_first_step_gradients_match_single_process(name):
     assert_same_first_step(results, expected)
 
 
+@pytest.mark.slow
 def test_killed_worker_stops_the_command(tmp_path):
     """SIGKILL one of 4 workers mid-run: the command exits non-zero, naming the rank, within 60 s."""
     cmd = [sys.executable, "train.py", "parallelism=dp2tp1pp2", "tokens.train_steps=100000",

@@ -146,6 +146,7 @@ print(measured.tflops > 0, peak._FORK["safe"], round(time.perf_counter() - start
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_ran_parallel_ops_measures_in_itself():
     """Where the forked child would hang (its parent has run parallel ops: a test session, a notebook), the
     measurement is made in this process after READY_S, and at once from then on."""

@@ -85,6 +85,7 @@ def test_1f1b_trace_records_compute_and_communication(tmp_path):
         assert ("wait recv_backward" if r == 0 else "wait recv_forward") in labels
 
 
+@pytest.mark.slow
 def test_interleaved_run_trace_and_plot(tmp_path):
     pp, v, dp, steps = 2, 2, 2, 2
     m = 8 // (dp * 2)   # FAST: global batch 8, micro-batch 2

@@ -78,6 +78,7 @@ def test_recomputation_and_a_deeper_bubble_cost_time():
     assert deeper.breakdown["bubble"] > base.breakdown["bubble"] > 0
 
 
+@pytest.mark.slow
 def test_rank_returns_fitting_layouts_fastest_first_with_runnable_overrides():
     from nanoexp.plan.search import rank
     cfg = _config(["tokens.global_batch_size=16"])
@@ -117,6 +118,7 @@ def test_plan_bad_input_is_one_line_naming_the_argument(argv, argument, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and argument in err
 
 
+@pytest.mark.slow
 def test_published_errors_and_share():
     from nanoexp.plan.published import ROWS, check, relative_error, share_within
     assert relative_error(110.0, 100.0) == pytest.approx(0.10)
@@ -129,6 +131,7 @@ def test_published_errors_and_share():
     assert share_within([c["error"] for c in checks]) >= 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_moe"])
 def test_a_hugging_face_config_plans(model_type, tmp_path, capsys):
     config = {"model_type": model_type, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,

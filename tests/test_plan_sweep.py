@@ -40,6 +40,7 @@ def test_top_of_refuses_anything_else_naming_plan(value):
         top_of(value)
 
 
+@pytest.mark.slow
 def test_expand_crosses_the_top_layouts_with_the_other_axes():
     """2 learning rates x top 3 on 4 H100s: 6 jobs, rank 1 of both rates first, each job the rate's overrides then
     the layout search.rank puts at that place; every job composes to a valid config of 4 processes."""

@@ -24,6 +24,7 @@ def preprocess_data(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_round_trip_refuses_then_overwrites(tmp_path):
     docs = random_documents(40)
     src = write_jsonl(tmp_path / "a.jsonl", docs[:25], key="content")

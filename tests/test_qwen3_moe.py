@@ -30,6 +30,7 @@ LAYOUTS = {   # q/k norms see each tp rank's heads: their gradients are summed o
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["ep2tp2"]))
 def test_layout_trains_the_one_process_fine_grained_model(name, train_once, tmp_path):
     ours = moe_curves(train(tmp_path, FAST + QWEN3 + STEPS + LAYOUTS[name]), layers=range(4))
@@ -55,6 +56,7 @@ def round_trip(tmp_path_factory):
     return load_single_process(str(ckpt))[0], hf_dir, root / "back" / "0"
 
 
+@pytest.mark.slow
 def test_transformers_qwen3_moe_gives_our_logits(round_trip):
     from transformers import Qwen3MoeForCausalLM
     ours, hf_dir, _ = round_trip

@@ -154,6 +154,7 @@ class Plant:
         return self.call, self.args
 
 
+@pytest.mark.slow
 def test_pickles_planted_in_the_run_folder_never_run_at_a_stall(tmp_path):
     """Files named like dumps, in the folders the stall analysis reads and writes, each creating a file when
     unpickled; a stall is diagnosed (by nanoexp and by torch's analyzer) and none of them runs."""
@@ -176,6 +177,7 @@ def test_pickles_planted_in_the_run_folder_never_run_at_a_stall(tmp_path):
     assert not list(markers.iterdir())
 
 
+@pytest.mark.slow
 def test_wandb_is_off_by_default_and_its_key_never_lands_in_the_run(tmp_path):
     secret = "0123456789abcdef-not-a-real-key"
     run_dir = tmp_path / "run"

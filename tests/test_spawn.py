@@ -45,6 +45,7 @@ def _signal_after_two_steps(run_dir, overrides, signum, to_group: bool) -> int:
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, signum, to_group", [
     pytest.param("spawn", signal.SIGTERM, False, marks=SLOW),
     pytest.param("spawn", signal.SIGINT, True, marks=SLOW),

@@ -32,6 +32,7 @@ def diagnosis(tmp_path, overrides) -> tuple[list[str], float]:
     return str(info.value).splitlines(), seconds
 
 
+@pytest.mark.slow
 def test_a_skipped_all_reduce_names_the_rank_that_skipped_it(tmp_path):
     lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.skip_collective_rank=1"])
     assert lines[0].startswith("rank 0 failed: stall: no rank progressed")
@@ -45,6 +46,7 @@ def test_a_skipped_all_reduce_names_the_rank_that_skipped_it(tmp_path):
     assert (tmp_path / "debug" / "stall.txt").read_text().startswith("stall: no rank progressed")
 
 
+@pytest.mark.slow
 def test_a_different_shape_names_both_shapes(tmp_path):
     lines, seconds = diagnosis(tmp_path, ["parallelism=dp2tp1pp1", "fault_injection.wrong_shape_rank=1"])
     cause = lines[1]
@@ -53,6 +55,7 @@ def test_a_different_shape_names_both_shapes(tmp_path):
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_a_pipeline_rank_one_micro_batch_short(tmp_path):
     lines, seconds = diagnosis(tmp_path, PIPELINE + ["fault_injection.short_pipeline_rank=0"])
     cause = lines[1]

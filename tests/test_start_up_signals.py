@@ -38,6 +38,7 @@ def _start_up_forever(rank, world_size, device):
     time.sleep(60)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_workers_still_starting_end_with_the_launcher(method):
     """The launcher is signalled while its workers start (a spawned one is importing torch then): it forwards the
@@ -69,6 +70,7 @@ def _signal_during_start_up(run_dir, overrides, signum) -> tuple[int, float, str
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp1tp1pp1", "dp2tp1pp1"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_3_s_into_an_fp8_start_up_ends_the_run(signum, layout, tmp_path):

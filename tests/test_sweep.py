@@ -51,6 +51,7 @@ def test_task_count_is_derived_or_checked_against_the_layout():
         slurm_tasks_per_node([2, 1, 2], nodes=1, tasks_per_node=None, first_job=4)
 
 
+@pytest.mark.slow
 def test_slurm_sweep_mixing_world_sizes_is_refused_before_submission(tmp_path):
     """No cluster needed: the launcher composes every job and refuses before it builds an executor."""
     result = run_script([os.path.join(ROOT, "train.py"), "-m", "+experiment=e2e_small", "hydra/launcher=slurm",
@@ -70,6 +71,7 @@ def local_sweep(tmp_path_factory):
     return tmp, sweep, result
 
 
+@pytest.mark.slow
 def test_local_multirun_runs_every_job_and_matches_one_process(local_sweep, train_once):
     tmp, sweep, result = local_sweep
     # Hydra runs all jobs, then reports the failed one (tp=4 does not divide the 2 KV heads).
@@ -118,6 +120,7 @@ def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_make_config_picks_the_least_model_parallel_layout_that_fits(tmp_path):
     """llama3_8b (8.0B parameters) on 16 GPUs of 80 GB: data-parallel only, ZeRO-1 keeps 4 + 4 B a parameter
     whole (60 GiB, plus bf16 weight copies and activations): too big; ZeRO-2 also shards the gradients and fits,
@@ -240,6 +243,7 @@ def test_place_job_checkpoints_gives_each_sweep_job_its_own_folder():
         assert OmegaConf.to_container(cfg)["checkpoint"]["checkpoints_path"] == expected, written
 
 
+@pytest.mark.slow
 def test_a_relaunched_sweep_leaves_its_finished_jobs_as_they_are(tmp_path):
     """A learning-rate sweep given one checkpoints_path: each job keeps its checkpoints in its own folder below it
     (the second job used to take the first's final checkpoint, train nothing and report null losses); the same

@@ -32,6 +32,7 @@ def _tied_copies(rank, world_size, overrides):
     return {"pp": ctx.pp_rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank, "weight": copy.detach().clone()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     pytest.param(["parallelism=dp4tp1pp2", "parallelism.tp_mode=reduce_scatter"], marks=SLOW),
     pytest.param(["parallelism=dp2tp2pp2", "parallelism.tp_mode=reduce_scatter"], marks=SLOW),

@@ -67,6 +67,7 @@ def assert_same_curve(records, expected_records):
 QUICK_STAGES = [("dp2pp2-1f1b", 1), ("dp2cp2", 3)]   # the quick tier's share of the 20 cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, stage", [
     pytest.param(layout, stage, id=f"{layout}-{stage}", marks=[] if (layout, stage) in QUICK_STAGES else [SLOW])
     for stage in [0, 1, 2, 3] for layout in LAYOUTS])
@@ -75,6 +76,7 @@ def test_zero_stage_reproduces_single_process_losses(layout, stage, reference, t
     assert_same_curve(records, reference([]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tiered(COMPOSED, quick=["dp2tp2pp2-reduce_scatter-tied"]))
 def test_zero3_composes(name, reference, tmp_path):
     model, layout = COMPOSED[name]
