@@ -13,7 +13,7 @@ from nanoexp.plan.cost import predict
 from nanoexp.plan.hardware import GPUS, with_network
 from nanoexp.plan.traffic import sent_bytes
 from nanoexp.runtime.build import model_shape
-from tests.helpers import FAST
+from tests.helpers import FAST, tiered
 
 # Four layouts touching every group the model times except ep (whose bytes follow the routing: test_comm_counter):
 # tp with recomputation (its attention's forward all-reduce again), pp with ZeRO-1, ZeRO-3 over dp, and dp x cp ring attention.
@@ -118,7 +118,6 @@ def test_plan_bad_input_is_one_line_naming_the_argument(argv, argument, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and argument in err
 
 
-@pytest.mark.slow
 def test_published_errors_and_share():
     from nanoexp.plan.published import ROWS, check, relative_error, share_within
     assert relative_error(110.0, 100.0) == pytest.approx(0.10)
@@ -131,8 +130,7 @@ def test_published_errors_and_share():
     assert share_within([c["error"] for c in checks]) >= 0.8
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", tiered(["llama", "mixtral", "qwen3_moe"], quick=["qwen3_moe"]))
 def test_a_hugging_face_config_plans(model_type, tmp_path, capsys):
     config = {"model_type": model_type, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
               "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 2048,
