@@ -211,7 +211,8 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     sent = sent_bytes(cfg, layout, shape, busiest, m)
     dp_group = "dp" if layout.cp == 1 else "dp_cp"
     sent[dp_group] *= fw.dp_bytes_per_value / 4
-    layers, stage = sum(held_parameters(shape, layout, busiest)[1]), cfg.optimizer.zero_stage
+    held, held_layers = held_parameters(shape, layout, busiest)
+    layers, stage = sum(held_layers), cfg.optimizer.zero_stage
     calls = {"tp": m * (4 * layers + 2), "cp": m * layers * 2, "ep": m * layers * 4, "pp": 2 * m,
              # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
              dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20))}
@@ -226,7 +227,6 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
                     + comm["ep"] + comm["model_parallel"])
     f, b = forward + hop, backward + hop
     bubble = bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
-    held = held_parameters(shape, layout, busiest)[0]
     shard = held / (layout.dp_cp if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
     messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
