@@ -1,7 +1,7 @@
 """The performance model (nanoexp/plan/) against this CPU: predicted vs measured step time and per-rank memory of
 `model=small` on local gloo processes (issue 53, item 4b; results in docs/planning.md, "This CPU").
 
-    python -m benchmarks.bench_plan_cpu --calibrate --json runs.json [--append] [--only dp1,tp2] [--batch 16]
+    python -m benchmarks.bench_plan_cpu --calibrate --json runs.json [--append] [--idle] [--only dp1,tp2] [--batch 16]
     python -m benchmarks.bench_plan_cpu --calibrate --measured runs.json       # predict again, run nothing
 
 Each layout runs `python train.py model=small <layout> ...` (checkpoints off, one held-out batch at the end,
@@ -9,15 +9,14 @@ logging.exact_cpu_memory=true so that the peak RSS tracks the live tensors: nano
 time is the shortest `step_time_sec` of metrics.jsonl after step 1 (warm-up; the shortest, as load only adds);
 its load-free step that less the share of the ranks' lifetime their busiest thread sat runnable waiting for a
 core (/proc schedstat, sampled during the run): the machine is shared. Its memory is the largest
-`peak_memory_mb_per_rank` of summary.json. The prediction is nanoexp.plan.cost.predict on the "cpu" device,
-calibrated now (hardware.calibrate_cpu), shared among the run's processes (hardware.cpu_share: the cores are one
-node's compute, not one per rank). Predicted memory is the plan's estimate (no CUDA context on a CPU) plus the
-runtime baseline the 1-process run measured (summary.json's baseline_memory_mb: Python, torch, the warmed-up
-runtime), so that both sides count the same things.
+`peak_memory_mb_per_rank` of summary.json. The prediction is nanoexp.plan.cost.predict on the "cpu" device
+(hardware.calibrate_cpu: the peak and gloo measured now, the overheads and runtime stored), whose cores the run's
+processes share (hardware.per_rank). Predicted memory is the plan's estimate plus the device's runtime a process
+(Python, torch, the warmed-up runtime: CPU_RUNTIME_GB), so that both sides count the same things.
 
---calibrate fits the CPU overhead terms (hardware.Hardware.step_overhead_s, micro_batch_overhead_s, message_us) by
-non-negative least squares of the relative error of the load-free steps on the FIT layouts only, and reports the
-held-out ones separately. --append measures again into the --json file, keeping each layout's less loaded run.
+--calibrate fits the CPU overhead terms (hardware.CPU_OVERHEADS: step_overhead_s, micro_batch_overhead_s, message_us)
+by non-negative least squares of the relative error of the load-free steps on the FIT layouts only, takes the
+1-process run's baseline as CPU_RUNTIME_GB, prints them to be stored, and reports the held-out layouts separately. --append measures again into the --json file, keeping each layout's less loaded run.
 """
 from __future__ import annotations
 
@@ -57,6 +56,7 @@ LAYOUTS = {   # name: overrides (at most 4 processes)
 # --calibrate fits on these; the others are held out. Not dp1: its one rank runs 2 threads, whose OpenMP barriers a
 # loaded machine stalls far more than the 1-thread ranks of the others (docs/planning.md, "This CPU").
 FIT = ("dp2", "tp2", "pp2 1f1b", "cp2 ring", "dp2pp2")
+TERMS = ("step_overhead_s", "micro_batch_overhead_s", "message_us")   # hardware.CPU_OVERHEADS
 
 
 def overrides(name: str, model: str, steps: int, batch: int) -> list[str]:
@@ -129,10 +129,8 @@ def run_watched(cmd: list[str], stderr_path: str, interval: float = 0.25) -> tup
 def predict_layout(name: str, model: str, steps: int, batch: int, hw):
     from nanoexp.parallel.layout import Layout
     from nanoexp.plan.cost import predict
-    from nanoexp.plan.hardware import cpu_share
     cfg = compose(overrides(name, model, steps, batch))
-    world = Layout.from_config(cfg).world_size
-    return predict(cfg, cpu_share(hw, world, os.cpu_count() or 1), gpus_per_node=world)
+    return predict(cfg, hw, gpus_per_node=Layout.from_config(cfg).world_size)   # its ranks share hw (per_rank)
 
 
 def fit_overheads(hw, names, measured, model, steps, batch):
@@ -140,7 +138,7 @@ def fit_overheads(hw, names, measured, model, steps, batch):
     CPU overhead terms; a term's column is the prediction with it at 1 unit minus the one without (they add)."""
     import numpy as np
     from scipy.optimize import nnls
-    terms = ("step_overhead_s", "micro_batch_overhead_s", "message_us")
+    terms = TERMS
     base = dataclasses.replace(hw, **{t: 0.0 for t in terms})
     zero = np.array([predict_layout(n, model, steps, batch, base).step_time_s for n in names])
     columns = [np.array([predict_layout(n, model, steps, batch, dataclasses.replace(base, **{t: 1.0})).step_time_s
@@ -174,22 +172,29 @@ def table(rows, title) -> None:
               f"{max(abs(r['mem_err']) for r in rows):.0%})")
 
 
-def rows_of(names, measured, hw, model, steps, batch, baseline):
+def rows_of(names, measured, hw, model, steps, batch):
     from nanoexp.launch.planner import GIB
     from nanoexp.observe.memory import MB
     rows = []
     for n in names:
         p, m = predict_layout(n, model, steps, batch, hw), measured[n]
-        pred_mb = p.memory_gb * GIB / MB + baseline
+        pred_mb = p.memory_gb * GIB / MB   # with the device's runtime a process (Hardware.cuda_context_gb)
         rows.append({"name": n, **m, "pred_s": p.step_time_s, "free_s": free_step(m),
                      "time_err": p.step_time_s / free_step(m) - 1,
                      "pred_mb": pred_mb, "mem_err": pred_mb / m["memory_mb"] - 1, "breakdown": p.breakdown})
     return rows
 
 
+IDLE = False   # --idle: the machine ran nothing else, the steps as measured are load-free
+
+
 def free_step(m: dict) -> float:
     """The step as if no other load had run: the measured one less the share its ranks waited for a core beyond
-    what more ranks than cores wait for each other anyway (1 - cpus / ranks, which cpu_share already models)."""
+    what more ranks than cores wait for each other anyway (1 - cpus / ranks, which cpu_share already models).
+    With --idle, the step as measured (the wait estimate only adds its own noise then: a 2-thread rank descheduled
+    once stalls at OpenMP's barriers for longer than it waited)."""
+    if IDLE:
+        return m["step_s"]
     own = max(0.0, 1 - (os.cpu_count() or 1) / m["world"])
     return m["step_s"] * (1 - max(0.0, m.get("waited", 0.0) - own))
 
@@ -232,9 +237,15 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help=f"fit the CPU overheads on {', '.join(FIT)}")
     parser.add_argument("--measured", help="a --json file of earlier runs: predict again without running")
     parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--idle", action="store_true", help="the machine is otherwise idle: fit and keep runs by "
+                        "the step as measured, not the load-free estimate")
     parser.add_argument("--append", action="store_true", help="measure again into the --json file's runs, keeping "
                         "each layout's run with the shorter load-free step (a second pass in another order)")
     args = parser.parse_args()
+    global IDLE
+    IDLE = args.idle
+    from nanoexp.launch.planner import GIB
+    from nanoexp.observe.memory import MB
     from nanoexp.plan.hardware import calibrate_cpu
     names = args.only.split(",") if args.only else list(LAYOUTS)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: python -m benchmarks.bench_plan_cpu "
@@ -249,17 +260,19 @@ def main() -> None:
     else:
         measured = measure_all(names, args)
         names = [n for n in LAYOUTS if n in measured]
-    baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
-        m["baseline_mb"] for m in measured.values())
-    print(f"memory baseline added to the estimates: {baseline:.0f} MB (dp1's, else the runs' mean)")
-    table(rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline),
-          "uncalibrated (the plan's CPU terms)")
+    print(f"stored: {', '.join(f'{k} {getattr(hw, k):g}' for k in TERMS)}, runtime {hw.cuda_context_gb:.3f} GB")
+    table(rows_of(names, measured, hw, args.model, args.steps, args.batch), "with the stored terms (hardware.py)")
     if args.calibrate:
         fit = [n for n in FIT if n in measured]
         hw = fit_overheads(hw, fit, measured, args.model, args.steps, args.batch)
-        print(f"\nfitted on {', '.join(fit)}: step_overhead_s {hw.step_overhead_s:.3f}, micro_batch_overhead_s "
-              f"{hw.micro_batch_overhead_s:.4f}, message_us {hw.message_us:.0f}")
-        rows = rows_of(names, measured, hw, args.model, args.steps, args.batch, baseline)
+        baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
+            m["baseline_mb"] for m in measured.values())
+        hw = dataclasses.replace(hw, cuda_context_gb=baseline * MB / GIB)
+        print(f"\nfitted on {', '.join(fit)} (store in nanoexp/plan/hardware.py): CPU_OVERHEADS = dict("
+              f"step_overhead_s={hw.step_overhead_s:.3f}, micro_batch_overhead_s={hw.micro_batch_overhead_s:.4f}, "
+              f"message_us={hw.message_us:.0f}), CPU_RUNTIME_GB = {hw.cuda_context_gb:.3f} (the 1-process run's "
+              f"baseline, {baseline:.0f} MB)")
+        rows = rows_of(names, measured, hw, args.model, args.steps, args.batch)
         table([r for r in rows if r["name"] in fit], "calibrated: the fitted layouts")
         table([r for r in rows if r["name"] not in fit], "calibrated: held out")
         table(rows, "calibrated: all")

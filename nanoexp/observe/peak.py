@@ -213,7 +213,7 @@ def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
     the two is higher."""
     path = cache_path or default_cache_path()
     key = f"{platform.node()} | {cpu_model()} | {threads} threads | {dtype}"
-    cache = _read_cache(path)
+    cache = read_cache(path)
     best = cache.get(key)
     if best is not None and best.get("measured") == datetime.date.today().isoformat():
         return Peak(best["tflops"], f"this machine's best {dtype} measurement on {threads} threads ({best['date']}, "
@@ -223,7 +223,7 @@ def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
     if best is None or now.tflops > best["tflops"]:
         best = {"tflops": now.tflops, "date": today}
     cache[key] = {**best, "measured": today}   # "date": when the best was measured; "measured": the last time
-    _write_cache(path, cache)
+    write_cache(path, cache)
     if math.isclose(best["tflops"], now.tflops):
         return Peak(now.tflops, f"{now.source} (this machine's best so far, kept in {path})")
     return Peak(best["tflops"], f"this machine's best {dtype} measurement on {threads} threads ({best['date']}, "
@@ -261,7 +261,7 @@ def default_cache_path() -> str:
     return os.path.join(root, "nanoexp", "peaks.json")
 
 
-def _read_cache(path: str) -> dict:
+def read_cache(path: str) -> dict:
     try:
         with open(path) as f:
             cache = json.load(f)
@@ -270,7 +270,7 @@ def _read_cache(path: str) -> dict:
         return {}
 
 
-def _write_cache(path: str, cache: dict) -> None:
+def write_cache(path: str, cache: dict) -> None:
     """Atomically (concurrent runs on one machine), and never fatal: a read-only home only loses the cache."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

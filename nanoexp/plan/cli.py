@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("overrides", str(error).splitlines()[0])
     if args.global_batch_tokens and cfg.tokens.global_batch_size < 1:
         return fail("--global-batch-tokens", f"{args.global_batch_tokens} is less than one sequence")
-    hw = hardware(args.gpu)
+    hw = hardware(args.gpu, dtype=str(cfg.model.dtype))   # a CPU computes in the run's dtype
     ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
     if args.json:
         print(json.dumps([p.as_dict() for p in ranking.predictions], indent=1))

@@ -40,7 +40,7 @@ from nanoexp.observe.metrics import (
     layer_matmul_params,
 )
 from nanoexp.parallel.layout import Layout
-from nanoexp.plan.hardware import GB, Hardware
+from nanoexp.plan.hardware import GB, Hardware, per_rank
 from nanoexp.plan.traffic import sent_bytes
 from nanoexp.runtime.build import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
@@ -113,8 +113,11 @@ def estimate_context() -> float:
     return CUDA_CONTEXT_MB * MB
 
 
-def gemm_efficiency(m: float, k: float, n: float) -> float:
-    """Share of peak of an m x k by k x n product: GEMM_EFFICIENCY x d / (d + GEMM_KNEE), d the harmonic mean."""
+def gemm_efficiency(m: float, k: float, n: float, hw: Hardware | None = None) -> float:
+    """Share of peak of an m x k by k x n product: the device's own figure where it states one (a CPU, measured),
+    else GEMM_EFFICIENCY x d / (d + GEMM_KNEE), d the harmonic mean."""
+    if hw is not None and hw.gemm_efficiency is not None:
+        return hw.gemm_efficiency
     d = 3 / (1 / m + 1 / k + 1 / n)
     return GEMM_EFFICIENCY * d / (d + GEMM_KNEE)
 
@@ -124,12 +127,12 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     s, h, tp = cfg.tokens.sequence_length, shape.hidden_size, layout.tp
     tokens = cfg.tokens.micro_batch_size * s / layout.cp
     width = shape.moe.intermediate_size if shape.moe else shape.intermediate_size
-    linear_rate = hw.peak_tflops(fw.fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp)
+    linear_rate = hw.peak_tflops(fw.fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp, hw)
     layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
     matmul = sum(2 * tokens * layer_matmul_params(shape, n) / tp for n in layers)
     redo = sum(2 * tokens * (layer_matmul_params(shape, n) - down_projection_params(shape, n)) / tp for n in layers)
     attention = len(layers) * 2 * tokens * s * shape.num_attention_heads * shape.head_dim / tp   # causal half
-    attention_time = attention / (hw.bf16_tflops * 1e12 * attention_efficiency(fw))
+    attention_time = attention / (hw.bf16_tflops * 1e12 * attention_efficiency(fw, hw))
     moved = tokens * len(layers) * h * fw.elementwise / tp
     if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
@@ -137,7 +140,7 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     elementwise = moved / (hw.memory_gbps * GB)
     head = 0.0
     if pp_rank == layout.head_rank:
-        head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp))
+        head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp, hw))
     forward = matmul / linear_rate + attention_time + elementwise / 3 + head
     backward = 2 * matmul / linear_rate + 2.5 * attention_time + 2 * elementwise / 3 + 2 * head
     if cfg.parallelism.recompute_layer:
@@ -145,8 +148,11 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     return forward, backward
 
 
-def attention_efficiency(fw: Framework) -> float:
-    return ATTENTION_EFFICIENCY if fw.attention_efficiency is None else fw.attention_efficiency
+def attention_efficiency(fw: Framework, hw: Hardware) -> float:
+    """The framework's kernels' figure where it states one, else the device's (a CPU's, measured), else SDPA's."""
+    if fw.attention_efficiency is not None:
+        return fw.attention_efficiency
+    return ATTENTION_EFFICIENCY if hw.attention_efficiency is None else hw.attention_efficiency
 
 
 def crosses_nodes(layout: Layout, group: str, gpus_per_node: int) -> bool:
@@ -203,8 +209,10 @@ def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) 
 
 
 def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True) -> Prediction:
-    """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg`."""
+    """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg` on `hw` (a
+    CPU node shared by the layout's ranks: hardware.per_rank)."""
     layout, shape = Layout.from_config(cfg), model_shape(cfg)
+    hw = per_rank(hw, layout.world_size)
     m = batch_accumulation(cfg)
     busiest = max(range(layout.pp), key=lambda r: sum(micro_batch_times(cfg, layout, shape, r, hw, fw)))
     forward, backward = micro_batch_times(cfg, layout, shape, busiest, hw, fw)
@@ -219,25 +227,26 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     comm = {g: comm_seconds(b, calls.get(g, 1), group_size(layout, g), crosses_nodes(layout, g, gpus_per_node), hw)
             for g, b in sent.items()}
     hop = comm["pp"] / (2 * m) if m else 0.0
-    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage]
+    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
     attention = m * layers * 3.5 * 2 * cfg.tokens.micro_batch_size * cfg.tokens.sequence_length ** 2 / layout.cp \
-        * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * attention_efficiency(fw))
-    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap else comm["tp"]
-    exposed_comm = (exposed(comm[dp_group] + comm["edp"], window) + tp_time + exposed(comm["cp"], attention)
+        * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * attention_efficiency(fw, hw))
+    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
+    exposed_comm = (exposed(comm[dp_group] + comm["edp"], window) + tp_time
+                    + exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
                     + comm["ep"] + comm["model_parallel"])
     f, b = forward + hop, backward + hop
     bubble = bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
     shard = held / (layout.dp_cp if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
     messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
-                + (calls["pp"] if layout.pp > 1 else 0))
+                + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.dp_cp > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
     step = m * (forward + backward) + bubble + exposed_comm + update + overhead
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
     mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
     memory = float("nan")
-    if with_memory:   # the planner's estimate, with this device's CUDA context (none on a CPU)
+    if with_memory:   # the planner's estimate, with this device's fixed cost a process (CUDA context; Python, torch)
         memory = (sum(estimate(cfg).values()) - estimate_context() + hw.cuda_context_gb * GB) / GIB
     fits = memory <= HEADROOM * hw.memory_gb * GB / GIB if with_memory else True
     p = cfg.parallelism

@@ -17,6 +17,7 @@ a gloo all-reduce between two local processes, measured by a short micro-benchma
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 GB = 1e9
@@ -33,7 +34,13 @@ class Hardware:
     inter_gbps: float          # network per GPU, each way, GB/s
     intra_latency_us: float = 3.0
     inter_latency_us: float = 10.0
-    cuda_context_gb: float = 1.0   # CUDA context and library workspaces (memory.CUDA_CONTEXT_MB)
+    cuda_context_gb: float = 1.0   # per process, fixed: the CUDA context and workspaces (on a CPU: Python and torch)
+    cores: int = 0                 # a CPU node of this many cores, shared by its local ranks (0: a GPU, one a rank)
+    # A measured device (a CPU) states its own efficiencies; None: the cost model's GPU figures (cost.py)
+    gemm_efficiency: float | None = None        # share of the peak its matmuls reach at a model's sizes
+    attention_efficiency: float | None = None   # causal SDPA forward and backward's share of the peak
+    rates: tuple = ()   # CPU: (threads, matmul TFLOP/s, eager elementwise GB/s, attention TFLOP/s) per thread count
+    overlaps_comm: bool = True   # False on a CPU: gloo moves the bytes on the cores that compute, nothing hides
     # CPU only (0 on GPUs): what eager Python and gloo add on a CPU, fitted by benchmarks/bench_plan_cpu.py
     step_overhead_s: float = 0.0          # per optimizer step (the update's and the loop's Python)
     micro_batch_overhead_s: float = 0.0   # per micro-batch and layer a rank runs (module calls, autograd)
@@ -51,12 +58,12 @@ GPUS = {
 }
 
 
-def hardware(name: str) -> Hardware:
-    """The table's entry for `name` (h100, h200, a100, b200, or cpu: calibrated on this machine now).
-    KeyError naming the known ones otherwise."""
+def hardware(name: str, dtype: str = "float32") -> Hardware:
+    """The table's entry for `name` (h100, h200, a100, b200, or cpu: calibrated on this machine now, for a run in
+    `dtype`; a GPU's figures are bf16's, at which its runs compute). KeyError naming the known ones otherwise."""
     key = name.lower()
     if key == "cpu":
-        return calibrate_cpu()
+        return calibrate_cpu(dtype=dtype)
     if key not in GPUS:
         raise KeyError(f"unknown gpu {name!r}: one of {', '.join([*GPUS, 'cpu'])}")
     return GPUS[key]
@@ -68,13 +75,38 @@ def with_network(hw: Hardware, inter_gbps: float) -> Hardware:
 
 
 def cpu_share(hw: Hardware, processes: int, cpus: int) -> Hardware:
-    """One of `processes` local ranks of a calibrated CPU: they share its `cpus` cores, so each gets
-    min(1, cpus / processes) of the node's compute and memory bandwidth (calibrate_cpu measures the whole node),
-    and its Python overheads (single-threaded) stretch once there are more ranks than cores."""
-    share, stretch = min(1.0, cpus / max(processes, 1)), max(1.0, processes / cpus)
-    return dataclasses.replace(hw, bf16_tflops=hw.bf16_tflops * share, fp8_tflops=hw.fp8_tflops * share,
-                               memory_gbps=hw.memory_gbps * share, step_overhead_s=hw.step_overhead_s * stretch,
-                               micro_batch_overhead_s=hw.micro_batch_overhead_s * stretch)
+    """One of `processes` local ranks of a calibrated CPU node of `cpus` cores: nanoexp gives each rank
+    cpus // processes threads, or one thread time-sliced once there are more ranks than cores. Its matmul,
+    elementwise and attention rates are the node's measured at that many threads (`rates`; interpolated between
+    the thread counts measured), times the share of a core it gets; it holds 1 / processes of the memory, and its
+    Python overheads (single-threaded) stretch past one rank a core. The result is one rank's device (cores 0):
+    sharing it again changes nothing."""
+    threads, time_share = max(1, cpus // max(processes, 1)), min(1.0, cpus / max(processes, 1))
+    stretch = max(1.0, processes / cpus)
+    matmul, elementwise, attention = (x * time_share for x in rates_at(dataclasses.replace(hw, cores=cpus), threads))
+    return dataclasses.replace(hw, bf16_tflops=matmul, fp8_tflops=matmul, memory_gbps=elementwise,
+                               attention_efficiency=attention / matmul, memory_gb=hw.memory_gb / max(processes, 1),
+                               step_overhead_s=hw.step_overhead_s * stretch,
+                               micro_batch_overhead_s=hw.micro_batch_overhead_s * stretch, cores=0)
+
+
+def rates_at(hw: Hardware, threads: int) -> tuple[float, float, float]:
+    """(matmul TFLOP/s, elementwise GB/s, attention TFLOP/s) of `threads` threads: the measured row, linear between
+    two, the nearest beyond them; without rates, the node's figures (all its cores) shared evenly by its cores."""
+    rows = sorted(hw.rates)
+    if not rows:
+        share = min(threads, hw.cores or threads) / (hw.cores or threads)
+        return hw.bf16_tflops * share, hw.memory_gbps * share, hw.bf16_tflops * (hw.attention_efficiency or 1) * share
+    for (t0, *low), (t1, *high) in itertools.pairwise(rows):
+        if t0 <= threads <= t1:
+            w = (threads - t0) / (t1 - t0)
+            return tuple(a + w * (b - a) for a, b in zip(low, high))
+    return tuple((rows[0] if threads < rows[0][0] else rows[-1])[1:])
+
+
+def per_rank(hw: Hardware, processes: int) -> Hardware:
+    """What one of a layout's `processes` ranks has: a GPU its own, a CPU node (cores > 0) its share (cpu_share)."""
+    return cpu_share(hw, processes, hw.cores) if hw.cores else hw
 
 
 def gloo_all_reduce_gbps(numel: int = 1 << 20, repeats: int = 5) -> float:
@@ -115,9 +147,18 @@ def _gloo_worker(rank: int, port: int, numel: int, repeats: int, queue) -> None:
     queue.put(best)
 
 
-def calibrate_cpu(threads: int | None = None) -> Hardware:
-    """This machine as a device: float32 and bfloat16 matmul peaks (peak.node_peak, cached a day) and the gloo
-    bandwidth between two local processes (a ~1 s micro-benchmark), used for links inside and between 'nodes'."""
+# Fitted by `python -m benchmarks.bench_plan_cpu --calibrate --idle` on an idle 2-core Intel Xeon VM, 2026-12-05
+# (docs/planning.md, "This CPU"): eager Python's and gloo's costs on a CPU, which no datasheet gives. RUNTIME_GB: one
+# process's Python, torch and warmed-up runtime (summary.json's baseline_memory_mb of that pass's one-process run).
+CPU_OVERHEADS = dict(step_overhead_s=0.0, micro_batch_overhead_s=0.040, message_us=393.0)
+CPU_RUNTIME_GB = 0.341
+
+
+def calibrate_cpu(threads: int | None = None, dtype: str = "float32") -> Hardware:
+    """This machine as a device for a run in `dtype`: the matmul peak of that dtype (peak.node_peak, cached a day),
+    eager elementwise and attention rates (`measure_rates`), each at one thread and at all `threads`, and the gloo
+    bandwidth between two local processes (a ~1 s micro-benchmark), used for links inside and between 'nodes';
+    the fitted overheads above. A layout's ranks share it (`per_rank`)."""
     import os
 
     import psutil
@@ -125,9 +166,62 @@ def calibrate_cpu(threads: int | None = None) -> Hardware:
     from nanoexp.observe.peak import node_peak
 
     threads = threads or os.cpu_count() or 1
-    bf16 = node_peak("bfloat16", threads).tflops
-    fp32 = node_peak("float32", threads).tflops
-    link = gloo_all_reduce_gbps()
+    link = gloo_all_reduce_gbps()   # first: it forks, which a process that ran parallel ops cannot do safely
+    rates = tuple((t, node_peak(dtype, t).tflops, *best_rates(t, dtype)) for t in sorted({1, threads}))
+    peak, elementwise, attention = rates[-1][1:]
     memory = psutil.virtual_memory().total / GB
-    return Hardware("this CPU", max(bf16, fp32), max(bf16, fp32), memory, 10.0, link, link,
-                    intra_latency_us=50.0, inter_latency_us=50.0, cuda_context_gb=0.0)
+    return Hardware("this CPU", peak, peak, memory, elementwise, link, link, intra_latency_us=50.0,
+                    inter_latency_us=50.0, cuda_context_gb=CPU_RUNTIME_GB, cores=threads, gemm_efficiency=1.0, overlaps_comm=False,
+                    attention_efficiency=attention / peak, rates=rates, **CPU_OVERHEADS)
+
+
+def best_rates(threads: int, dtype: str) -> tuple[float, float]:
+    """measure_rates' figures, the best this machine has measured (kept in the matmul peak's cache,
+    nanoexp/observe/peak.py): other load only slows a micro-benchmark, so the best is the machine's, and a
+    prediction made beside other work does not drift with it."""
+    import platform
+
+    from nanoexp.observe.peak import cpu_model, default_cache_path, read_cache, write_cache
+
+    path = default_cache_path()
+    key = f"{platform.node()} | {cpu_model()} | {threads} threads | {dtype} | elementwise GB/s, attention TFLOP/s"
+    cache = read_cache(path)
+    now = measure_rates(threads, dtype)
+    kept = cache.get(key, {}).get("rates", now)
+    best = [max(a, b) for a, b in zip(now, kept)]
+    cache[key] = {"rates": best}
+    write_cache(path, cache)
+    return tuple(best)
+
+
+def measure_rates(threads: int, dtype: str = "float32", repeats: int = 10) -> tuple[float, float]:
+    """(GB/s, TFLOP/s) on `threads` threads, best of `repeats`: an eager SwiGLU-like product (silu(x) * x at a
+    small layer's width; four tensors' bytes move: x twice, silu(x) written and read... counted as 4) and causal
+    SDPA's forward and backward at a small model's shape (batch 4, 8 heads, sequence 128, head 64; FLOPs counted as cost.py does: the causal half, the
+    backward 2.5 forwards). The sizes of nanoexp's CPU runs, where eager overheads count."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kind = getattr(torch, dtype)
+        x = torch.randn(4, 128, 1536, dtype=kind)
+        elementwise = 4 * x.numel() * x.element_size() / best(lambda: F.silu(x) * x) / GB
+        q = torch.randn(4, 8, 128, 64, dtype=kind, requires_grad=True)
+        flops = 3.5 * 2 * 4 * 128 * 128 * 8 * 64
+        attention = flops / best(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward())
+    finally:
+        torch.set_num_threads(before)
+    return elementwise, attention / 1e12
