@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size, stage_data, \
     uses_muon
 from nanoexp.config_domains import Rule, schema_rules
+from nanoexp.config_effects import effect_rules
 from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
@@ -34,6 +35,8 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
                  + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
                  + fault_rules(cfg) + debug_rules(cfg))
     problems = [message for ok, message in rules if not ok]
+    if not problems:   # every value is valid: is each one read? (a wrong value is said once, not twice)
+        problems = [message for ok, message in effect_rules(cfg) if not ok]
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")
     if problems:

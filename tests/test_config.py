@@ -104,13 +104,13 @@ def test_world_size_mismatch_and_small_vocab():
 
 
 def test_upper_case_enums_are_normalised_before_a_read_only_validation():
-    cfg = compose_config(["parallelism.tp_mode=REDUCE_SCATTER", "parallelism.pp_engine=1F1B"])
+    cfg = compose_config(["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER", "parallelism.pp_engine=1F1B"])
     before = OmegaConf.to_container(cfg)
     with pytest.raises(ConfigError, match="parallelism.tp_mode=REDUCE_SCATTER"):
-        validate(cfg, world_size=1, tokenizer_vocab_size=257)
+        validate(cfg, world_size=2, tokenizer_vocab_size=257)
     assert OmegaConf.to_container(cfg) == before   # validate only reads
     normalize(cfg)
-    validate(cfg, world_size=1, tokenizer_vocab_size=257)
+    validate(cfg, world_size=2, tokenizer_vocab_size=257)
     assert cfg.parallelism.tp_mode == "reduce_scatter" and cfg.parallelism.pp_engine == "1f1b"
     assert Layout.from_config(cfg).sequence_parallel
 

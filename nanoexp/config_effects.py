@@ -1,0 +1,83 @@
+"""Keys that count only under another setting. Set away from their default where they have no effect, they are
+refused, naming the key and what would make it count: nothing a user typed is silently ignored.
+
+Each `Effect` is a key (or every key under a group, but those it names) with the condition under which the run
+reads it. The default is the schema's (nanoexp/config.py), which the conf/ groups repeat. Rules of this kind
+that need more than "changed where unread" live with their feature (validation.zero_rules, balance_rules).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+
+from nanoexp.config import NanoexpConfig, uses_muon
+from nanoexp.config_domains import Rule
+
+
+@dataclass(frozen=True)
+class Effect:
+    key: str                              # a dotted key, or a group ending in ".*" (each of its keys)
+    counts: Callable[[Any], bool]         # whether the run reads it under `cfg`
+    needs: str                            # what would make it count
+    besides: tuple[str, ...] = ()         # a group's keys that this entry does not cover
+
+
+EFFECTS = (
+    Effect("optimizer.optimizer_factory.muon_*", uses_muon, "optimizer.optimizer_factory.name=muon"),
+    Effect("model.fp8.*", lambda cfg: cfg.model.fp8.enabled, "model.fp8.enabled=true",
+           besides=("enabled", "gather_in_fp8")),   # gather_in_fp8: validation.fp8_rules says more
+    Effect("model.moe.*", lambda cfg: cfg.model.moe.num_experts > 0, "model.moe.num_experts > 0",
+           besides=("num_experts",)),
+    Effect("model.attention_kernel", lambda cfg: cfg.parallelism.cp == 1,
+           "parallelism.cp=1 (with cp > 1 attention runs parallelism.cp_mode's kernel)"),
+    Effect("parallelism.cp_mode", lambda cfg: cfg.parallelism.cp > 1, "parallelism.cp > 1"),
+    Effect("parallelism.tp_mode", lambda cfg: cfg.parallelism.tp > 1, "parallelism.tp > 1"),
+)
+
+
+def effect_rules(cfg: Any) -> list[Rule]:
+    """One rule per key of EFFECTS that differs from its default where it is not read."""
+    defaults = OmegaConf.structured(NanoexpConfig)
+    rules = []
+    for effect in EFFECTS:
+        if effect.counts(cfg):
+            continue
+        for key in keys_of(effect, defaults):
+            value, default = lookup(cfg, key), lookup(defaults, key)
+            if plain(value) != plain(default):
+                rules.append((False, f"{key}={plain(value)} has no effect here: it counts with {effect.needs}; "
+                                     f"set that, or leave {key} at {plain(default)}"))
+    return rules + [batch_size_rule(cfg, defaults)]
+
+
+def batch_size_rule(cfg: Any, defaults: Any) -> Rule:
+    """tokens.batch_accumulation_per_replica sets the batch (dp x micro_batch_size x it): a global_batch_size
+    changed beside it must agree."""
+    t, dp = cfg.tokens, cfg.parallelism.dp
+    if t.batch_accumulation_per_replica is None or t.global_batch_size == defaults.tokens.global_batch_size:
+        return True, ""
+    product = dp * t.micro_batch_size * t.batch_accumulation_per_replica
+    return (t.global_batch_size == product, f"tokens.global_batch_size={t.global_batch_size} has no effect beside "
+            f"tokens.batch_accumulation_per_replica={t.batch_accumulation_per_replica}, which makes the batch "
+            f"parallelism.dp x micro_batch_size x it = {product}: set one of the two")
+
+
+def keys_of(effect: Effect, defaults: Any) -> list[str]:
+    if not effect.key.endswith("*"):
+        return [effect.key]
+    group, _, stem = effect.key.rpartition(".")
+    stem = stem.rstrip("*")
+    return [f"{group}.{name}" for name in lookup(defaults, group) if name.startswith(stem)
+            and name not in effect.besides]
+
+
+def lookup(node: Any, key: str) -> Any:
+    return functools.reduce(lambda n, part: n[part], key.split("."), node)
+
+
+def plain(value: Any) -> Any:
+    """A config value comparable with ==: lists and dicts as Python's."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
