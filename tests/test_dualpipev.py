@@ -15,7 +15,9 @@ from tests.test_zero_bubble import TIMES, one_process  # noqa: F401 (a fixture)
 from tests.test_zero_bubble_v import EIGHT_LAYERS
 
 DUALPIPEV = ["parallelism.pp_engine=dualpipev", "parallelism.pp_virtual_stages=2"]
-# one sample a micro-batch: dp2 then still runs 4 micro-batches a step, the one per virtual stage that pp2 needs
+# one sample a micro-batch: dp2 then still runs 4 micro-batches a step, the one per virtual stage that pp2 needs.
+# Against the one-process run's two samples a micro-batch this only reorders float32 sums: each micro-batch's loss
+# is its token sum over the step's token count (runtime/step.py), so test_parallel.py's tolerances hold.
 MICRO_1 = ["tokens.micro_batch_size=1"]
 
 
@@ -124,6 +126,13 @@ def test_dualpipev_under_nccl_rules():
     assert measured[1.0, 1.0, 1.0, 4] == pytest.approx(2.0) and measured[1.0, 1.0, 1.0, 8] == pytest.approx(8.0)
 
 
+def test_the_planner_times_dualpipev_with_its_w_steps():
+    """The performance model asks the schedule whether it splits B and W: on two ranks dualpipev's bubble is zbv's
+    (0.5 F with B = 2 F, cut in B = W = F), not that of a whole backward in B and an empty W (1.5 F)."""
+    from nanoexp.plan.cost import bubble_share
+    assert bubble_share("dualpipev", 2, 2, 8, 2.0) == pytest.approx(bubble_share("zbv", 2, 2, 8, 2.0)) == 0.5
+
+
 def held_at_peak(engine: str, pp: int, v: int, m: int, pp_rank: int) -> float:
     """The most micro-batches' saved tensors a rank holds at once, in whole stages (a chunk is 1/v of one): from F
     to W, or to B without W steps (the engine's max_in_flight, engine.py)."""
@@ -163,7 +172,7 @@ CASES = {   # name: (model overrides, shared with the one-process run; layout ov
 
 
 @pytest.mark.parametrize("name", tiered(CASES, quick=["dp1tp1pp2"]))
-def test_dualpipev_trains_the_one_process_model(name, tmp_path, one_process):
+def test_dualpipev_trains_the_one_process_model(name, tmp_path, one_process):  # noqa: F811 (the fixture)
     model, layout = CASES[name]
     assert_same_curve(train(tmp_path, FAST + STEPS + model + layout + DUALPIPEV), one_process(model))
 
