@@ -131,7 +131,8 @@ def dualpipe_v(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
     all-to-alls behind compute; here the pair runs one op after the other. Rank r runs 2·(pp − r − 1) forwards of
     chunk 0, r + 1 pairs (F chunk 0, F chunk 1), pp − r − 1 triples (B, W, F) of chunk 1, m − 2·pp + r + 1 rounds
     (F 0, B 1, W 1, F 1, B 0, W 0), pp − r − 1 rounds (B 1, W 1, F 1, B 0, W 0), r + 1 pairs (B chunk 1, B chunk 0)
-    whose W follows at once until the middle pair and is owed from then on, pp − r − 1 pairs (owed W, B chunk 0)
+    whose W follows at once until the middle pair and is owed from then on (from the middle pair's chunk 1 on an
+    odd rank, its chunk 0 on an even one), pp − r − 1 pairs (owed W, B chunk 0)
     and the r + 1 Ws still owed, oldest first. A backward whose W follows at once is one full backward of
     torch.distributed.pipelining's ScheduleDualPipeV, whose table this is, overlapped pairs expanded F then B
     (tests/test_dualpipev.py). Needs a micro-batch per virtual stage (m >= 2·pp), as torch's."""
