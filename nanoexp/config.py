@@ -163,8 +163,9 @@ class ParallelismConfig:
     cp_mode: str = "ring"          # ring (K/V blocks passed round the cp ranks) | all_gather (one all-gather of
                                    # K/V, Llama 3); both zig-zag load-balanced
     ep: int = 1                    # expert parallel: dp x cp ranks that split a mixture's experts (divides dp x cp)
-    pp_engine: str = "1f1b"        # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv (B and W split: docs/parallelism.md)
-    pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b only)
+    pp_engine: str = "1f1b"        # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipev (the last three split B
+                                   # and W; zbv and dualpipev V-shaped, dualpipev with m >= 2·pp: docs/parallelism.md)
+    pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b; 2 for zbv and dualpipev)
     tp_mode: str = "all_reduce"    # all_reduce | reduce_scatter (sequence parallel)
     recompute_layer: bool = False
     collective_timeout_s: float = 600.0   # a rank stuck this long in a collective is an error

@@ -40,6 +40,7 @@ from nanoexp.observe.metrics import (
     layer_matmul_params,
 )
 from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.plan.hardware import GB, Hardware, per_rank
 from nanoexp.plan.traffic import sent_bytes
 from nanoexp.runtime.build import model_shape
@@ -198,7 +199,7 @@ def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) 
     """Idle time of the schedule in units of one micro-batch's F (F = 1, B = backward_ratio), simulated."""
     if pp == 1:
         return 0.0
-    split = schedule in ("zb_h1", "zbv")
+    split = SCHEDULES[schedule].splits_backward   # the schedule says whether it runs W apart
     backward, weight = (backward_ratio / 2, backward_ratio / 2) if split else (backward_ratio, 0.0)
     simulated = min(m, 4 * pp * v)   # the idle time stops growing once the pipeline is full
     simulated -= simulated % pp if schedule == "interleaved_1f1b" and simulated >= pp else 0

@@ -124,6 +124,67 @@ def zero_bubble_v(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
     return groups, [True] * len(groups)
 
 
+def dualpipe_v(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
+    """dualpipev: DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.2.1) folded onto half the
+    ranks, zbv's V placement and B/W split. Its steady state pairs a forward of one chunk with a backward of the
+    other (F chunk 0 with B chunk 1, F chunk 1 with B chunk 0), a pair DualPipe overlaps to hide expert-parallel
+    all-to-alls behind compute; here the pair runs one op after the other. Rank r runs 2·(pp − r − 1) forwards of
+    chunk 0, r + 1 pairs (F chunk 0, F chunk 1), pp − r − 1 triples (B, W, F) of chunk 1, m − 2·pp + r + 1 rounds
+    (F 0, B 1, W 1, F 1, B 0, W 0), pp − r − 1 rounds (B 1, W 1, F 1, B 0, W 0), r + 1 pairs (B chunk 1, B chunk 0)
+    whose W follows at once until the middle pair and is owed from then on (from the middle pair's chunk 1 on an
+    odd rank, its chunk 0 on an even one), pp − r − 1 pairs (owed W, B chunk 0)
+    and the r + 1 Ws still owed, oldest first. A backward whose W follows at once is one full backward of
+    torch.distributed.pipelining's ScheduleDualPipeV, whose table this is, overlapped pairs expanded F then B
+    (tests/test_dualpipev.py). Needs a micro-batch per virtual stage (m >= 2·pp), as torch's."""
+    r, order, owed = pp_rank, [], []   # owed: (chunk, micro-batch) of the Bs whose W waits, oldest first
+    ran = {}   # (kind, chunk) -> how many ran
+
+    def forward(chunk):
+        order.append(("F", chunk, ran.get(("F", chunk), 0)))
+        ran["F", chunk] = order[-1][2] + 1
+
+    def backward(chunk, defer_weights=False):
+        mb = ran.get(("B", chunk), 0)
+        ran["B", chunk] = mb + 1
+        order.append(("B", chunk, mb))
+        if defer_weights:
+            owed.append((chunk, mb))
+        else:
+            order.append(("W", chunk, mb))
+
+    def owed_weights():
+        order.append(("W", *owed.pop(0)))
+
+    def paired(forward_chunk):   # a forward and the other chunk's backward: DualPipe's overlapped pair
+        forward(forward_chunk)
+        backward(1 - forward_chunk)
+
+    for _ in range(2 * (pp - r - 1)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0)
+        forward(1)
+    for _ in range(pp - r - 1):
+        backward(1)
+        forward(1)
+    for _ in range(m - 2 * pp + r + 1):
+        paired(0)
+        paired(1)
+    for _ in range(pp - r - 1):
+        backward(1)
+        paired(1)
+    middle = (r + 1) // 2   # from the middle pair on, Ws are owed: they fill the cool-down's gaps
+    for i in range(r + 1):
+        backward(1, defer_weights=i > middle or (i == middle and r % 2 == 1))
+        backward(0, defer_weights=i >= middle)
+    for _ in range(pp - r - 1):
+        owed_weights()
+        backward(0, defer_weights=True)
+    while owed:
+        owed_weights()
+    return [[op] for op in order], [True] * len(order)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One parallelism.pp_engine: its plan, (pp, v, m, pp_rank) -> (compute groups, merged[g]: one batch between
@@ -131,6 +192,7 @@ class Schedule:
     plan: Callable
     chunks: str = "one"            # chunks of layers per rank: "one" (v = 1), "two" (v = 2) or "several" (v >= 2)
     micro_batches_per_pp: bool = False   # the micro-batches of a step must be a multiple of pp
+    micro_batch_per_stage: bool = False  # a step needs at least one micro-batch per virtual stage (m >= pp·v)
     splits_backward: bool = False  # runs B and W apart ("W" steps: weight_grad.py)
     placement: str = "loop"        # where each rank's chunks sit among the virtual stages (stages.py)
 
@@ -142,8 +204,8 @@ class Schedule:
         `layers` layers (None: not checked: a config is checked with them, and then one chunk per rank is refused
         where another schedule runs it), in the keys that set them; [] when it can."""
         if self.chunks == "one":
-            return [] if v == 1 else [f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine="
-                                      f"interleaved_1f1b (or zbv with 2; got {name})"]
+            return [] if v == 1 else [(f"parallelism.pp_virtual_stages={v} needs parallelism.pp_engine="
+                                       f"interleaved_1f1b (or zbv or dualpipev with 2; got {name})")]
         problems = []
         if pp < 2:
             problems.append(f"parallelism.pp_engine={name} needs parallelism.pp >= 2 (got {pp}): at least 2 "
@@ -161,6 +223,10 @@ class Schedule:
             problems.append(f"micro-batches per step (tokens.batch_accumulation_per_replica = {m}) is not a "
                             f"multiple of parallelism.pp={pp}: {name} sends micro-batches in groups of pp; change "
                             "tokens.global_batch_size or tokens.micro_batch_size")
+        if self.micro_batch_per_stage and m is not None and m < pp * v:
+            problems.append(f"micro-batches per step (tokens.batch_accumulation_per_replica = {m}) are fewer than "
+                            f"parallelism.pp * pp_virtual_stages = {pp * v}: {name} needs one per virtual stage; "
+                            "raise tokens.global_batch_size or lower tokens.micro_batch_size")
         return problems
 
 
@@ -168,7 +234,9 @@ SCHEDULES = {"afab": Schedule(all_forward_all_backward), "1f1b": Schedule(one_fo
              "interleaved_1f1b": Schedule(interleaved_one_forward_one_backward, chunks="several",
                                           micro_batches_per_pp=True),
              "zb_h1": Schedule(zero_bubble_h1, splits_backward=True),
-             "zbv": Schedule(zero_bubble_v, chunks="two", splits_backward=True, placement="v")}
+             "zbv": Schedule(zero_bubble_v, chunks="two", splits_backward=True, placement="v"),
+             "dualpipev": Schedule(dualpipe_v, chunks="two", micro_batch_per_stage=True, splits_backward=True,
+                                   placement="v")}
 
 
 def stage_map(name: str, pp: int, v: int) -> StageMap:
