@@ -43,7 +43,7 @@ MODEL = ["model.model_config.hidden_size=256", "model.model_config.intermediate_
          "model.model_config.num_key_value_heads=4", "tokens.sequence_length=256", "tokens.micro_batch_size=2",
          "tokens.val_check_interval=0", "checkpoint.save_final_state=false", "logging.tensorboard=false",
          "logging.pipeline_trace=true", "data.prefetch=false", "optimizer.learning_rate_scheduler.lr_warmup_steps=1"]
-CHUNKS = {"interleaved_1f1b": 2, "zbv": 2}
+CHUNKS = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 
 
 def run_case(engine: str, pp: int, m: int, steps: int, extra: list[str], folder: str) -> dict:

@@ -27,15 +27,17 @@ MODEL_CONFIG = "model.model_config."
 LR_SCHEDULER, ADAM = "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
 
 
-def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None) -> None:
-    """Check every rule; raise one ConfigError listing each problem with its fix (one line for one problem)."""
+def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None,
+             unread_keys: bool = True) -> None:
+    """Check every rule; raise one ConfigError listing each problem with its fix (one line for one problem).
+    `unread_keys=False` lets keys without effect pass (the planner tries layouts under which some have none)."""
     rules = schema_rules(cfg)
     if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
                  + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
                  + fault_rules(cfg) + debug_rules(cfg))
     problems = [message for ok, message in rules if not ok]
-    if not problems:   # every value is valid: is each one read? (a wrong value is said once, not twice)
+    if not problems and unread_keys:   # every value is valid: is each one read? (a wrong value is said once)
         problems = [message for ok, message in effect_rules(cfg) if not ok]
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")

@@ -80,9 +80,10 @@ def with_stage(cfg, stage: int):
 def problem_of(cfg, gpus: int) -> str | None:
     """The first problem `validate` finds in this config, or None."""
     try:
-        validate(cfg, world_size=gpus)
+        validate(cfg, world_size=gpus, unread_keys=False)   # the user's tp_mode, cp_mode...: read on some layouts
     except ConfigError as error:
-        return str(error).splitlines()[1].strip(" -")
+        lines = str(error).splitlines()
+        return (lines[1] if len(lines) > 1 else lines[0]).strip(" -").removeprefix("invalid config: ")
     return None
 
 

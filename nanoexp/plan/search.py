@@ -7,7 +7,7 @@
     ranking.reasons                         # {one line on why some are out: how many}
 
 A candidate is a choice of dp x cp x tp x pp = gpus (ep dividing dp x cp and the experts, MoE only), the pipeline
-schedule (1f1b, interleaved_1f1b with 2 or 4 chunks, zb_h1, zbv; pp > 1 only), the ZeRO stage (0-3; 0 alone
+schedule (1f1b, interleaved_1f1b with 2 or 4 chunks, zb_h1, zbv, dualpipev; pp > 1 only), the ZeRO stage (0-3; 0 alone
 without dp x cp > 1), the micro-batch (1, 2, 4) and recomputation (off, on). nanoexp's own `validate` decides
 what is valid (as nanoexp/launch/planner.py does), tensor parallelism stays inside a node, and a layout fits
 when planner.estimate is at most HEADROOM of the GPU's memory. Memory is estimated for the fastest candidates
@@ -27,13 +27,14 @@ from nanoexp.plan.hardware import Hardware, hardware
 from nanoexp.validation import validate
 
 MICRO_BATCHES = (1, 2, 4)
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zb_h1", 1), ("zbv", 2))
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zb_h1", 1), ("zbv", 2),
+             ("dualpipev", 2))
 
 
 def problem_of(cfg, gpus: int) -> str | None:
     """The first problem nanoexp's `validate` finds, or None (one line, with or without a list of several)."""
     try:
-        validate(cfg, world_size=gpus)
+        validate(cfg, world_size=gpus, unread_keys=False)   # tp_mode, cp_mode...: the user's, for any layout
     except ConfigError as error:
         lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
         return (lines[1] if len(lines) > 1 else lines[0]).removeprefix("invalid config: ")
