@@ -23,7 +23,7 @@ from nanoexp.run import check_config
 from nanoexp.runtime.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
 from tests.distributed import run_distributed
-from tests.helpers import FAST, SLOW, compose_config, start_error, train
+from tests.helpers import FAST, SLOW, compose_config, start_error, tiered, train
 from tests.test_checkpoint import CONSTANT_LR
 from tests.test_moe import AUX_ATOL, MOE, Z_ATOL, moe_curves
 from tests.test_moe import GRAD_NORM_RTOL as MOE_GRAD_NORM_RTOL
@@ -107,8 +107,7 @@ LAYOUTS = {   # <= 4 processes: dp4 as 2 x 2; a shard group of the cp ranks; sha
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", tiered(LAYOUTS, quick=["dp4-2x2-zero3"]))
 def test_hybrid_sharding_reproduces_single_process_losses(name, reference, tmp_path):
     assert_same_curve(train(tmp_path, FAST + STEPS + LAYOUTS[name]), reference([]))
 
