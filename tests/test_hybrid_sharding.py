@@ -190,8 +190,8 @@ def _counted_step(rank, world_size, overrides):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_counted_bytes_are_the_formulas(stage):
     """dp4 as 2 x 2: what each rank sends over its shard group and its replica group equals the formula, within
-    0.1 % (the units are padded to a multiple of the shard group's ranks, at most n-1 floats each). The shard
-    group's bytes are full sharding's over 2 ranks; the replicas move each shard once a step."""
+    0.1 % (the units are padded to a multiple of the shard group's ranks, at most n-1 floats each; measured: equal
+    to the byte). The shard group's bytes are full sharding's over 2 ranks; the replicas move each shard once a step."""
     overrides = HYBRID + [f"optimizer.zero_stage={stage}"]
     cfg, layout = compose_config(FAST + overrides), Layout(dp=4, dp_shard=2)
     for r in run_distributed(_counted_step, 4, overrides):
