@@ -163,6 +163,8 @@ class ParallelismConfig:
     cp_mode: str = "ring"          # ring (K/V blocks passed round the cp ranks) | all_gather (one all-gather of
                                    # K/V, Llama 3); both zig-zag load-balanced
     ep: int = 1                    # expert parallel: dp x cp ranks that split a mixture's experts (divides dp x cp)
+    dp_shard: Optional[int] = None  # hybrid sharding: ZeRO shards over dp_shard x cp ranks, replicated dp / dp_shard
+                                    # times (divides dp; null: shard over all of dp x cp; docs/zero.md)
     pp_engine: str = "1f1b"        # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipev (the last three split B
                                    # and W; zbv and dualpipev V-shaped, dualpipev with m >= 2·pp: docs/parallelism.md)
     pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b; 2 for zbv and dualpipev)

@@ -85,6 +85,7 @@ DOMAINS: dict[str, Domain] = {
     "optimizer.learning_rate_scheduler.min_decay_lr": at_least(0, "null: half the peak learning_rate"),
     **{f"parallelism.{key}": SIZE for key in ("dp", "tp", "pp", "cp", "pp_virtual_stages")},
     "parallelism.ep": at_least(1, "1: every rank holds every expert"),
+    "parallelism.dp_shard": at_least(1, "null: ZeRO shards over all of dp x cp"),
     # torch.distributed's clocks overflow on timeouts of about 1e13 s.
     "parallelism.collective_timeout_s": Domain(lambda seconds: 0 < seconds <= 1e9, "positive and at most 1e9",
                                                "seconds"),

@@ -183,7 +183,27 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         *[(False, problem) for problem in (SCHEDULES[layout.schedule].problems(layout.schedule, p.pp, v, micro,
                                                                                m.num_hidden_layers)
                                            if layout.schedule in SCHEDULES else [])],
-    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) + split_backward_rules(cfg, layout)
+    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) + split_backward_rules(cfg, layout) \
+        + hybrid_sharding_rules(cfg, layout)
+
+
+def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
+    """parallelism.dp_shard: ZeRO shards over dp_shard x cp ranks and replicates across dp / dp_shard of them
+    (docs/zero.md#hybrid-sharding)."""
+    shard, dp, ep = cfg.parallelism.dp_shard, layout.dp, layout.ep
+    if shard is None:
+        return []
+    key = f"parallelism.dp_shard={shard}"
+    return [
+        (dp % shard == 0, f"{key} does not divide parallelism.dp={dp}: dp = replicas x dp_shard"),
+        (cfg.optimizer.zero_stage >= 1, f"{key} has no effect at optimizer.zero_stage=0 (nothing is sharded): set "
+         "optimizer.zero_stage to 1, 2 or 3, or parallelism.dp_shard=null"),
+        (dp % shard or layout.shard_size % ep == 0, f"{key} with parallelism.ep={ep}: ep must divide dp_shard * cp "
+         f"= {shard * layout.cp}, so that an ep group lies inside one shard group (the experts shard over its edp "
+         "ranks there); change parallelism.dp_shard or parallelism.ep"),
+        (optimizer_name(cfg) != "muon", f"{key}: Muon gathers its matrices over all of dp x cp and has no hybrid "
+         "sharding; use AdamW or parallelism.dp_shard=null"),
+    ]
 
 
 def split_backward_rules(cfg: Any, layout) -> list[Rule]:

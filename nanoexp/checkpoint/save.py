@@ -7,7 +7,7 @@ Layout of `<checkpoints_path>/<step>/`:
                          expert parallelism by the first rank holding it), tp-replicated ones by tp rank 0,
                          a pipeline's tied LM-head copy not at all (it equals the embedding); ZeRO
                          state (and ZeRO-3's weights) by the dp x cp (edp) rank that owns it, as flat ranges of
-                         each parameter.
+                         each parameter (under hybrid sharding, the owner in replica 0).
   meta.json              step, data position, layout, the composed config, format version, and an
                          index: which file holds which piece of which tensor (enough to re-slice).
 The folder is written as `.tmp-<step>/` and renamed into place by rank 0 only after every rank
@@ -74,8 +74,8 @@ def shard_contents(model, optimizer, ctx, to_host=None) -> tuple[dict, dict]:
                 add(stored if kind == "param" else f"{stored}:{kind}", part, stored, kind, p, shape, flat_range)
     if zero:
         # ZeRO's pieces: this rank's part [start, end) of each parameter's flattened elements; under ZeRO-3 their
-        # values too.
-        for piece in optimizer.pieces:
+        # values too. Under hybrid sharding the replicas hold the same pieces: the first copy's rank writes them.
+        for piece in optimizer.grad_sync.first_copy_pieces():
             if not counted_here(piece.param, ctx.tp_rank):
                 continue
             name = names[id(piece.param)]

@@ -92,11 +92,12 @@ def resume_command(overrides: list[str], run_dir: str) -> str:
 
 def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak,
               converted_linears: int = 0, tf32: bool = False, flush_denormals: bool = False,
-              fp8_emulated: bool = False) -> list[str]:
+              fp8_emulated: bool = False, ranks_per_node: int | None = None) -> list[str]:
     """The lines that say what a run is: model, parametrization, number format (`converted_linears`: how many
     linears of rank 0's model a format converted; whether matmuls run in TF32, denormals are flushed, FP8 products
-    emulated), initial weights, layout, global batch, data (`data`: describe_data's words) and the peak MFU is
-    measured against."""
+    emulated), initial weights, layout (and where hybrid sharding's shard groups lie on nodes of `ranks_per_node`
+    ranks, default one node), global batch, data (`data`: describe_data's words) and the peak MFU is measured
+    against."""
     p, t = cfg.parallelism, cfg.tokens
     global_batch = layout.dp * t.micro_batch_size * accumulation
     active = count_active_parameters(shape)
@@ -133,12 +134,29 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     parts += [f"expert parallel: {shape.moe.num_experts // layout.ep} experts per rank, "
               f"{layout.edp} cop{'ies' if layout.edp > 1 else 'y'} of each"] if layout.ep > 1 else []
     lines.append(f"layout: {layout.name} ({', '.join(parts)})")
+    if layout.replicas > 1:
+        lines.append(hybrid_sharding_line(layout, int(cfg.optimizer.zero_stage), ranks_per_node or layout.world_size))
     lines.append(f"global batch: {global_batch} sequences x {t.sequence_length} tokens = "
                  f"{global_batch * t.sequence_length:,} tokens per step (dp {layout.dp} x micro-batch "
                  f"{t.micro_batch_size} x accumulation {accumulation})")
     lines.append(f"data: {data}")
     lines.append("peak for MFU: " + (f"{peak.tflops:.3g} TFLOP/s ({peak.source})" if peak.tflops else peak.source))
     return lines
+
+
+def hybrid_sharding_line(layout, stage: int, ranks_per_node: int) -> str:
+    """Hybrid sharding: the shard groups, which ranks hold them, whether each lies inside a node."""
+    if layout.shard_size == 1:
+        return (f"hybrid sharding with shard groups of one rank (dp_shard 1, cp 1): nothing is sharded, each of the "
+                f"{layout.replicas} replicas holds the whole model state and gradients are all-reduced (as ZeRO-0)")
+    blocks = layout.shard_blocks()
+    ranks = ", ".join(f"{b.start}-{b.stop - 1}" for b in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
+    per_tp = " (one group per tp rank in each)" if layout.tp > 1 else ""
+    where = (f"some cross nodes of {ranks_per_node} ranks: their gathers and reduce-scatters go over the network"
+             if layout.shard_groups_cross_nodes(ranks_per_node) else f"each inside a node of {ranks_per_node} ranks")
+    return (f"hybrid sharding: ZeRO-{stage} over shard groups of {layout.shard_size} ranks (dp_shard "
+            f"{layout.dp_shard} x cp {layout.cp}), {layout.replicas} replicas of each shard, all-reduced across them "
+            f"once a step; shard groups in ranks {ranks}{per_tp}, {where}")
 
 
 def describe_data(name: str, train_samples: int | None, sequence_length: int, val_samples: int, rounds: int,

@@ -2,7 +2,10 @@
 grid with tp innermost (`Layout.rank_at`), so a tensor-parallel group is neighbours (on GPUs, one node) with the
 context-parallel ring next to them. Gradients are averaged, and ZeRO shards, over dp x cp (`dp_cp_group`); expert
 parallelism cuts each dp x cp group into ep groups of consecutive ranks (`ep_group`), and the ranks at the same
-place in every ep group hold the same experts (`edp_group`). A parallel layer holds only its dimension's `Axis`;
+place in every ep group hold the same experts (`edp_group`). With hybrid sharding (`Layout.dp_shard`) ZeRO shards
+over `shard_group` (dp_shard x cp ranks) and all-reduces each shard over `replica_group` (the ranks at the same
+place in every shard group); the experts shard over `expert_shard_group` (the edp ranks inside one shard group)
+and share the replica group (`zero_axes`). A parallel layer holds only its dimension's `Axis`;
 nothing else creates groups, and with one process none is created."""
 from __future__ import annotations
 
@@ -46,7 +49,11 @@ class ParallelContext:
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank   # rank order within dp_cp_group
         self.ep, self.edp = layout.ep, layout.edp
         self.ep_rank, self.edp_rank = layout.expert_position(self.dp_cp_rank)
+        self.replicas, self.shard_size = layout.replicas, layout.shard_size
+        self.replica_index, self.shard_rank = layout.shard_position(self.dp_cp_rank)
+        self.expert_shard_size, self.expert_shard_rank = self.shard_size // self.ep, self.shard_rank // self.ep
         self.dp_group = self.tp_group = self.pp_group = self.cp_group = self.dp_cp_group = None
+        self.shard_group = self.replica_group = self.expert_shard_group = None   # hybrid sharding only
         self.ep_group = self.edp_group = None   # None also when of one rank
         self.model_parallel_group = self.embedding_group = None
         # Every group this rank belongs to, by torch's group name: (its description, its global ranks). The flight
@@ -84,14 +91,27 @@ class ParallelContext:
                 keep("cp_group", [rank(p, d, c, t) for c in C])
             for p, t in product(P, T):
                 keep("dp_cp_group", [rank(p, d, c, t) for d in D for c in C])
-        if self.ep == 1:
-            return
         for p, t in product(P, T):
             dp_cp = [rank(p, d, c, t) for d in D for c in C]   # in dp_cp_rank order
-            for start in range(0, self.dp_cp, self.ep):
+            for start in range(0, self.dp_cp, self.ep) if self.ep > 1 else ():
                 keep("ep_group", dp_cp[start:start + self.ep])
-            for ep_rank in range(self.ep) if self.edp > 1 else ():
+            for ep_rank in range(self.ep) if self.ep > 1 and self.edp > 1 else ():
                 keep("edp_group", dp_cp[ep_rank::self.ep])
+            if self.replicas > 1:
+                self._build_hybrid_groups(dp_cp)
+
+    def _build_hybrid_groups(self, dp_cp: list[int]):
+        """Of one pp stage and tp rank (`dp_cp`: its ranks in dp_cp_rank order): the shard groups (blocks of
+        shard_size consecutive ones), the replica groups (the same place in every block), and the experts' shard
+        groups (one ep rank's ranks inside a block: validation makes ep divide the block, so an ep group never
+        leaves it and the experts' replicas are the replica group)."""
+        size, keep = self.shard_size, self._maybe_keep
+        for start in range(0, self.dp_cp, size) if size > 1 else ():
+            keep("shard_group", dp_cp[start:start + size])
+            for ep_rank in range(self.ep) if self.ep > 1 and self.expert_shard_size > 1 else ():
+                keep("expert_shard_group", dp_cp[start + ep_rank:start + size:self.ep])
+        for shard_rank in range(size):
+            keep("replica_group", dp_cp[shard_rank::size])
 
     def _maybe_keep(self, name: str, ranks: list[int]):
         description = self.describe_group(name, ranks)
@@ -108,6 +128,18 @@ class ParallelContext:
             if size > 1 and len({p[i] for p in positions}) == 1]
         kind = name.removesuffix("_group").replace("_", " ").replace("model parallel", "model-parallel")
         return f"{kind} group" + (f" of {', '.join(shared)}" if shared else "")
+
+    def zero_axes(self, expert: bool) -> tuple[Axis, Axis]:
+        """(shard, replica): the ranks ZeRO shards a parameter over, and the ranks holding the same shard (an
+        Axis of one rank without hybrid sharding). Routed experts (`expert`) shard over edp, or over the edp
+        ranks inside one shard group."""
+        if self.replicas == 1:
+            shard = Axis(self.edp_group, self.edp, self.edp_rank) if expert else Axis(
+                self.dp_cp_group, self.dp_cp, self.dp_cp_rank)
+            return shard, Axis()
+        shard = Axis(self.expert_shard_group, self.expert_shard_size, self.expert_shard_rank) if expert else Axis(
+            self.shard_group, self.shard_size, self.shard_rank)
+        return shard, Axis(self.replica_group, self.replicas, self.replica_index)
 
     def replica_rank(self, param) -> int:
         """This rank's place among the ranks that hold `param` whole and identical (0: the one that writes it

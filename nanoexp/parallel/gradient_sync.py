@@ -2,7 +2,8 @@
 final: averaged over the dp x cp ranks that hold the same weights, summed where one replica holds a parameter
 twice (sequence-parallel norms over tp, a tied embedding's two pipeline copies over the embedding group). It picks
 each parameter's engine (sharding.py): one per chunk over dp x cp, and under expert parallelism one per chunk for
-the routed experts over edp, divided by dp x cp. The rules and why: docs/zero.md."""
+the routed experts over edp, divided by dp x cp; under hybrid sharding (parallelism.dp_shard) over the shard group
+and the experts' shard group, each shard then summed across the replicas. The rules and why: docs/zero.md."""
 from __future__ import annotations
 
 from collections import Counter
@@ -65,12 +66,19 @@ class GradientSync:
         for c, chunk in enumerate(chunks):
             expert = [(module, [p for p in unit if placement(p).expert]) for module, unit in chunk]
             other = [(module, [p for p in unit if not placement(p).expert]) for module, unit in chunk]
-            self.engines.append(Sharding(other, ctx.dp_cp_group, ctx.dp_cp, ctx.dp_cp_rank, self.stage,
-                                         alone=self.tied, trace=trace.bind(chunk=c), **whole))
+            self.engines.append(self._engine(other, False, alone=self.tied, trace=trace.bind(chunk=c), **whole))
             if ctx.ep > 1:   # routed experts: summed over the edp ranks that hold them, averaged over dp x cp
-                self.expert_engines.append(Sharding(expert, ctx.edp_group, ctx.edp, ctx.edp_rank, self.stage,
-                                                    trace=trace.bind(chunk=c, experts=True), average_over=ctx.dp_cp,
-                                                    **whole))
+                self.expert_engines.append(self._engine(expert, True, trace=trace.bind(chunk=c, experts=True), **whole))
+
+    def _engine(self, units, expert: bool, **options) -> Sharding:
+        """The engine of `units` over ZeRO's groups (ParallelContext.zero_axes), averaging over dp x cp. A shard
+        group of one rank under hybrid sharding shards nothing: stage 0 over the replicas, each holding all."""
+        shard, replica = self.ctx.zero_axes(expert)
+        if shard.size == 1 and replica.size > 1:
+            return Sharding(units, replica.group, replica.size, replica.rank, 0, average_over=self.ctx.dp_cp,
+                            **options)
+        return Sharding(units, shard.group, shard.size, shard.rank, self.stage, average_over=self.ctx.dp_cp,
+                        replicas=replica, **options)
 
     def chunk_engines(self, chunk: int) -> list[Sharding]:
         return [self.engines[chunk]] + ([self.expert_engines[chunk]] if self.expert_engines else [])
@@ -126,6 +134,13 @@ class GradientSync:
         return ([piece for engine in self.all_engines for piece in engine.accumulated_pieces()]
                 + [piece for engine in self.all_engines for piece in engine.scattered_pieces()])
 
+    def first_copy_pieces(self) -> list[ShardPiece]:
+        """The shard pieces of which this rank holds the first copy (Sharding.first_copy): what the gradient
+        norm counts and checkpoints write; all of them without hybrid sharding."""
+        first = [engine for engine in self.all_engines if engine.first_copy]
+        return ([piece for engine in first for piece in engine.accumulated_pieces()]
+                + [piece for engine in first for piece in engine.scattered_pieces()])
+
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """ZeRO-1 and 2, after the update of the shard pieces: every rank gets every updated parameter."""
@@ -137,15 +152,15 @@ class GradientSync:
     def norm_inputs(self, params: list[nn.Parameter]) -> tuple[list, list, object]:
         """What clipping reads: the gradients the update uses, those of them that count in the global norm
         (each element of the model once), and the group their squares are summed over. ZeRO: this rank's
-        shard pieces, summed over every rank; else
+        shard pieces, summed over every rank, each piece counted on its first copy (under hybrid sharding the
+        replicas hold the same pieces: replica 0 counts them, `first_copy_pieces`); else
         every parameter's gradient (already identical across dp x cp), summed over the replica's
         model-parallel group; with expert parallelism, whose experts differ between the ep ranks, over every
         rank, each element counted on the first rank that holds it (ParallelContext.replica_rank)."""
         ctx = self.ctx
         if self.shard:
-            pieces = self.shard_pieces()
-            grads = [piece.grad for piece in pieces]
-            counted = [piece.grad for piece in pieces if counted_here(piece.param, ctx.tp_rank)]
+            grads = [piece.grad for piece in self.shard_pieces()]
+            counted = [piece.grad for piece in self.first_copy_pieces() if counted_here(piece.param, ctx.tp_rank)]
             return grads, counted, dist.group.WORLD if ctx.world_size > 1 else None
         used = [(p.grad, p) for p in params if p.grad is not None]
         if ctx.ep > 1:

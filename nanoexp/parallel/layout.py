@@ -4,9 +4,10 @@ A run splits its work four ways: dp replicas of the model each read part of the 
 hold part of every sequence (context parallel), tp ranks each hold a slice of every large weight, and pp
 stages each hold some of the layers (in `virtual_stages` chunks per rank with interleaved 1F1B). A fifth,
 expert parallelism, adds no ranks: the dp x cp ranks, which read different tokens, are cut into groups of ep
-consecutive ones, each of which holds a mixture's experts once, num_experts / ep on each rank. Validation,
-the sweeps and launchers, ParallelContext, model building, the memory estimate and the trainer all read these
-numbers here; none recomputes them.
+consecutive ones, each of which holds a mixture's experts once, num_experts / ep on each rank. ZeRO shards over
+all of dp x cp, or with `dp_shard` over shard groups of dp_shard x cp ranks, replicated dp / dp_shard times
+(hybrid sharding). Validation, the sweeps and launchers, ParallelContext, model building, the memory estimate
+and the trainer all read these numbers here; none recomputes them.
 
 Where tied embeddings (model.model_config.tie_word_embeddings) live is decided here too: which stage holds
 which copy (`lm_head_weight`) and which stages sum their gradients (`tied_stages`). The model declares the
@@ -35,6 +36,7 @@ class Layout:
     cp_mode: str = "ring"
     sequence_parallel: bool = False   # tp_mode=reduce_scatter: activations between blocks split over tp
     ep: int = 1                       # expert parallel: ranks of dp x cp that split a mixture's experts
+    dp_shard: int | None = None       # ZeRO shards over dp_shard x cp ranks, dp / dp_shard replicas (None: all dp)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Layout":
@@ -42,7 +44,8 @@ class Layout:
         p = cfg.parallelism
         return cls(dp=int(p.dp), cp=int(p.get("cp", 1)), tp=int(p.tp), pp=int(p.pp), schedule=str(p.pp_engine),
                    virtual_stages=int(p.pp_virtual_stages), cp_mode=str(p.get("cp_mode", "ring")),
-                   sequence_parallel=p.tp_mode == "reduce_scatter", ep=int(p.get("ep", 1)))
+                   sequence_parallel=p.tp_mode == "reduce_scatter", ep=int(p.get("ep", 1)),
+                   dp_shard=None if p.get("dp_shard") is None else int(p.dp_shard))
 
     @property
     def world_size(self) -> int:
@@ -65,6 +68,34 @@ class Layout:
         """(ep_rank, edp_rank) of the rank at `dp_cp_rank` (dp_rank x cp + cp_rank) in dp x cp: ep groups are
         consecutive, so that with cp > 1 the ranks of a sample's cp ring exchange tokens first."""
         return dp_cp_rank % self.ep, dp_cp_rank // self.ep
+
+    # -- hybrid sharding (parallelism.dp_shard; docs/zero.md#hybrid-sharding) ------------------------
+    @property
+    def replicas(self) -> int:
+        """Copies of ZeRO's shards: dp / dp_shard (1 without dp_shard: one shard group over all of dp x cp)."""
+        return max(1, self.dp // (self.dp_shard or self.dp))   # max: a dp_shard over dp, refused by validation
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of a ZeRO shard group: dp_shard x cp, the dp ranks in consecutive blocks of dp_shard, each with
+        its cp ranks; dp x cp without dp_shard."""
+        return self.dp_cp // self.replicas
+
+    def shard_position(self, dp_cp_rank: int) -> tuple[int, int]:
+        """(replica, shard rank) of the rank at `dp_cp_rank` in dp x cp: which shard group it is in, and its place
+        there. The replica group is the ranks with the same shard rank, one in each shard group."""
+        return divmod(dp_cp_rank, self.shard_size)
+
+    def shard_blocks(self) -> list[range]:
+        """The global ranks of each (pp stage, replica): dp_shard·cp·tp consecutive ranks, holding one shard group
+        per tp rank (tp is innermost in the grid, then cp, then dp)."""
+        span = self.shard_size * self.tp
+        return [range(start, start + span) for start in range(0, self.world_size, span)]
+
+    def shard_groups_cross_nodes(self, ranks_per_node: int) -> bool:
+        """Whether some shard group spans two nodes of `ranks_per_node` consecutive ranks: a block of
+        shard_size·tp ranks stays inside one node when it divides the ranks per node."""
+        return ranks_per_node % (self.shard_size * self.tp) != 0
 
     # -- the rank grid: (pp, dp, cp, tp), tp innermost (context.py says why) -------------------
     def rank_at(self, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.parallel.buckets import bucket_full, size_buckets
-from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
+from nanoexp.parallel.collectives import all_gather_into, all_reduce_each, reduce_scatter_into
 from nanoexp.parallel.units import GatherFormat, ShardPiece, Stage, Unit
 from nanoexp.observe.trace import NO_TRACE
 
@@ -23,7 +23,9 @@ class Sharding:
     module: enough below stage 3). `kept_whole`: parameters that stay whole and accumulate at any stage (held
     twice in a replica: summed over another group first); `deferred`: parameters whose reduction starts only in
     `finish()` (after a tp sum); `alone`: parameters all-reduced whole in a unit of their own even when sharded.
-    Gradients are summed over the group and divided by `average_over` (default: the group's size). Stage 3 gathers
+    Gradients are summed over the group and divided by `average_over` (default: the group's size); with `replicas`
+    (hybrid sharding: an Axis of the ranks holding the same shard, ParallelContext.zero_axes) each summed shard is
+    then summed over them, once a step in `finish_*()`, before the division. Stage 3 gathers
     a unit whose parameters `gather_format` all takes in that format (units.GatherFormat), others in float32. With
     `split_backward` (zb_h1) the before/after calls come around each W step and B's gradients wait for the next.
 
@@ -34,7 +36,7 @@ class Sharding:
     def __init__(self, units, group, size: int, rank: int, stage: int, bucket_cap_mb: float = 25.0,
                  kept_whole=(), deferred=(), alone=(), prefetch: int = 1, reshard_after_forward: bool = True,
                  trace=NO_TRACE, average_over: int | None = None, overlap_reduce_scatter: bool = True,
-                 gather_format: GatherFormat | None = None, split_backward: bool = False):
+                 gather_format: GatherFormat | None = None, split_backward: bool = False, replicas=None):
         self.group, self.size, self.rank, self.gather_format = group, size, rank, gather_format
         self.split_backward = split_backward   # B and W apart (zb_h1): reductions follow the W steps
         self.overlap_reduce_scatter = overlap_reduce_scatter
@@ -42,6 +44,7 @@ class Sharding:
         self.stage = Stage(stage if self.enabled else min(stage, 1))   # one rank: nothing to reduce or gather
         self.prefetch, self.reshard_after_forward, self.trace = prefetch, reshard_after_forward, trace
         self.average_over = average_over or size
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         units = [(module, [p for p in params if p.requires_grad]) for module, params in units]
         self.accumulated = self._plan_accumulated(units, kept_whole, deferred, alone, bucket_cap_mb)
         self.scattered = self._plan_scattered(units, kept_whole, bucket_cap_mb)
@@ -223,13 +226,26 @@ class Sharding:
         for unit in self.accumulated:
             with self.trace.span("allreduce_wait", bucket=unit.index):
                 unit.handle.wait()
-            (unit.grads if unit.alone else unit.shard_grad).div_(self.average_over)
             unit.handle = None
+        summed = [unit.grads if unit.alone else unit.shard_grad for unit in self.accumulated]
+        self._across_replicas(summed)
+        for grads in summed:
+            grads.div_(self.average_over)
         self._ready = None
+
+    def _across_replicas(self, shards: list[torch.Tensor]) -> None:
+        """Hybrid sharding: sum each shard (summed over the shard group) over the replicas holding it, all posted
+        before any is waited for, in unit order on every rank."""
+        if self.replicas is None:
+            return
+        with self.trace.span("replica_all_reduce_wait"):
+            all_reduce_each(shards, self.replicas.group)
 
     @torch.no_grad()
     def finish_scattered(self) -> None:
-        """The step's backwards are done: average the summed gradient shards."""
+        """The step's backwards are done: sum the gradient shards across replicas (once a step: the same sum as
+        after every micro-batch's reduce-scatter, for 1/m of the bytes), and average them."""
+        self._across_replicas([unit.shard_grad for unit in self.scattered])
         for unit in self.scattered:
             unit.shard_grad.div_(self.average_over)
 
@@ -342,6 +358,14 @@ class Sharding:
 
     def scattered_pieces(self) -> list[ShardPiece]:
         return [piece for unit in self.scattered for piece in unit.pieces()]
+
+    @property
+    def first_copy(self) -> bool:
+        """Whether this rank's pieces are the first copy of them, the one norms count and checkpoints write: a
+        shard is the only copy unless replicas hold it too (replica 0's is first); unsharded (stage 0), rank 0's."""
+        if not self.stage.shards_state:
+            return self.rank == 0
+        return self.replicas is None or self.replicas.rank == 0
 
     def held_as_shards(self) -> set[int]:
         """Stage 3: the ids of the parameters held only as shard pieces."""

@@ -7,6 +7,7 @@ Test-only faults (and, later, other extensions) enter through `TrainerHooks`, ne
 from __future__ import annotations
 
 import logging
+import os
 import math
 import socket
 import time
@@ -390,7 +391,8 @@ class Trainer:
         for line in run_facts(self.cfg, self.ctx.layout, self.shape, num_parameters, self.accumulation,
                               named + self.describe_data(), self.peak, len(self.model.converted_linears),
                               tf32_enabled(self.cfg, self.ctx.device), flushes_denormals(self.cfg, self.ctx.device),
-                              self.cfg.model.fp8.enabled and fp8_emulated(self.cfg, self.ctx.device)):
+                              self.cfg.model.fp8.enabled and fp8_emulated(self.cfg, self.ctx.device),
+                              int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))):
             log.info(line)
 
     def announce_stage(self, stage) -> None:
