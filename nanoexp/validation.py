@@ -207,17 +207,13 @@ def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
 
 
 def split_backward_rules(cfg: Any, layout) -> list[Rule]:
-    """A schedule that splits backwards into B and W (zb_h1, zbv) defers the plain linears' weight gradients: not
-    yet a number format's or a compiled block's."""
+    """A schedule that splits backwards into B and W (zb_h1, zbv, dualpipev) defers every linear's weight gradient,
+    through its matmul's halves (weight_grad.py; FP8's included): not yet a compiled block's."""
     name = layout.schedule
     if name not in SCHEDULES or not SCHEDULES[name].splits_backward:
         return []
     why = f"parallelism.pp_engine={name} splits each backward into B and W"
-    return [
-        (not cfg.model.fp8.enabled, f"{why}, which FP8 linears do not support yet: set model.fp8.enabled=false or "
-         "use parallelism.pp_engine=1f1b"),
-        (not cfg.model.compile, f"{why}, which torch.compile does not trace: set model.compile=false"),
-    ]
+    return [(not cfg.model.compile, f"{why}, which torch.compile does not trace: set model.compile=false")]
 
 
 def eval_rules(cfg: Any) -> list[Rule]:

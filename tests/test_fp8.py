@@ -61,6 +61,13 @@ LAYOUTS = {   # name: (overrides, which step-1 grad_norm tolerance)
     "pp2-1f1b": (["parallelism=dp1tp1pp2"], "exact"),
     "pp2-interleaved": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=interleaved_1f1b",
                          "parallelism.pp_virtual_stages=2"], "exact"),
+    # zero bubble: B and W through Fp8Matmul's own halves (weight_grad.py): the same FP8 products and scales
+    "pp2-zb_h1": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=zb_h1"], "exact"),
+    "pp2-zbv": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=zbv", "parallelism.pp_virtual_stages=2"], "exact"),
+    "dp2pp2-zbv-zero3": (["parallelism=dp2tp1pp2", "parallelism.pp_engine=zbv", "parallelism.pp_virtual_stages=2",
+                          "optimizer.zero_stage=3"], "exact"),
+    "tp2pp2-zb_h1-reduce_scatter": (["parallelism=dp1tp2pp2", "parallelism.pp_engine=zb_h1",
+                                     "parallelism.tp_mode=reduce_scatter"], "tp"),
     # cp2's forward is not bit-exact (4.8e-7 on the loss, the attention's sums split over the ring), and the
     # backward's FP8 casts turn that into grad_norm differences of the tp layouts' kind (measured 2.4e-4 emulated)
     "cp2": (["parallelism=dp1cp2tp1pp1"], "tp"),

@@ -123,6 +123,39 @@ class Fp8Matmul:
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return _Fp8Linear.apply(x, weight, self)
 
+    # -- the product and its backward's two halves, apart: _Fp8Linear, and zero bubble's B and W (weight_grad.py) --
+    def split_forward(self, x: torch.Tensor, weight: torch.Tensor, layer) -> tuple[torch.Tensor, tuple]:
+        """y = x W^T outside autograd, and what `input_grad` and `weight_grad` need: (x, W, the scales)."""
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        c, scales = self.config, {}
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            y = _mm(self.cast(x2, "x", c.cast_config_input, -1, scales),
+                    self.weight_t(weight, c.cast_config_weight, 0, scales))
+        return y.reshape(*x.shape[:-1], y.shape[-1]), (x, weight, scales)
+
+    def input_grad(self, saved: tuple, grad: torch.Tensor) -> torch.Tensor:
+        """grad_x = grad_out W from float8 operands."""
+        x, weight, scales = saved
+        c, g = self.config, grad.reshape(-1, grad.shape[-1])
+        with torch.autocast(grad.device.type, enabled=False):
+            grad_x = _mm(self.cast(g, "g", c.cast_config_grad_output, -1, scales),
+                         self.weight_t(weight, c.cast_config_weight_for_grad_input, -1, scales).t())
+        return grad_x.reshape(x.shape)
+
+    def weight_grad(self, saved: tuple, grad: torch.Tensor) -> torch.Tensor:
+        """grad_W = grad_out^T x from float8 operands, in W's dtype."""
+        x, weight, scales = saved
+        c, g, x2 = self.config, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        # grad_weight sums over the rows: _scaled_mm on CUDA needs that inner dimension a multiple of 16, which an
+        # row count need not be, so it is padded with zeros there (which add nothing)
+        padded = self.padded_config if x2.shape[0] % 16 else None
+        with torch.autocast(grad.device.type, enabled=False):
+            grad_w = _mm(self.cast(g, "g", c.cast_config_grad_output_for_grad_weight, 0, scales, padded).t(),
+                         self.cast(x2, "x", c.cast_config_input_for_grad_weight, 0, scales, padded))
+        return grad_w.to(weight.dtype)
+
     def weight_t(self, weight: torch.Tensor, cast_config, dim: int, scales: dict):
         """W^T as a float8 operand: the FP8 weight ZeRO-3 gathered (tensorwise: the same bytes and scale), or a cast."""
         if self.precast is not None:
@@ -163,35 +196,22 @@ class Fp8Matmul:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """y = x W^T from float8 operands; backward: grad_x = grad_out W and grad_W = grad_out^T x, likewise. The
-    products are torchao's (`torch.mm` of its float8 tensors: torch._scaled_mm, or float32 products of the same
-    operands when emulated), in the dtype of x (or grad_out)."""
+    """y = x W^T from float8 operands; backward: grad_x = grad_out W and grad_W = grad_out^T x, likewise (Fp8Matmul's
+    split_forward, input_grad, weight_grad). The products are torchao's (`torch.mm` of its float8 tensors:
+    torch._scaled_mm, or float32 products of the same operands when emulated), in the dtype of x (or grad_out)."""
 
     @staticmethod
     def forward(ctx, x, weight, mm: Fp8Matmul):
-        c, scales = mm.config, {}
-        x2 = x.reshape(-1, x.shape[-1])
-        with torch.autocast(x.device.type, enabled=False):
-            y = _mm(mm.cast(x2, "x", c.cast_config_input, -1, scales),
-                    mm.weight_t(weight, c.cast_config_weight, 0, scales))
+        y, (_, _, scales) = mm.split_forward(x, weight, None)
         ctx.save_for_backward(x, weight)
         ctx.mm, ctx.scales = mm, scales
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        mm, scales = ctx.mm, ctx.scales
-        c, g, x2 = mm.config, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        # grad_weight sums over the rows: _scaled_mm on CUDA needs that inner dimension a multiple of 16, which an
-        # row count need not be, so it is padded with zeros there (which add nothing)
-        padded = mm.padded_config if x2.shape[0] % 16 else None
-        with torch.autocast(grad.device.type, enabled=False):
-            grad_x = _mm(mm.cast(g, "g", c.cast_config_grad_output, -1, scales),
-                         mm.weight_t(weight, c.cast_config_weight_for_grad_input, -1, scales).t())
-            grad_w = _mm(mm.cast(g, "g", c.cast_config_grad_output_for_grad_weight, 0, scales, padded).t(),
-                         mm.cast(x2, "x", c.cast_config_input_for_grad_weight, 0, scales, padded))
-        return grad_x.reshape(x.shape), grad_w.to(weight.dtype), None
+        saved = (x, weight, ctx.scales)
+        return ctx.mm.input_grad(saved, grad), ctx.mm.weight_grad(saved, grad), None
 
 
 def _mm(a, b) -> torch.Tensor:
