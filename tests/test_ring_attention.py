@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import nanoexp.parallel.context_parallel.blocks as attention_blocks
 from nanoexp.data.loader import document_positions
 from nanoexp.model.attention import SDPA, Causal, Documents
-from nanoexp.parallel.context_parallel.all_gather import all_gather_attention
-from nanoexp.parallel.context_parallel.ring import ring_attention, ring_blocks, visibility
+from nanoexp.parallel.context_parallel import CP_KERNELS
+from nanoexp.parallel.context_parallel.ring import ring_blocks, visibility
 from nanoexp.parallel.context_parallel.zigzag import document_starts, rank_chunks, zigzag_indices, zigzag_split
 from nanoexp.verify.comm_counter import CommCounter
 from nanoexp.verify.context_parallel import ring_plan, zigzag_gather
@@ -143,8 +143,8 @@ def count_scores_in_small_tiles() -> list[int]:
     return scores
 
 
-# parallelism.cp_mode's two attentions share the interface, the layout and most of these tests
-CP_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
+# parallelism.cp_mode's attentions share the interface, the layout and the tests parametrized by mode below
+CP_ATTENTION = {mode: kernel.attend for mode, kernel in CP_KERNELS.items()}
 
 
 @contextlib.contextmanager
