@@ -161,7 +161,8 @@ class ParallelismConfig:
     pp: int = 1
     cp: int = 1                    # context parallel: each sample's sequence split over cp ranks
     cp_mode: str = "ring"          # ring (K/V blocks passed round the cp ranks) | all_gather (one all-gather of
-                                   # K/V, Llama 3); both zig-zag load-balanced
+                                   # K/V, Llama 3); both zig-zag load-balanced | ulysses (all-to-all to heads/cp
+                                   # of the heads over the whole sequence and back; heads divisible by cp x tp)
     ep: int = 1                    # expert parallel: dp x cp ranks that split a mixture's experts (divides dp x cp)
     pp_engine: str = "1f1b"        # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv (B and W split: docs/parallelism.md)
     pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b only)

@@ -243,7 +243,7 @@ def test_cp1_is_causal_attention_without_communication(mode):
         attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
 
 
-def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, gain=1.0):
+def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, gain=1.0, bound=1.5):
     """The gathered bf16 output and gradients (results[rank][0][:4]) against float64 attention on the same
     bf16 inputs: about as close as bf16 SDPA's on one process (under autocast too, when `autocast`). Measured
     0.57 to 0.98 times SDPA's error for the ring and for the all-gather, the same under autocast, 0.62 to 1.00
@@ -259,7 +259,7 @@ def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, g
     for i, (exact, sdpa) in enumerate(zip(expected[torch.float64], expected[torch.bfloat16])):
         got = zigzag_gather([torch.from_numpy(results[r][0][i]) for r in range(cp)], dim=2)
         ratio = (got.double() - exact).abs().max() / (sdpa.double() - exact).abs().max()
-        assert ratio <= 1.5, (i, ratio)
+        assert ratio <= bound, (i, ratio)
 
 
 def test_bfloat16_ring_is_as_close_to_exact_as_sdpa():

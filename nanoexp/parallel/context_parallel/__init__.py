@@ -1,10 +1,11 @@
 """Context parallelism: every sequence cut over the cp ranks, each holding two zig-zag chunks of it (zigzag.py).
 
 Only attention meets the other ranks' chunks: `apply_context_parallel` gives every layer of a plain model a
-kernel that does, by `parallelism.cp_mode` (`CP_KERNELS`: round a ring of the cp ranks, ring.py, or by one
-all-gather of K/V, all_gather.py), and sums a MoE block's router counts over cp. The step runner gives each rank
-its chunks of every micro-batch and their positions (nanoexp/runtime/step.py). Each kernel's entry carries its
-facts, which validation, the memory estimate and the traffic model ask for instead of comparing names.
+kernel that does, by `parallelism.cp_mode` (`CP_KERNELS`: round a ring of the cp ranks, ring.py, by one
+all-gather of K/V, all_gather.py, or by all-to-alls to head shards and back, ulysses.py), and sums a MoE block's
+router counts over cp. The step runner gives each rank its chunks of every micro-batch and their positions
+(nanoexp/runtime/step.py). Each kernel's entry carries its facts, which validation, the memory estimate and the
+traffic model ask for instead of comparing names.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from nanoexp.model.attention import Causal
 from nanoexp.parallel.context import Axis
-from nanoexp.parallel.context_parallel import all_gather, ring
+from nanoexp.parallel.context_parallel import all_gather, ring, ulysses
 from nanoexp.parallel.context_parallel.zigzag import document_starts
 
 
@@ -58,6 +59,8 @@ CP_KERNELS = {
     "ring": CPKernel(ring.ring_attention, ring.saved_floats, ring.workspace_bytes, ring.sent_bytes),
     "all_gather": CPKernel(all_gather.all_gather_attention, all_gather.saved_floats, all_gather.workspace_bytes,
                            all_gather.sent_bytes),
+    "ulysses": CPKernel(ulysses.ulysses_attention, ulysses.saved_floats, ulysses.workspace_bytes, ulysses.sent_bytes,
+                        ulysses.problems),
 }
 
 
