@@ -161,7 +161,8 @@ class ParallelismConfig:
     pp: int = 1
     cp: int = 1                    # context parallel: each sample's sequence split over cp ranks
     cp_mode: str = "ring"          # ring (K/V blocks passed round the cp ranks) | all_gather (one all-gather of
-                                   # K/V, Llama 3); both zig-zag load-balanced
+                                   # K/V, Llama 3); both zig-zag load-balanced | ulysses (all-to-all to heads/cp
+                                   # of the heads over the whole sequence and back; heads divisible by cp x tp)
     ep: int = 1                    # expert parallel: dp x cp ranks that split a mixture's experts (divides dp x cp)
     dp_shard: Optional[int] = None  # hybrid sharding: ZeRO shards over dp_shard x cp ranks, replicated dp / dp_shard
                                     # times (divides dp; null: shard over all of dp x cp; docs/zero.md)

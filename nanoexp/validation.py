@@ -246,9 +246,9 @@ def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
     a rank's s/cp tokens."""
     cp, tp, s = layout.cp, layout.tp, cfg.tokens.sequence_length
     rules = [one_of(cfg, "parallelism.cp_mode", tuple(CP_KERNELS))]
-    if cp == 1:
+    if cp == 1 or not rules[0][0]:
         return rules
-    return rules + [
+    return rules + [(False, problem) for problem in CP_KERNELS[layout.cp_mode].problems(cfg, layout)] + [
         (s % (2 * cp) == 0, f"tokens.sequence_length={s} is not divisible by 2 * parallelism.cp = {2 * cp}: "
          "context parallelism gives each cp rank two of 2·cp equal chunks"),
         (not layout.sequence_parallel or s % (2 * cp) or layout.local_tokens(s) % tp == 0,

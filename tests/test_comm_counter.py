@@ -65,12 +65,16 @@ def test_tensor_parallel_moves_only_the_analytic_minimum():
             assert abs(sent - minimum) / minimum < 0.01, (mode, sent, minimum)
 
 
-@pytest.mark.parametrize("overrides", [[], ["parallelism.cp_mode=all_gather", "parallelism.recompute_layer=true"]],
-                         ids=["ring", "all_gather-recompute"])
+@pytest.mark.parametrize("overrides", [[], ["parallelism.cp_mode=all_gather", "parallelism.recompute_layer=true"],
+                                       ["parallelism.cp_mode=ulysses", "parallelism.recompute_layer=true",
+                                        "model.attention_mask=document"]],
+                         ids=["ring", "all_gather-recompute", "ulysses-recompute-document"])
 def test_context_parallel_moves_only_the_analytic_minimum(overrides):
     """Ring attention sends K/V cp-1 times forward and backward plus dK/dV home (ring_plan); all-gather
-    attention gathers K/V once per forward (twice under recomputation) and reduce-scatters dK/dV once; the
-    gradients are averaged over dp x cp: all equal bench_parallel's analytic minimum (1 %: the scalars)."""
+    attention gathers K/V once per forward (twice under recomputation) and reduce-scatters dK/dV once; Ulysses
+    exchanges (cp-1)/cp of q, k, v and the output each forward and their gradients once, and all-gathers the
+    document starts each forward; the gradients are averaged over dp x cp: all equal bench_parallel's analytic
+    minimum (1 %: the scalars)."""
     from types import SimpleNamespace
 
     from benchmarks.bench_parallel import run_layout

@@ -98,14 +98,17 @@ def _cp2_layer(rank, world, overrides):
 
 
 ALL_GATHER = ["parallelism.cp_mode=all_gather"]   # saves the gathered K/V of both cp ranks
+ULYSSES = ["parallelism.cp_mode=ulysses"]   # saves SDPA's tensors in head layout; tp2: its 1 KV head sent twice
 
 
 @pytest.mark.parametrize("overrides,world", [(SHAPES[0], 2), (SHAPES[1], 2), (["parallelism.recompute_layer=true"], 2),
                                              (SHAPES[0], 4), (["parallelism.tp_mode=reduce_scatter"], 4),
                                              (SHAPES[0] + ALL_GATHER, 2), (SHAPES[1] + ALL_GATHER, 2),
-                                             (SHAPES[0] + ALL_GATHER, 4)],
+                                             (SHAPES[0] + ALL_GATHER, 4), (SHAPES[0] + ULYSSES, 2),
+                                             (SHAPES[1] + ULYSSES, 2), (SHAPES[0] + ULYSSES, 4)],
                          ids=["gqa", "mha", "recompute", "tp2", "tp2_sequence_parallel",
-                              "all_gather_gqa", "all_gather_mha", "all_gather_tp2"])
+                              "all_gather_gqa", "all_gather_mha", "all_gather_tp2", "ulysses_gqa", "ulysses_mha",
+                              "ulysses_tp2_repeated_kv"])
 def test_layer_formula_with_context_parallelism(overrides, world):
     for measured, formula in run_distributed(_cp2_layer, world, overrides):
         assert measured == formula

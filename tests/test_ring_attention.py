@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import nanoexp.parallel.context_parallel.blocks as attention_blocks
 from nanoexp.data.loader import document_positions
 from nanoexp.model.attention import SDPA, Causal, Documents
-from nanoexp.parallel.context_parallel.all_gather import all_gather_attention
-from nanoexp.parallel.context_parallel.ring import ring_attention, ring_blocks, visibility
+from nanoexp.parallel.context_parallel import CP_KERNELS
+from nanoexp.parallel.context_parallel.ring import ring_blocks, visibility
 from nanoexp.parallel.context_parallel.zigzag import document_starts, rank_chunks, zigzag_indices, zigzag_split
 from nanoexp.verify.comm_counter import CommCounter
 from nanoexp.verify.context_parallel import ring_plan, zigzag_gather
@@ -143,8 +143,8 @@ def count_scores_in_small_tiles() -> list[int]:
     return scores
 
 
-# parallelism.cp_mode's two attentions share the interface, the layout and most of these tests
-CP_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
+# parallelism.cp_mode's attentions share the interface, the layout and the tests parametrized by mode below
+CP_ATTENTION = {mode: kernel.attend for mode, kernel in CP_KERNELS.items()}
 
 
 @contextlib.contextmanager
@@ -243,7 +243,7 @@ def test_cp1_is_causal_attention_without_communication(mode):
         attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
 
 
-def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, gain=1.0):
+def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, gain=1.0, bound=1.5):
     """The gathered bf16 output and gradients (results[rank][0][:4]) against float64 attention on the same
     bf16 inputs: about as close as bf16 SDPA's on one process (under autocast too, when `autocast`). Measured
     0.57 to 0.98 times SDPA's error for the ring and for the all-gather, the same under autocast, 0.62 to 1.00
@@ -259,7 +259,7 @@ def assert_bf16_as_close_as_sdpa(results, heads, kv_heads, cp, autocast=False, g
     for i, (exact, sdpa) in enumerate(zip(expected[torch.float64], expected[torch.bfloat16])):
         got = zigzag_gather([torch.from_numpy(results[r][0][i]) for r in range(cp)], dim=2)
         ratio = (got.double() - exact).abs().max() / (sdpa.double() - exact).abs().max()
-        assert ratio <= 1.5, (i, ratio)
+        assert ratio <= bound, (i, ratio)
 
 
 def test_bfloat16_ring_is_as_close_to_exact_as_sdpa():

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from nanoexp.config import batch_accumulation, uses_muon
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
-from nanoexp.parallel.context_parallel import blocks as attention_blocks
+from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
 
@@ -19,8 +19,8 @@ MB = 2**20
 def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
                            cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1) -> float:
     """Floats one decoder layer saves for backward per token on a rank (docs/memory.md); under
-    cp > 1 per token of the rank's s/cp, with cp_mode's attention (ring | all_gather); `moe`: a MoE layer's
-    (moe_floats_per_token in place of the MLP's 4i / tp)."""
+    cp > 1 per token of the rank's s/cp, with cp_mode's attention (its CP_KERNELS entry's saved_floats); `moe`:
+    a MoE layer's (moe_floats_per_token in place of the MLP's 4i / tp)."""
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
     if recompute:
@@ -28,14 +28,15 @@ def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence
     # The two residual inputs, their normalised values and norms' 1/rms (sharded along the sequence
     # under SP); the column layers' full inputs; q, k, v, attention output and its log-sum-exp; the MLP.
     norms = 4 * h + 2
-    # Ring attention keeps its output [b, heads, s, d] for backward, and o_proj saves its [b, s, heads*d]
-    # copy; SDPA's output already has o_proj's layout, so without cp one tensor serves both.
-    ring = h / tp if cp > 1 else 0
-    # All-gather attention saves the K/V of every cp rank's chunks instead of its own: cp − 1 more K/V.
-    gathered = (cp - 1) * 2 * kv / tp if cp > 1 and cp_mode == "all_gather" else 0
+    context = CP_KERNELS[cp_mode].saved_floats(rank_attention(shape, tp, cp)) if cp > 1 else 0
     mlp = moe_floats_per_token(shape, ep) / (tp if sequence_parallel else 1) if moe else 4 * i / tp
-    return (norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads) / tp + mlp
-            + ring + gathered)
+    return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads) / tp + mlp + context
+
+
+def rank_attention(shape: LlamaShape, tp: int, cp: int, **micro_batch) -> RankAttention:
+    """A layer's attention on a rank, as the CP kernels' facts take it."""
+    return RankAttention(shape.num_attention_heads // tp, shape.num_key_value_heads // tp, shape.head_dim, cp,
+                         **micro_batch)
 
 
 def moe_floats_per_token(shape: LlamaShape, ep: int) -> float:
@@ -126,21 +127,16 @@ def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tu
     return most, most_heads
 
 
-def ring_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
-    """Bytes of ring attention's one tile in flight (cp > 1): a tile's forward or backward holds up to 3
-    [micro_batch, heads/tp, T, T] float32 tensors at once (scores or probabilities, and two temporaries of
-    the score gradient), T = min(attention_blocks.TILE, s / 2cp). SDPA without cp also works in tiles.
-    cp_mode=all_gather: the backward also holds the float32 dK/dV of all cp ranks' K/V (the whole sequence's)
-    and the reduce-scatter's 1/cp of it for this rank."""
-    t, cp, tp = cfg.tokens, layout.cp, layout.tp
-    if cp == 1:
+def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
+    """Bytes one layer's context-parallel attention holds only while it runs (cp > 1; its CP_KERNELS entry's
+    workspace_bytes: the ring's tile of scores, the all-gather's dK/dV of the whole sequence, ...). SDPA without
+    cp works in tiles: none."""
+    if layout.cp == 1:
         return 0
-    tile = min(attention_blocks.TILE, t.sequence_length // (2 * cp))
-    scores = 3 * 4 * t.micro_batch_size * (shape.num_attention_heads // tp) * tile * tile
-    if layout.cp_mode != "all_gather":
-        return scores
-    kv = 2 * t.micro_batch_size * (shape.num_key_value_heads // tp) * shape.head_dim   # K and V, per token
-    return scores + 4 * kv * t.sequence_length * (1 + 1 / cp)
+    t = cfg.tokens
+    return CP_KERNELS[layout.cp_mode].workspace_bytes(rank_attention(
+        shape, layout.tp, layout.cp, batch=t.micro_batch_size, sequence=t.sequence_length,
+        act_bytes=2 if cfg.model.dtype == "bfloat16" else 4, documents=cfg.model.attention_mask == "document"))
 
 
 def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
@@ -164,7 +160,7 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
         return recomputed + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
     return (act_bytes * tokens * (layers * per_layer + max(map(transient, ids)) + heads * head)
-            + ring_workspace(cfg, layout, shape))
+            + context_workspace(cfg, layout, shape))
 
 
 def zero_stage(cfg, layout: Layout) -> int:

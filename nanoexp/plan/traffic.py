@@ -8,8 +8,9 @@ the tokens of a sample a rank holds, A = micro_batch x s' x hidden x activation 
 holds (benchmarks/bench_parallel.py's docstring explains each line):
   dp (dp_cp with cp > 1)  zero_passes x (n-1)/n x 4N, plus the step loss and the token count (float32 scalars);
   edp  the experts' gradients over the expert-data-parallel ranks; ep  the all-to-all of routed tokens;
-  cp   ring: K/V cp-1 hops forward and backward, the float32 dK/dV cp-1 hops home; all_gather: K/V gathered
-       once a forward, dK/dV reduce-scattered once; the forward's share again under recomputation;
+  cp   per layer and micro-batch, what parallelism.cp_mode's kernel says it sends (its CP_KERNELS entry's
+       sent_bytes: the ring's K/V hops and dK/dV home, the all-gather's K/V and dK/dV reduce-scatter, ...), the
+       forward's share again under recomputation;
   tp   4 all-reduces of A per layer (2 forward, 2 backward; the same bytes as sequence parallelism's gathers and
        reduce-scatters; one more when the block is recomputed), one for the embedding and one for the head's input, the vocab-parallel loss' 3;
   pp   the activation to the next stage and its gradient back, float32, per micro-batch, plus the step loss;
@@ -17,7 +18,8 @@ holds (benchmarks/bench_parallel.py's docstring explains each line):
 """
 from __future__ import annotations
 
-from nanoexp.observe.memory_estimate import held_modules, held_parameters
+from nanoexp.observe.memory_estimate import held_modules, held_parameters, rank_attention
+from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import Layout
 
 GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding")
@@ -75,10 +77,10 @@ def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, fl
         out["ep"] = all_to_all_bytes(cfg, layout, shape, pp_rank, m, mb * s // (layout.tp if sp else 1))
         out["edp"] = ring(layout.edp) * 4 * experts * zero_passes(cfg, m) / 2 if layout.edp > 1 else 0
     if layout.cp > 1:
-        kv = 2 * mb * (shape.num_key_value_heads // layout.tp) * s * shape.head_dim   # floats of one K/V message
+        attention = rank_attention(shape, layout.tp, layout.cp, batch=mb, sequence=cfg.tokens.sequence_length,
+                                   act_bytes=act, documents=cfg.model.attention_mask == "document")
         forwards = 2 if cfg.parallelism.recompute_layer else 1
-        kv_sends = forwards + (layout.cp_mode == "ring")
-        out["cp"] = m * layers * (layout.cp - 1) * (kv_sends * kv * act + kv * 4)
+        out["cp"] = m * layers * CP_KERNELS[layout.cp_mode].sent_bytes(attention, forwards)
     if layout.tp > 1:
         # a recomputed block repeats its attention's forward all-reduce, not its MLP's: recomputation stops once
         # every saved tensor is back, and nothing saves the down projection's output (metrics.py)

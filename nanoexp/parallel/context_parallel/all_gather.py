@@ -14,6 +14,7 @@ import torch
 
 from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
 from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
+from nanoexp.parallel.context_parallel import ring
 from nanoexp.parallel.context_parallel.ring import ring_blocks
 from nanoexp.parallel.context_parallel.zigzag import chunk_start
 
@@ -123,3 +124,24 @@ def all_gather_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, sca
                          f"s even; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _AllGatherAttention.apply(q, k, v, group, cp, cp_rank, scale, starts)
+
+
+# -- its facts (CP_KERNELS' entry; `a` is a RankAttention) ----------------------------------------
+
+def saved_floats(a) -> float:
+    """Per local token: the ring's output copy, and the K/V of every cp rank's chunks saved instead of its own:
+    cp − 1 more K/V."""
+    return ring.saved_floats(a) + (a.cp - 1) * 2 * a.kv_heads * a.head_dim
+
+
+def workspace_bytes(a) -> float:
+    """The ring's tile, and in the backward the float32 dK/dV of all cp ranks' K/V (the whole sequence's) and
+    the reduce-scatter's 1/cp of it for this rank."""
+    kv = 2 * a.batch * a.kv_heads * a.head_dim   # K and V, per token
+    return ring.workspace_bytes(a) + 4 * kv * a.sequence * (1 + 1 / a.cp)
+
+
+def sent_bytes(a, forwards: int) -> float:
+    """K/V all-gathered once a forward ((cp − 1) x this rank's), the float32 dK/dV reduce-scattered once."""
+    kv = 2 * a.batch * a.kv_heads * a.local_tokens * a.head_dim
+    return (a.cp - 1) * (forwards * kv * a.act_bytes + kv * 4)

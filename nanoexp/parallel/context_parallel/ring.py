@@ -23,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanoexp.parallel.context_parallel import blocks as attention_blocks
 from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
 from nanoexp.parallel.context_parallel.zigzag import chunk_start, rank_chunks
 
@@ -163,3 +164,24 @@ def ring_attention(q, k, v, group=None, cp: int = 1, cp_rank: int = 0, scale: fl
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, group, cp, cp_rank, scale, starts)
+
+
+# -- its facts (CP_KERNELS' entry; `a` is a RankAttention) ----------------------------------------
+
+def saved_floats(a) -> float:
+    """Per local token: the ring keeps its output [b, heads, s, d] for backward, and o_proj saves its [b, s,
+    heads*d] copy; SDPA's output already has o_proj's layout, so without cp one tensor serves both."""
+    return a.heads * a.head_dim
+
+
+def workspace_bytes(a) -> float:
+    """One tile in flight: a tile's forward or backward holds up to 3 [batch, heads, T, T] float32 tensors at
+    once (scores or probabilities, and two temporaries of the score gradient), T = min(TILE, s / 2cp)."""
+    tile = min(attention_blocks.TILE, a.sequence // (2 * a.cp))
+    return 3 * 4 * a.batch * a.heads * tile * tile
+
+
+def sent_bytes(a, forwards: int) -> float:
+    """K/V cp − 1 hops each forward and again in the backward, the float32 dK/dV accumulator cp − 1 hops home."""
+    kv = 2 * a.batch * a.kv_heads * a.local_tokens * a.head_dim   # floats of one K/V message
+    return (a.cp - 1) * ((forwards + 1) * kv * a.act_bytes + kv * 4)
