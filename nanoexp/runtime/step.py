@@ -74,20 +74,46 @@ class StepRunner:
     def train(self, micro_batches: list[dict], grad_sync, loss_hook=None) -> list[torch.Tensor]:
         """Forward and backward of prepared micro-batches (one optimizer step's on this rank), gradients left to
         `grad_sync`; returns the detached per-micro-batch losses on the loss stage, [] elsewhere. `loss_hook(loss)`
-        sees each micro-batch's loss before its backward."""
-        denominator = self.loss_denominator(micro_batches)
+        sees each micro-batch's loss before its backward. Without a pipeline the step is plain gradient
+        accumulation, written out below; with one, the engine runs the schedule."""
+        head = TrainingLoss(self.loss_denominator(micro_batches), loss_hook)
+        if self.pipelined:
+            return self.engine.run(lambda mb, hidden, chunk: self.measured_forward(mb, hidden, chunk, head),
+                                   micro_batches, self.activation_shape, torch.float32, grad_sync=grad_sync)
+        losses, trace = [], self.engine.trace
+        for i, micro_batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1   # the gradients are final after its backward
+            HEARTBEAT.at(f"forward of micro-batch {i}")
+            with trace.span("forward", mb=i, chunk=0):
+                loss = self.measured_forward(micro_batch, None, 0, head)
+            losses.append(loss.detach())
+            HEARTBEAT.at(f"backward of micro-batch {i}")
+            grad_sync.before_backward(0, last)
+            with trace.span("backward", mb=i, chunk=0):
+                loss.backward()
+            grad_sync.after_backward(0, last)
+        return losses
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step needs the pipeline engine: several stages, chunks, or backwards split in B and W."""
+        engine = self.engine
+        return self.ctx.pp > 1 or engine.num_chunks > 1 or engine.splits_backward
+
+    @property
+    def max_in_flight(self) -> int:
+        """Most micro-batches whose saved tensors were held at once in the last step (1 without a pipeline)."""
+        return self.engine.max_in_flight if self.pipelined else 1
+
+    def measured_forward(self, micro_batch: dict, hidden_states, chunk: int, head):
+        """`forward`, in MoE's training mode; the first call measures what autograd saves of a micro-batch."""
         moe = self.model.moe_losses
-        head = TrainingLoss(denominator, loss_hook)
-
-        def forward(micro_batch, hidden_states, chunk):
-            measure = saved_activation_bytes(self.model.parameters()) if self.saved_bytes is None else None
-            with measure or contextlib.nullcontext() as saved, moe.training_forward() if moe else contextlib.nullcontext():
-                out = self.forward(micro_batch, hidden_states, chunk, head)
-            if saved is not None:
-                self.saved_bytes = saved.bytes
-            return out
-
-        return self.engine.run(forward, micro_batches, self.activation_shape, torch.float32, grad_sync=grad_sync)
+        measure = saved_activation_bytes(self.model.parameters()) if self.saved_bytes is None else None
+        with measure or contextlib.nullcontext() as saved, moe.training_forward() if moe else contextlib.nullcontext():
+            out = self.forward(micro_batch, hidden_states, chunk, head)
+        if saved is not None:
+            self.saved_bytes = saved.bytes
+        return out
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[dict], head) -> list[torch.Tensor]:

@@ -364,7 +364,7 @@ class Trainer:
         of one micro-batch (measured on the first forward) times those the engine held at once."""
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         parameter_bytes, gradient_bytes = self.grad_sync.buffer_bytes()
-        per_micro_batch, in_flight = (self.runner.saved_bytes or 0) / 2**20, self.runner.engine.max_in_flight
+        per_micro_batch, in_flight = (self.runner.saved_bytes or 0) / 2**20, self.runner.max_in_flight
         memory = {"parameters_mb": parameter_bytes / 2**20, "gradients_mb": gradient_bytes / 2**20,
                   "optimizer_mb": sum(t.numel() * t.element_size() for t in state) / 2**20,
                   "activations_mb": per_micro_batch * in_flight, "activations_per_micro_batch_mb": per_micro_batch,
