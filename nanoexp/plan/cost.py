@@ -12,7 +12,8 @@ One optimizer step on the busiest pipeline rank is
   for zb_h1/zbv), one p2p hop added to each.
 - communication: the bytes of each group from nanoexp/plan/traffic.py (the comm counter's formulas) over the
   link the group crosses (NVLink inside a node, the network across: the rank grid is (pp, dp, cp, tp), tp
-  innermost), plus a latency per ring step. What can overlap does, up to the compute it overlaps: gradient
+  innermost), plus a latency per ring step. Under hybrid sharding (parallelism.dp_shard) ZeRO's collectives run
+  on the shard group (a block of tp x shard_size ranks) and the replicas' all-reduce once a step, exposed. What can overlap does, up to the compute it overlaps: gradient
   buckets with the last backward (ZeRO-0/1), reduce-scatters with every backward (ZeRO-2), prefetched gathers
   with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
   layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
