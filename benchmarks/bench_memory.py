@@ -94,7 +94,7 @@ def run_case(case: str, args) -> list[dict]:
         rows.append({"case": case, "rank": rank, "zero_stage": stage,
                      "measured_mb": peak - summary["baseline_memory_mb"], "estimate_mb": total(parts) / MB,
                      "model_state_mb": state / MB,
-                     "analytic_state_mb": analytic_model_state(stage, params, layout.dp_cp,
+                     "analytic_state_mb": analytic_model_state(stage, params, layout.shard_size,
                                                                gathered_units(cfg, shape, layout, pp_rank)) / MB,
                      "activations_mb": parts["activations"] / MB, "in_flight_mb": parts["in_flight"] / MB,
                      "baseline_mb": summary["baseline_memory_mb"]})

@@ -33,11 +33,18 @@ from nanoexp.validation import validate
 KINDS = ("parameters", "gradients", "optimizer", "activations", "in_flight", "communication")
 
 
+def sharded_over(layout: Layout) -> str:
+    """Where ZeRO shards: dp x cp, or the shard group under hybrid sharding (parallelism.dp_shard)."""
+    if layout.replicas == 1:
+        return f"dp x cp = {layout.dp_cp}"
+    return f"shard groups of dp_shard x cp = {layout.shard_size}, {layout.replicas} replicas"
+
+
 def print_zero_stages(cfg, shape, device: str) -> None:
     """The busiest rank's estimate under each ZeRO stage (the config otherwise as given)."""
     cfg = copy.deepcopy(cfg)
     print(f"{'ZeRO':>8}{'pp stage':>9}" + "".join(f"{k:>14}" for k in KINDS) + f"{'total':>10}"
-          f"  (MB per rank above the baseline, dp x cp = {Layout.from_config(cfg).dp_cp})")
+          f"  (MB per rank above the baseline, sharded over {sharded_over(Layout.from_config(cfg))})")
     for stage in range(4):
         cfg.optimizer.zero_stage = stage
         busiest, parts = busiest_rank_estimate(cfg, shape, device)
@@ -67,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         print_zero_stages(cfg, shape, args.device)
     else:
         print(f"{'pp stage':>8}" + "".join(f"{k:>14}" for k in KINDS) + f"{'total':>10}  (MB per rank above the "
-              f"baseline, ZeRO-{cfg.optimizer.zero_stage} over dp x cp = {layout.dp_cp}"
+              f"baseline, ZeRO-{cfg.optimizer.zero_stage} over {sharded_over(layout)}"
               + (f"; {shape.moe.num_experts // layout.ep} experts per rank, ep = {layout.ep}, their state over "
-                 f"edp = {layout.edp})" if layout.ep > 1 else ")"))
+                 f"{layout.shard_size // layout.ep} ranks)" if layout.ep > 1 else ")"))
         for pp_rank in range(layout.pp):
             stage = estimate(cfg, shape, pp_rank, args.device)
             print(f"{pp_rank:>8}" + "".join(f"{stage[k] / MB:>14.1f}" for k in KINDS) + f"{total(stage) / MB:>10.1f}")

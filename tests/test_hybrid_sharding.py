@@ -18,7 +18,7 @@ from nanoexp.checkpoint.save import rank_file
 from nanoexp.observe.console import hybrid_sharding_line
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.plan.traffic import zero_passes
+from nanoexp.plan.traffic import hybrid_sent_bytes
 from nanoexp.run import check_config
 from nanoexp.runtime.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
@@ -161,16 +161,6 @@ def test_checkpoints_move_between_hybrid_full_and_one_process(tmp_path, train_on
 
 
 # -- the bytes ---------------------------------------------------------------------------------------
-def hybrid_sent_bytes(cfg, layout: Layout, held: int, m: int) -> dict[str, float]:
-    """Bytes a rank sends per step under hybrid sharding (comm_counter's ring rules; N = `held` parameters, n the
-    shard group's ranks, R the replicas): over the shard group the passes of full sharding over n,
-    zero_passes x (n-1)/n x 4N; over the replica group one all-reduce of the rank's shard a step,
-    2(R-1)/R x 4N/n. (The planner's nanoexp/plan/traffic.py has the first term for n = dp x cp.)"""
-    n, replicas = layout.shard_size, layout.replicas
-    return {"shard": zero_passes(cfg, m) * (n - 1) / n * 4 * held,
-            "replica": 2 * (replicas - 1) / replicas * 4 * held / n}
-
-
 def _counted_step(rank, world_size, overrides):
     """The second of two steps under a CommCounter over the shard, replica and dp x cp groups."""
     cfg = compose_config(FAST + overrides)

@@ -149,3 +149,26 @@ def test_a_partition_ends_cleanly_and_a_resume_after_it_finishes_the_run(uninter
     outputs = finish(start_fault_run(run_dir, 29425, 0, "nanoexp-after-partition"), timeout=240)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed", outputs[0][-3000:]
     assert step_losses(run_dir) == uninterrupted
+
+
+# -- hybrid sharding across hosts (docs/multi-node.md#hybrid-sharding-across-hosts) --------------------------------
+@pytest.mark.slow
+def test_hybrid_sharding_keeps_zero3_inside_a_host(two_hosts, tmp_path):
+    """dp4 ZeRO-3 on 2 hosts x 2 processes: with shard groups of 2 (one per host) only the replica all-reduce and
+    the loss scalars cross the boundary, by the counter's ring rule; full sharding's ring over the 4 ranks crosses
+    on half of them. Both equal the formula (plan.traffic) up to the world group's few bytes (< 100, no formula)."""
+    from benchmarks.bench_hybrid_hosts import BASE, run_case
+    crossed = {}
+    for name, extra, port in (("hybrid", ["parallelism.dp_shard=2"], 29431), ("full", [], 29432)):
+        (tmp_path / name).mkdir()
+        results = run_case([*FAST, *BASE, *extra], 1, str(tmp_path / name), port, timeout=240)
+        assert sorted(r["host"] for r in results) == [HOSTS[0]] * 2 + [HOSTS[1]] * 2
+        for r in results:
+            assert 0 <= r["crossed"] - r["crossed_formula"] < 100, r
+        crossed[name] = sum(r["crossed"] for r in results)
+        if name == "hybrid":   # every rank's replica goes to the other host; no shard group byte crosses
+            assert all(r["crossed_formula"] == r["formula"]["replica"] + (r["sent"]["dp"] if r["rank"] % 2 else 0)
+                       for r in results), results
+        else:
+            assert crossed[name] > 0
+    assert crossed["hybrid"] < crossed["full"] / 3

@@ -58,17 +58,22 @@ def dp_traffic_bytes(cfg) -> float:
     busiest pipeline stage's parameters): a reduce-scatter or an all-gather of N parameters sends 4N(d - 1)/d.
     ZeRO-0 all-reduces once (two of those), ZeRO-1 reduce-scatters and all-gathers once; ZeRO-2 reduce-scatters
     every micro-batch and all-gathers the update; ZeRO-3 gathers every micro-batch before forward and again before
-    backward (once with zero3_reshard_after_forward=false) and reduce-scatters."""
+    backward (once with zero3_reshard_after_forward=false) and reduce-scatters. Under hybrid sharding
+    (parallelism.dp_shard) d is the shard group's n ranks, and the R replicas add an all-reduce of the rank's
+    shard, 2(R - 1)/R x 4N/n."""
     layout, shape = Layout.from_config(cfg), model_shape(cfg)
     held = max(held_parameters(shape, layout, r)[0] for r in range(layout.pp))
-    one = 4 * held * (layout.dp_cp - 1) / layout.dp_cp
+    n, replicas = layout.shard_size, layout.replicas   # hybrid sharding: ZeRO over n ranks, R replicas of each
+    one = 4 * held * (n - 1) / n
+    # the replicas all-reduce each rank's shard once a step (nanoexp/plan/traffic.py's hybrid_sent_bytes)
+    across = 2 * (replicas - 1) / replicas * 4 * held / n
     micro_batches, stage = batch_accumulation(cfg), int(cfg.optimizer.zero_stage)
     if stage <= 1:
-        return 2 * one
+        return 2 * one + across
     if stage == 2:
-        return (micro_batches + 1) * one
+        return (micro_batches + 1) * one + across
     gathers = 2 if cfg.optimizer.zero3_reshard_after_forward else 1
-    return micro_batches * (gathers + 1) * one
+    return micro_batches * (gathers + 1) * one + across
 
 
 def with_stage(cfg, stage: int):

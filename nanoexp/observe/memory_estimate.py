@@ -164,8 +164,9 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
 
 
 def zero_stage(cfg, layout: Layout) -> int:
-    """The ZeRO stage that shapes this rank's memory: 0 when there is a single dp x cp rank to shard over."""
-    return int(cfg.optimizer.zero_stage) if layout.dp_cp > 1 else 0
+    """The ZeRO stage that shapes this rank's memory: 0 when its shard group (dp x cp, or dp_shard x cp under
+    hybrid sharding) is a single rank: nothing to shard over."""
+    return int(cfg.optimizer.zero_stage) if layout.shard_size > 1 else 0
 
 
 def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = None,
@@ -242,7 +243,10 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
         held = [gathered_in_fp8(u) for u in held]
     _, chunks = held_parameters(shape, layout, pp_rank)
     muon = uses_muon(cfg)
-    return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, muon),
+    # ZeRO shards over the shard group (all of dp x cp without hybrid sharding), the experts over its edp ranks;
+    # a group of one holds its part whole (16 bytes a parameter with AdamW), as stage 0 does
+    shard_size = layout.shard_size
+    return {**model_state(stage, held, shard_size, shard_size // layout.ep, layout.sequence_parallel, muon),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}

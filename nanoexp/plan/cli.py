@@ -32,12 +32,12 @@ def base_config(overrides: list[str], seq: int | None, batch_tokens: int | None,
 
 
 def print_table(ranking, gpus: int, hw) -> None:
-    print(f"{'#':>2} {'layout':<16}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'MFU':>6}"
+    print(f"{'#':>2} {'layout':<22}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'MFU':>6}"
           f"{'GB/GPU':>8}  {'compute':>8}{'comm':>7}{'bubble':>7}{'optim':>7}  (% of the step)")
     for i, p in enumerate(ranking.predictions, 1):
         schedule = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") if p.pp > 1 else "-"
         share = {k: 100 * v / p.step_time_s for k, v in p.breakdown.items()}
-        print(f"{i:>2} {p.name:<16}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} {'y' if p.recompute else 'n':>3}"
+        print(f"{i:>2} {p.name:<22}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} {'y' if p.recompute else 'n':>3}"
               f"{p.tokens_per_s_per_gpu:>11,.0f}{100 * p.mfu:>5.1f}%{p.memory_gb:>8.1f}  {share['compute']:>7.0f}%"
               f"{share['exposed_comm']:>6.0f}%{share['bubble']:>6.0f}%{share['optimizer']:>6.0f}%")
     if not ranking.predictions:

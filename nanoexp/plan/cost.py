@@ -12,7 +12,8 @@ One optimizer step on the busiest pipeline rank is
   for zb_h1/zbv), one p2p hop added to each.
 - communication: the bytes of each group from nanoexp/plan/traffic.py (the comm counter's formulas) over the
   link the group crosses (NVLink inside a node, the network across: the rank grid is (pp, dp, cp, tp), tp
-  innermost), plus a latency per ring step. What can overlap does, up to the compute it overlaps: gradient
+  innermost), plus a latency per ring step. Under hybrid sharding (parallelism.dp_shard) ZeRO's collectives run
+  on the shard group (a block of tp x shard_size ranks) and the replicas' all-reduce once a step, exposed. What can overlap does, up to the compute it overlaps: gradient
   buckets with the last backward (ZeRO-0/1), reduce-scatters with every backward (ZeRO-2), prefetched gathers
   with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
   layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
@@ -90,10 +91,13 @@ class Prediction:
     memory_gb: float
     fits: bool
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per step: compute, exposed comm, bubble, ...
+    dp_shard: int | None = None   # hybrid sharding: ZeRO over dp_shard x cp ranks, replicated across (None: all dp)
 
     @property
     def name(self) -> str:
-        return Layout(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep).name
+        """The layout's name, with "/shard<dp_shard>" under hybrid sharding (dp4tp1pp1/shard2)."""
+        name = Layout(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep).name
+        return name + (f"/shard{self.dp_shard}" if self.dp_shard is not None else "")
 
     def overrides(self) -> list[str]:
         """parallelism.dp=..., ..., optimizer.zero_stage, tokens.micro_batch_size: `python train.py <these>`."""
@@ -101,10 +105,11 @@ class Prediction:
                 f"parallelism.tp={self.tp}", f"parallelism.pp={self.pp}", f"parallelism.pp_engine={self.schedule}",
                 f"parallelism.pp_virtual_stages={self.virtual_stages}",
                 f"parallelism.recompute_layer={str(self.recompute).lower()}",
-                f"optimizer.zero_stage={self.zero_stage}", f"tokens.micro_batch_size={self.micro_batch}"]
+                f"optimizer.zero_stage={self.zero_stage}", f"tokens.micro_batch_size={self.micro_batch}"] + (
+                    [f"parallelism.dp_shard={self.dp_shard}"] if self.dp_shard is not None else [])
 
     def as_dict(self) -> dict:
-        keys = ("dp", "cp", "ep", "tp", "pp", "zero_stage", "schedule", "virtual_stages", "micro_batch", "recompute",
+        keys = ("dp", "cp", "ep", "tp", "pp", "dp_shard", "zero_stage", "schedule", "virtual_stages", "micro_batch", "recompute",
                 "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits", "breakdown")
         return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
 
@@ -157,17 +162,22 @@ def attention_efficiency(fw: Framework, hw: Hardware) -> float:
 
 
 def crosses_nodes(layout: Layout, group: str, gpus_per_node: int) -> bool:
-    """Whether a group of `group` spans nodes: the ranks it reaches, (pp, dp, cp, tp) with tp innermost."""
+    """Whether a group of `group` spans nodes: the ranks it reaches, (pp, dp, cp, tp) with tp innermost. A shard
+    group of hybrid sharding (and the experts' inside it) lies in a block of tp x shard_size consecutive ranks;
+    its replica group reaches across all of dp, as the dp group does."""
     inner = layout.tp * layout.cp * layout.dp
+    block = layout.tp * layout.shard_size
     span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.tp * layout.ep, "dp": inner, "dp_cp": inner,
             "edp": inner, "pp": inner * layout.pp, "model_parallel": layout.world_size,
-            "embedding": layout.world_size}[group]
+            "embedding": layout.world_size, "shard": block, "expert_shard": block, "replica": inner}[group]
     return span > gpus_per_node
 
 
 def group_size(layout: Layout, group: str) -> int:
     return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "dp_cp": layout.dp_cp,
-            "edp": layout.edp, "pp": 2, "model_parallel": layout.tp * layout.pp, "embedding": 2}[group]
+            "edp": layout.edp, "pp": 2, "model_parallel": layout.tp * layout.pp, "embedding": 2,
+            "shard": layout.shard_size, "expert_shard": layout.shard_size // layout.ep,
+            "replica": layout.replicas}[group]
 
 
 def comm_seconds(nbytes: float, calls: float, n: int, crosses: bool, hw: Hardware) -> float:
@@ -218,13 +228,17 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     busiest = max(range(layout.pp), key=lambda r: sum(micro_batch_times(cfg, layout, shape, r, hw, fw)))
     forward, backward = micro_batch_times(cfg, layout, shape, busiest, hw, fw)
     sent = sent_bytes(cfg, layout, shape, busiest, m)
-    dp_group = "dp" if layout.cp == 1 else "dp_cp"
-    sent[dp_group] *= fw.dp_bytes_per_value / 4
+    hybrid = layout.replicas > 1
+    # ZeRO's group: dp x cp, or the shard group under hybrid sharding (dp x cp then carries only the loss scalars)
+    dp_group = "shard" if hybrid else "dp" if layout.cp == 1 else "dp_cp"
+    for group in (dp_group, "replica", "expert_shard"):
+        sent[group] *= fw.dp_bytes_per_value / 4
     held, held_layers = held_parameters(shape, layout, busiest)
     layers, stage = sum(held_layers), cfg.optimizer.zero_stage
     calls = {"tp": m * (4 * layers + 2), "cp": m * layers * 2, "ep": m * layers * 4, "pp": 2 * m,
              # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
-             dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20))}
+             dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20)),
+             "replica": max(1.0, sent["replica"] / (25 * 2 ** 20))}
     comm = {g: comm_seconds(b, calls.get(g, 1), group_size(layout, g), crosses_nodes(layout, g, gpus_per_node), hw)
             for g, b in sent.items()}
     hop = comm["pp"] / (2 * m) if m else 0.0
@@ -232,15 +246,16 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     attention = m * layers * 3.5 * 2 * cfg.tokens.micro_batch_size * cfg.tokens.sequence_length ** 2 / layout.cp \
         * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * attention_efficiency(fw, hw))
     tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
-    exposed_comm = (exposed(comm[dp_group] + comm["edp"], window) + tp_time
+    # the replicas' all-reduce runs once a step after the backward (Sharding.finish): nothing to hide it behind
+    exposed_comm = (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
                     + exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
                     + comm["ep"] + comm["model_parallel"])
     f, b = forward + hop, backward + hop
     bubble = bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
-    shard = held / (layout.dp_cp if stage >= 1 else 1)
+    shard = held / (layout.shard_size if stage >= 1 else 1)
     update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
     messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
-                + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.dp_cp > 1 else 0))
+                + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.shard_size > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
     step = m * (forward + backward) + bubble + exposed_comm + update + overhead
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
@@ -255,4 +270,4 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
                       layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer), step, per_gpu, mfu,
                       memory, fits, {"compute": m * (forward + backward), "exposed_comm": exposed_comm,
                                      "bubble": bubble, "optimizer": update}
-                      | ({"cpu_overhead": overhead} if overhead else {}))
+                      | ({"cpu_overhead": overhead} if overhead else {}), layout.dp_shard)

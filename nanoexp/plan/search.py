@@ -8,7 +8,10 @@
 
 A candidate is a choice of dp x cp x tp x pp = gpus (ep dividing dp x cp and the experts, MoE only), the pipeline
 schedule (1f1b, interleaved_1f1b with 2 or 4 chunks, zb_h1, zbv, dualpipev; pp > 1 only), the ZeRO stage (0-3; 0 alone
-without dp x cp > 1), the micro-batch (1, 2, 4) and recomputation (off, on). nanoexp's own `validate` decides
+without dp x cp > 1), hybrid sharding at ZeRO 1-3 (`dp_shard` beside full sharding: only the dp_shard whose shard
+block dp_shard x cp x tp fills a node, so that ZeRO's gathers stay inside it and only the replicas' all-reduce
+crosses nodes; a smaller block would add traffic and save no memory against it), the micro-batch (1, 2, 4) and
+recomputation (off, on). nanoexp's own `validate` decides
 what is valid (as nanoexp/launch/planner.py does), tensor parallelism stays inside a node, and a layout fits
 when planner.estimate is at most HEADROOM of the GPU's memory. Memory is estimated for the fastest candidates
 only, until `top` of them fit: the rest are counted as slower.
@@ -52,6 +55,7 @@ class Choice(NamedTuple):
     micro_batch: int
     zero_stage: int
     recompute: bool
+    dp_shard: int | None = None   # hybrid sharding (None: ZeRO over all of dp x cp)
 
 
 def apply(cfg, choice: Choice) -> None:
@@ -60,6 +64,7 @@ def apply(cfg, choice: Choice) -> None:
     p.dp, p.cp, p.ep, p.tp, p.pp = choice.dp, choice.cp, choice.ep, choice.tp, choice.pp
     p.pp_engine, p.pp_virtual_stages, p.recompute_layer = choice.schedule, choice.virtual_stages, choice.recompute
     cfg.tokens.micro_batch_size, cfg.optimizer.zero_stage = choice.micro_batch, choice.zero_stage
+    p.dp_shard = choice.dp_shard
     cfg.tokens.batch_accumulation_per_replica = None
 
 
@@ -88,12 +93,23 @@ def structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...
                 yield choice, problem_of(cfg, gpus)
 
 
-def variants(choice: Choice):
-    """The ZeRO stages and recomputation settings of a valid structure."""
+def shard_degrees(choice: Choice, gpus_per_node: int) -> list[int | None]:
+    """Full sharding (None) and the dp_shard < dp whose shard block (dp_shard x cp x tp consecutive ranks) is one
+    node, when that shards over more than one rank."""
+    block = choice.cp * choice.tp
+    fills = gpus_per_node // block if gpus_per_node % block == 0 else 0
+    hybrid = [fills] if 0 < fills < choice.dp and choice.dp % fills == 0 and fills * choice.cp > 1 else []
+    return [None, *hybrid]
+
+
+def variants(choice: Choice, gpus_per_node: int | None = None):
+    """The ZeRO stages (each sharded one fully, or also hybrid given `gpus_per_node`: `shard_degrees`) and
+    recomputation settings of a valid structure."""
     stages = (0, 1, 2, 3) if choice.dp * choice.cp > 1 else (0,)
     for stage in stages:
-        for recompute in (False, True):
-            yield choice._replace(zero_stage=stage, recompute=recompute)
+        for dp_shard in shard_degrees(choice, gpus_per_node) if stage and gpus_per_node else (None,):
+            for recompute in (False, True):
+                yield choice._replace(zero_stage=stage, recompute=recompute, dp_shard=dp_shard)
 
 
 @dataclass
@@ -123,8 +139,13 @@ def rank(cfg, gpus: int, gpus_per_node: int, gpu: str | Hardware, top: int | Non
             key = "invalid: " + re.sub(r"\d+", "#", problem)
             reasons[key] = reasons.get(key, 0) + 1
             continue
-        for choice in variants(structure):
+        for choice in variants(structure, gpus_per_node):
             apply(work, choice)
+            hybrid_problem = choice.dp_shard is not None and problem_of(work, gpus)   # ep, Muon (validation)
+            if hybrid_problem:
+                key = "invalid: " + re.sub(r"\d+", "#", hybrid_problem)
+                reasons[key] = reasons.get(key, 0) + 1
+                continue
             timed.append((choice, predict(work, hw, gpus_per_node, framework, with_memory=False)))
     timed.sort(key=lambda item: -item[1].tokens_per_s_per_gpu)
     fitting = []

@@ -8,6 +8,9 @@ the tokens of a sample a rank holds, A = micro_batch x s' x hidden x activation 
 holds (benchmarks/bench_parallel.py's docstring explains each line):
   dp (dp_cp with cp > 1)  zero_passes x (n-1)/n x 4N, plus the step loss and the token count (float32 scalars);
   edp  the experts' gradients over the expert-data-parallel ranks; ep  the all-to-all of routed tokens;
+  shard, replica, expert_shard  under hybrid sharding (parallelism.dp_shard, `hybrid_sent_bytes`): ZeRO's passes
+       over the shard group in place of dp x cp's, and one all-reduce of the rank's shard a step across the replicas
+       (the loss scalars stay on dp x cp);
   cp   per layer and micro-batch, what parallelism.cp_mode's kernel says it sends (its CP_KERNELS entry's
        sent_bytes: the ring's K/V hops and dK/dV home, the all-gather's K/V and dK/dV reduce-scatter, ...), the
        forward's share again under recomputation;
@@ -22,7 +25,8 @@ from nanoexp.observe.memory_estimate import held_modules, held_parameters, rank_
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import Layout
 
-GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding")
+GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding", "shard", "replica",
+          "expert_shard")
 
 
 def ring(n: int) -> float:
@@ -41,6 +45,19 @@ def zero_passes(cfg, m: int) -> int:
     if o.zero_stage == 2:
         return m + 1
     return m * (2 + o.zero3_reshard_after_forward)
+
+
+def hybrid_sent_bytes(cfg, layout: Layout, held: float, m: int, experts: float = 0) -> dict[str, float]:
+    """ZeRO's bytes per step under hybrid sharding (docs/zero.md#hybrid-sharding), of `held` parameters, `experts`
+    of them routed experts: over the shard group of n = dp_shard x cp ranks the passes of full sharding,
+    zero_passes x (n-1)/n x 4N; over the replica group of R = dp / dp_shard, one all-reduce of the rank's shard a
+    step, 2(R-1)/R x 4N/n. The experts shard over n_e = n / ep ranks ("expert_shard") and all-reduce their shard
+    over the same replica group. A group of one rank shards nothing: its state is all-reduced whole (stage 0)."""
+    n, replicas, passes = layout.shard_size, layout.replicas, zero_passes(cfg, m)
+    n_e, dense = n // layout.ep, held - experts
+    return {"shard": ring(n) / 2 * passes * 4 * dense,
+            "expert_shard": ring(n_e) / 2 * passes * 4 * experts,
+            "replica": ring(replicas) * 4 * (dense / n + experts / n_e)}
 
 
 def all_to_all_bytes(cfg, layout: Layout, shape, pp_rank: int, micro_batches: int, tokens: int) -> float:
@@ -69,13 +86,17 @@ def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, fl
     held, chunks = held_parameters(shape, layout, pp_rank)
     layers = sum(chunks)
     experts = sum(module.experts for module in held_modules(shape, layout, pp_rank))   # ep > 1 only
+    hybrid = layout.replicas > 1
     if layout.dp_cp > 1:   # every cp rank holds the full weights: gradients over dp x cp
         scalars = 1 + last   # the step loss; the target-token count on the loss stage
         out["dp" if layout.cp == 1 else "dp_cp"] = ring(layout.dp_cp) * 4 * (
-            (held - experts) * zero_passes(cfg, m) / 2 + scalars)
+            (0 if hybrid else (held - experts) * zero_passes(cfg, m) / 2) + scalars)
+    if hybrid:
+        out.update(hybrid_sent_bytes(cfg, layout, held, m, experts))
     if layout.ep > 1:
         out["ep"] = all_to_all_bytes(cfg, layout, shape, pp_rank, m, mb * s // (layout.tp if sp else 1))
-        out["edp"] = ring(layout.edp) * 4 * experts * zero_passes(cfg, m) / 2 if layout.edp > 1 else 0
+        if not hybrid:
+            out["edp"] = ring(layout.edp) * 4 * experts * zero_passes(cfg, m) / 2 if layout.edp > 1 else 0
     if layout.cp > 1:
         attention = rank_attention(shape, layout.tp, layout.cp, batch=mb, sequence=cfg.tokens.sequence_length,
                                    act_bytes=act, documents=cfg.model.attention_mask == "document")
