@@ -51,7 +51,8 @@ from nanoexp.observe.memory import peak_memory_mb, return_freed_memory, start_me
 from nanoexp.observe.peak import peak_dtype
 from nanoexp.observe.timing import synchronize
 from nanoexp.observe.metrics import flops_per_token
-from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.runtime.build import build_model
+from nanoexp.model.shape import model_shape
 from nanoexp.runtime.optim import build_optimizer, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout

@@ -38,7 +38,7 @@ import torch
 
 from nanoexp.config import compose
 from nanoexp.observe.memory_estimate import MB, estimate, total
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.parallel.context_parallel import blocks as attention_blocks
 from nanoexp.parallel.context_parallel.blocks import attend_block, attend_block_backward
 from nanoexp.parallel.context_parallel.ring import ring_blocks

@@ -32,7 +32,7 @@ import tempfile
 
 from nanoexp.config import compose
 from nanoexp.observe.memory_estimate import MB, estimate, held_modules, held_parameters, most_consecutive, total
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.parallel.layout import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

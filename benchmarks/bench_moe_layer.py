@@ -27,7 +27,7 @@ from benchmarks.harness import compose, in_turns  # noqa: E402
 from nanoexp.model.experts import EXPERT_KERNELS  # noqa: E402
 from nanoexp.model.moe import MoE, MoeLosses  # noqa: E402
 from nanoexp.observe.peak import node_peak  # noqa: E402
-from nanoexp.runtime.build import model_shape  # noqa: E402
+from nanoexp.model.shape import model_shape  # noqa: E402
 
 SHAPES = ("qwen3_moe_small", "qwen3_moe_tiny", "olmoe_1b_7b:hidden=512")   # --shapes
 

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.harness import compose  # noqa: E402
 from nanoexp.observe.memory import MB  # noqa: E402
 from nanoexp.observe.memory_estimate import estimate, total  # noqa: E402
-from nanoexp.runtime.build import model_shape  # noqa: E402
+from nanoexp.model.shape import model_shape  # noqa: E402
 from nanoexp.verify.trace_analysis import measured_bubble, predicted_bubble, read_trace, stage_times  # noqa: E402
 
 MODEL = ["model.model_config.hidden_size=256", "model.model_config.intermediate_size=768",

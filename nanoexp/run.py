@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import sys
@@ -16,15 +15,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nanoexp.checkpoint.manager import check_checkpoint_folder, check_resume, checkpoints_root
+from nanoexp.checkpoint.manager import check_resume, checkpoints_root
 from nanoexp.checkpoint.save import CheckpointError
-from nanoexp.config import ConfigError, normalize
+from nanoexp.checks import check_config
+from nanoexp.config import ConfigError
 from nanoexp.observe.console import resume_command, summary_line
-from nanoexp.data.sources import check_data
-from nanoexp.data.stages import training_stages
-from nanoexp.data.tokenizer import build_tokenizer
-from nanoexp.evaluation.downstream import (INSTALL_HINT, environment, fewshot_problems, harness_installed,
-                                          unknown_tasks)
+from nanoexp.evaluation.downstream import environment
 from nanoexp.failures import is_known
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
@@ -37,7 +33,6 @@ from nanoexp.launch.run_lock import RunFolderBusy, own_folders
 from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
 from nanoexp.launch.sweep import place_job_checkpoints
 from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
-from nanoexp.validation import validate
 
 log = logging.getLogger("nanoexp")
 
@@ -74,54 +69,6 @@ def setup_rank_logging(run_dir: str, rank: int) -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank, host=socket.gethostname())))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
-
-
-def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> None:
-    """Every config check, before any process group or training work: normalise `cfg` in place (nanotron's
-    spellings), validate it, then check what it points to (tokenizer, data files, eval tasks, and with `run_dir`
-    the checkpoints folder: a writable folder with room for a checkpoint)."""
-    normalize(cfg)
-    vocab = None
-    try:
-        vocab = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path).vocab_size
-    except (FileNotFoundError, OSError, ValueError) as error:
-        raise ConfigError(f"tokenizer.tokenizer_name_or_path={cfg.tokenizer.tokenizer_name_or_path}: {error}")
-    validate(cfg, world_size=world_size, tokenizer_vocab_size=vocab)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
-    for stage in training_stages(cfg):   # each stage's data files: a missing folder, a bad Nanoset, a wrong column, ...
-        try:
-            check_data(stage.cfg, tokenizer)
-        except (FileNotFoundError, KeyError, ValueError) as error:
-            raise ConfigError(stage_error(stage, str(error))) from None
-    check_eval_tasks(cfg)
-    if run_dir is not None:
-        check_checkpoint_folder(cfg, run_dir)
-
-
-def check_eval_tasks(cfg) -> None:
-    """eval.tasks needs the harness installed, and names it knows (its own, the shipped ones, eval.include_path)."""
-    tasks = list(cfg.eval.tasks)
-    if not tasks:
-        return
-    if not harness_installed():
-        raise ConfigError(f"eval.tasks={tasks} needs lm-evaluation-harness, which is not installed: {INSTALL_HINT}")
-    unknown = unknown_tasks(tasks, cfg.eval.include_path)
-    if unknown:
-        where = f" or in eval.include_path={cfg.eval.include_path}" if cfg.eval.include_path else ""
-        raise ConfigError(f"eval.tasks: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a task of "
-                          f"lm-eval, of the shipped ones (shakespeare_choice, shakespeare_complete){where}: check "
-                          "the name, or set eval.include_path to the folder of its YAML")
-    too_few = fewshot_problems(tasks, cfg.eval.include_path, cfg.eval.num_fewshot)
-    if too_few:
-        raise ConfigError(f"eval.num_fewshot={cfg.eval.num_fewshot}: {'; '.join(too_few)}: lower eval.num_fewshot")
-
-
-def stage_error(stage, message: str) -> str:
-    """A data error as the config names it: "data: ..." or, for a stage, "data_stages[1].data.dataset_folder: ..."."""
-    if stage.name is None:
-        return f"data: {message}"
-    renamed = re.sub(r"(^|[\s,(])data\.(?=[a-z_])", lambda m: f"{m.group(1)}{stage.key}.", message)
-    return renamed if renamed != message else f"{stage.key} (stage {stage.name!r}): {message}"
 
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:

@@ -217,7 +217,7 @@ def split_backward_rules(cfg: Any, layout) -> list[Rule]:
 
 
 def eval_rules(cfg: Any) -> list[Rule]:
-    """The eval group (downstream tasks): whether its tasks exist is checked at start (run.check_config)."""
+    """The eval group (downstream tasks): whether its tasks exist is checked at start (checks.check_config)."""
     e = cfg.eval
     return [
         (not e.include_path or os.path.isdir(os.path.expanduser(e.include_path)),

@@ -26,7 +26,7 @@ import sys
 from nanoexp.config import compose, normalize
 from nanoexp.observe.memory import MB, runtime_baseline_mb
 from nanoexp.observe.memory_estimate import busiest_rank_estimate, estimate, total
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.parallel.layout import Layout
 from nanoexp.validation import validate
 

@@ -41,7 +41,7 @@ def train_losses(records: list[dict]) -> list[float]:
 
 def start_error(cfg) -> str:
     """The message of the ConfigError that the start-up checks raise for `cfg` (fails if none)."""
-    from nanoexp.run import check_config   # imports the trainer: only when asked
+    from nanoexp.checks import check_config   # imports data, checkpoints and lm-eval: only when asked
     with pytest.raises(ConfigError) as info:
         check_config(cfg, None)
     return str(info.value)

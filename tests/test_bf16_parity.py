@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, tiered, train, train_losses

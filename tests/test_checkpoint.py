@@ -19,7 +19,7 @@ from nanoexp.checkpoint import CheckpointError, CheckpointReader
 from nanoexp.checkpoint.load import check_compatible
 from nanoexp.config import ConfigError
 from nanoexp.launch.workers import WorkerFailed
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from tests.helpers import FAST, compose_config, read_metrics, train, train_losses
 from tests.test_parallel import assert_same_steps
 

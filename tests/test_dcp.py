@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from nanoexp.checkpoint import CheckpointReader
 from nanoexp.interop.dcp import convert_from_dcp, convert_to_dcp
 from nanoexp.interop.hf import hf_config
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from tests.helpers import FAST, compose_config, require, tiered, train, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,8 @@ from nanoexp.observe.metrics import flops_per_token, hardware_flops_per_token
 from nanoexp.model.attention import SDPA, Causal
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.observe.memory import saved_activation_bytes
-from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.runtime.build import build_model
+from nanoexp.model.shape import model_shape
 from tests.helpers import FAST, SLOW, compose_config, train, train_losses
 
 STEPS = ["tokens.train_steps=3", "tokens.val_check_interval=0"]

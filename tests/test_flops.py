@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanoexp.model import attention
 from nanoexp.observe.metrics import flops_per_token, hardware_flops_per_token
-from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.runtime.build import build_model
+from nanoexp.model.shape import model_shape
 from nanoexp.parallel.context import ParallelContext
 from tests.helpers import FAST, compose_config
 

@@ -23,7 +23,7 @@ from nanoexp.model.linear import Linear, plain_matmul
 from nanoexp.numerics import fp8
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.placement import local_slice, place
+from nanoexp.model.placement import local_slice, place
 from nanoexp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from nanoexp.runtime.build import build_model
 from tests.distributed import run_distributed

@@ -59,7 +59,7 @@ def test_without_the_tp_reduction_of_the_amax_the_gathered_weights_change(tmp_pa
 def _gathered(rank, world, overrides):
     """(bytes per element, payload bytes) of every all-gather over dp x cp in one step's forward and backward, and
     the shard sizes of the units the FP8 gather takes and of the others."""
-    from nanoexp.run import check_config
+    from nanoexp.checks import check_config
     from nanoexp.runtime.trainer import Trainer
     from nanoexp.verify.comm_counter import CommCounter
     cfg = compose_config(FAST + FP8_ZERO3 + LAYOUTS["dp2"] + overrides)
@@ -107,7 +107,7 @@ def test_the_memory_estimate_gathers_a_byte_per_fp8_weight():
     layer's matrices m a byte an element instead of its m + 2h parameters in float32, beside one unit's float32
     gradients; the layer norms (2h each of 6 layers) are kept whole."""
     from nanoexp.observe.memory_estimate import estimate
-    from nanoexp.runtime.build import model_shape
+    from nanoexp.model.shape import model_shape
 
     h, kv, i, layers = 512, 4 * 64, 1536, 6
     m = 2 * h * h + 2 * h * kv + 3 * h * i

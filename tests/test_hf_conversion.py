@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 from transformers import LlamaForCausalLM as HFLlama
 
-from nanoexp.parallel.placement import placement
+from nanoexp.model.placement import placement
 from nanoexp.checkpoint.load import load_single_process
 from nanoexp.data.tokenizer import ByteTokenizer
 from nanoexp.interop.hf import load_hf_weights

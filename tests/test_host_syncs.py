@@ -8,7 +8,7 @@ import pytest
 
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.verify.host_syncs import host_waits_of_a_step
 from tests.distributed import run_distributed
 from tests.helpers import compose_config

@@ -19,7 +19,7 @@ from nanoexp.observe.console import hybrid_sharding_line
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.plan.traffic import hybrid_sent_bytes
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
 from tests.distributed import run_distributed

@@ -6,7 +6,7 @@ import nanoexp.model.init as init
 from nanoexp.runtime.build import build_model
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.placement import placement
+from nanoexp.model.placement import placement
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nanoexp.observe.memory_estimate import MB, estimate, held_parameters, layer_floats_per_token, total
-from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.runtime.build import build_model
+from nanoexp.model.shape import model_shape
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.memory import saved_activation_bytes

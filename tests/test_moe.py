@@ -352,7 +352,7 @@ def test_olmoe_shape_counts_its_published_parameters_and_ep_shrinks_its_memory()
     """conf/model/olmoe_1b_7b: 6.9 B parameters, 1.3 B active (OLMoE's paper); on 8 GPUs with ZeRO-1, ep = 8
     holds 8 of the 64 experts per rank: the estimate falls from 61 to 19 GiB a rank (docs/moe.md)."""
     from nanoexp.observe.memory_estimate import estimate, total
-    from nanoexp.runtime.build import model_shape
+    from nanoexp.model.shape import model_shape
     from nanoexp.model.llama import count_active_parameters, count_parameters
     from nanoexp.validation import validate
     per_rank = {}

@@ -15,7 +15,7 @@ from nanoexp.checkpoint import CheckpointReader
 from nanoexp.observe.lr_table import lr_table
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.placement import value_name
+from nanoexp.model.placement import value_name
 from nanoexp.runtime.build import build_model
 from nanoexp.runtime import muon
 from nanoexp.runtime.muon import TensorParallelMuon, takes_muon
@@ -242,9 +242,9 @@ def test_show_lrs_lists_which_optimizer_takes_each_parameter():
 def _state_bytes(rank, world, overrides):
     """Bytes of the optimizer state after one step, and the estimate's, on this rank."""
     from nanoexp.observe.memory_estimate import estimate
-    from nanoexp.runtime.build import model_shape
+    from nanoexp.model.shape import model_shape
     from nanoexp.runtime.trainer import Trainer
-    from nanoexp.run import check_config
+    from nanoexp.checks import check_config
     cfg = compose_config(FAST + MUON + overrides)
     check_config(cfg, world)
     ctx = ParallelContext(Layout.from_config(cfg))
@@ -271,7 +271,7 @@ def _muon_bytes(rank, world, overrides):
     (tp-local) matrix, 2(d-1)/d of it."""
     from nanoexp.verify.comm_counter import CommCounter
     from nanoexp.runtime.trainer import Trainer
-    from nanoexp.run import check_config
+    from nanoexp.checks import check_config
     cfg = compose_config(FAST + MUON + overrides)
     check_config(cfg, world)
     ctx = ParallelContext(Layout.from_config(cfg))

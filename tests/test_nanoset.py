@@ -11,7 +11,7 @@ from nanoexp.data import (
     BlendedOrder, ByteTokenizer, ConcatDataset, Nanoset, NanosetWriter, TokenWindows, TrainBatches,
 )
 from nanoexp.data.blend import block_counts
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from tests.data_files import byte_stream, random_documents
 from tests.helpers import FAST, compose_config, start_error, train
 

@@ -15,10 +15,10 @@ import psutil
 import pytest
 import torch
 
-from nanoexp.parallel.placement import placement
+from nanoexp.model.placement import placement
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, tiered, train, train_losses

@@ -12,7 +12,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.plan.cost import predict
 from nanoexp.plan.hardware import GPUS, with_network
 from nanoexp.plan.traffic import sent_bytes
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from tests.helpers import FAST, tiered
 
 # Four layouts touching every group the model times except ep (whose bytes follow the routing: test_comm_counter):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoexp.parallel.placement import local_slice, placement
+from nanoexp.model.placement import local_slice, placement
 from nanoexp.parallel.context import Axis, ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.tensor_parallel import (

@@ -10,7 +10,7 @@ import torch
 
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, SLOW, compose_config

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.helpers import FAST, compose_config, train, train_losses
 

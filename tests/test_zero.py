@@ -14,7 +14,7 @@ from nanoexp.checkpoint.load import load_single_process
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.layout import Layout
-from nanoexp.run import check_config
+from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from nanoexp.verify.comm_counter import CommCounter
 from nanoexp.interop.hf_checkpoint import convert_to_hf

@@ -23,7 +23,7 @@ from nanoexp.runtime.build import build_model
 from nanoexp.model.llama import buffer_shapes, parameter_shapes
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.checkpoint.save import persistent_buffers
-from nanoexp.parallel.placement import expert_values, local_slice, stored_names
+from nanoexp.model.placement import expert_values, local_slice, stored_names
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")

@@ -28,7 +28,7 @@ from nanoexp.checkpoint.identity import new_run_id, run_record, training_differe
 from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, load_optimizer, load_rng
 from nanoexp.checkpoint.save import CheckpointError, complete_steps, save_checkpoint
 from nanoexp.config import ConfigError, global_batch_size
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.model.llama import count_parameters
 
 log = logging.getLogger("nanoexp")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import save as serialize
 
 from nanoexp.failures import KnownFailure
-from nanoexp.parallel.placement import counted_here, expert_values, placement
+from nanoexp.model.placement import counted_here, expert_values, placement
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")

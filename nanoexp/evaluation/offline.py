@@ -22,7 +22,7 @@ from nanoexp.validation import validate
 
 def checkpoint_config(folder: str, overrides: list[str]):
     """The checkpoint's config with `overrides` (dotted key=value) applied and checked."""
-    from nanoexp.run import check_eval_tasks
+    from nanoexp.checks import check_eval_tasks
     cfg = OmegaConf.create(CheckpointReader(folder).meta["config"])
     cfg.model.init_method.path = None   # the weights come from the checkpoint
     cfg.merge_with(OmegaConf.from_dotlist(overrides))

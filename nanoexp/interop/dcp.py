@@ -35,7 +35,8 @@ from nanoexp.checkpoint.load import check_compatible, load_model, load_optimizer
 from nanoexp.interop.hf import hf_name
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.runtime.build import build_model
+from nanoexp.model.shape import model_shape
 from nanoexp.runtime.optim import build_optimizer
 
 META_FILE = "nanoexp.json"

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from nanoexp.model.llama import LlamaShape, parameter_shapes
 from nanoexp.model.mup import ROUTER
-from nanoexp.parallel.placement import EMBEDDING, LM_HEAD, expert_values, local_slice, placement, stored_names
+from nanoexp.model.placement import EMBEDDING, LM_HEAD, expert_values, local_slice, placement, stored_names
 
 EOD_TOKEN = "<|endoftext|>"
 

@@ -22,8 +22,9 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.interop.hf import (MIXTRAL, QWEN3_MOE, bake_multipliers, hf_architecture, hf_config, hf_mismatch,
                                 hf_name, parameter_shapes, read_hf_config, write_tokenizer)
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.run import check_config
-from nanoexp.runtime.build import build_model, model_shape
+from nanoexp.checks import check_config
+from nanoexp.runtime.build import build_model
+from nanoexp.model.shape import model_shape
 from nanoexp.runtime.optim import build_optimizer
 
 

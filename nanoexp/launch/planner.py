@@ -28,7 +28,7 @@ from nanoexp.config import ConfigError, batch_accumulation
 from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.observe.memory_estimate import busiest_rank_estimate, held_parameters, total
 from nanoexp.parallel.layout import Layout
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.validation import validate
 
 GIB = 1024 ** 3

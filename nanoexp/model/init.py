@@ -16,7 +16,7 @@ import zlib
 import torch
 
 from nanoexp.model.mup import STANDARD, Parametrization
-from nanoexp.parallel.placement import expert_values, placement, value_name
+from nanoexp.model.placement import expert_values, placement, value_name
 
 SLAB = 64   # indices of the split dimension a generator draws: 64 rows of a 2048-wide matrix are 0.5 MB
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nanoexp.config import ConfigError
 from nanoexp.numerics.converters import CONVERTERS, Converter
 from nanoexp.parallel.context import Axis
-from nanoexp.parallel.placement import placement
+from nanoexp.model.placement import placement
 
 RECIPES = ("tensorwise", "rowwise")   # torchao's recipe names (Float8LinearConfig.from_recipe_name)
 

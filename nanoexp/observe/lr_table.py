@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from nanoexp.model.llama import parameter_shapes
 from nanoexp.model.mup import GROUPS, describe, parametrization_of
 from nanoexp.config import uses_muon
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.runtime.muon import takes_muon
 from nanoexp.runtime.optim import min_decay_lr
 

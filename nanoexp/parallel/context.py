@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.placement import placement
+from nanoexp.model.placement import placement
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch import nn
 
 from nanoexp.model.experts import ExpertCounts
 from nanoexp.parallel.context import Axis
-from nanoexp.parallel.placement import place, placement
+from nanoexp.model.placement import place, placement
 
 
 class _AllToAll(torch.autograd.Function):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanoexp.parallel.placement import counted_here, placement
+from nanoexp.model.placement import counted_here, placement
 from nanoexp.parallel.sharding import Sharding
 from nanoexp.parallel.units import ShardPiece
 from nanoexp.observe.trace import NO_TRACE

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from nanoexp.model.linear import Linear
 from nanoexp.parallel.context import Axis
-from nanoexp.parallel.placement import place
+from nanoexp.model.placement import place
 
 
 # -- raw collectives on the tp group (contiguous in, new contiguous tensor out) ---------------

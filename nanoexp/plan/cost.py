@@ -44,7 +44,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.plan.hardware import GB, Hardware, per_rank
 from nanoexp.plan.traffic import sent_bytes
-from nanoexp.runtime.build import model_shape
+from nanoexp.model.shape import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
 GEMM_EFFICIENCY = 0.52        # fitted: the best share of peak a large GEMM reaches

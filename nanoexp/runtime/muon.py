@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from nanoexp.model.llama import EMBEDDING, LM_HEAD
 from nanoexp.model.mup import ROUTER
-from nanoexp.parallel.placement import local_slice, placement
+from nanoexp.model.placement import local_slice, placement
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)   # torch.optim.Muon's (Keller Jordan's quintic)
 EPS = 1e-7                                   # torch.optim.Muon's floor on the norm before the iteration

@@ -11,7 +11,7 @@ from torch import nn
 from nanoexp.config import optimizer_name
 from nanoexp.model.mup import GROUPS, STANDARD, Parametrization, parametrization_of
 from nanoexp.parallel.gradient_sync import GradientSync
-from nanoexp.parallel.placement import value_name
+from nanoexp.model.placement import value_name
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 from nanoexp.runtime.muon import MuonWithAdamW, takes_muon
 

@@ -30,7 +30,8 @@ from nanoexp.observe import timing
 from nanoexp.observe.heartbeat import HEARTBEAT
 from nanoexp.observe.memory import peak_memory_mb, start_measuring
 from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
-from nanoexp.runtime.build import build_runtime, model_shape
+from nanoexp.runtime.build import build_runtime
+from nanoexp.model.shape import model_shape
 from nanoexp.model.llama import count_parameters
 from nanoexp.runtime.optim import clip_gradients, lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext

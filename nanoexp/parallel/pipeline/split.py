@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.placement import place, placement
+from nanoexp.model.placement import place, placement
 
 
 def apply_pipeline(model: nn.Module, layout: Layout, pp_rank: int) -> nn.Module:
