@@ -183,7 +183,7 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         *[(False, problem) for problem in (SCHEDULES[layout.schedule].problems(layout.schedule, p.pp, v, micro,
                                                                                m.num_hidden_layers)
                                            if layout.schedule in SCHEDULES else [])],
-    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) + split_backward_rules(cfg, layout) \
+    ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) \
         + hybrid_sharding_rules(cfg, layout)
 
 
@@ -204,16 +204,6 @@ def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
         (optimizer_name(cfg) != "muon", f"{key}: Muon gathers its matrices over all of dp x cp and has no hybrid "
          "sharding; use AdamW or parallelism.dp_shard=null"),
     ]
-
-
-def split_backward_rules(cfg: Any, layout) -> list[Rule]:
-    """A schedule that splits backwards into B and W (zb_h1, zbv, dualpipev) defers every linear's weight gradient,
-    through its matmul's halves (weight_grad.py; FP8's included): not yet a compiled block's."""
-    name = layout.schedule
-    if name not in SCHEDULES or not SCHEDULES[name].splits_backward:
-        return []
-    why = f"parallelism.pp_engine={name} splits each backward into B and W"
-    return [(not cfg.model.compile, f"{why}, which torch.compile does not trace: set model.compile=false")]
 
 
 def eval_rules(cfg: Any) -> list[Rule]:

@@ -11,7 +11,7 @@ from nanoexp.parallel.pipeline.schedules import compute_order
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
 from nanoexp.verify.p2p_plan import check, named_plan
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies, idle_under_nccl
-from tests.helpers import FAST, SLOW, compose_config, start_error, tiered, train, train_losses
+from tests.helpers import FAST, SLOW, compose_config, tiered, train, train_losses
 from tests.test_parallel import STEPS, TIED, assert_same_curve, assert_same_steps
 
 ZB = ["parallelism.pp_engine=zb_h1"]
@@ -158,14 +158,6 @@ def test_a_zb_h1_checkpoint_resumes_on_1f1b(tmp_path):
     zero_bubble = train(tmp_path / "zb", run + ZB)
     resumed = train(tmp_path / "1f1b", run + [f"checkpoint.resume_checkpoint_path={tmp_path}/zb/checkpoints/5"])
     assert_same_steps(resumed, zero_bubble, steps=range(6, 11))
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["model.fp8.enabled=true"], "parallelism.pp_engine=zb_h1 splits each backward into B and W, which FP8"),
-    (["model.compile=true"], "which torch.compile does not trace: set model.compile=false"),
-])
-def test_what_zb_h1_cannot_run_yet_is_named(overrides, message):
-    assert message in start_error(compose_config(FAST + ["parallelism=dp1tp1pp2"] + ZB + overrides))
 
 
 def test_the_runtime_counts_a_micro_batch_held_until_its_w(tmp_path):

@@ -8,10 +8,12 @@ it had (plain, or a number format's), whose backward, run inside `WeightGradient
 input's gradient at once and keeps what the product saved and its output gradient to compute the weight's
 gradient when `run(key)` is called. A matmul splits through three methods, `split_forward(x, weight, layer) ->
 (y, saved)`, `input_grad(saved, grad)` and `weight_grad(saved, grad)`: `PlainSplit` for F.linear, a number
-format's own (numerics/fp8.py's Fp8Matmul); the two halves are what its own backward computes, in its order. The other parameters (norms, embedding) get their gradients in B, as before. W accumulates each
-weight gradient through autograd (`torch.autograd.backward` on the weight), so gradient hooks fire as for any
-gradient. W needs no communication: tensor parallelism's gathers and reductions are in B (they move inputs and
-their gradients), and a linear's weight gradient is local to its rank.
+format's own (numerics/fp8.py's Fp8Matmul); the two halves are what its own backward computes, in its order.
+The other parameters (norms, embedding) get their gradients in B, as before. W accumulates each weight gradient
+through autograd (`torch.autograd.backward` on the weight), so gradient hooks fire as for any gradient. W needs no
+communication: tensor parallelism's gathers and reductions are in B (they move inputs and their gradients), and a
+linear's weight gradient is local to its rank. Under model.compile a deferred linear runs eagerly between the
+compiled pieces of its block (a graph break, DeferredMatmul.__call__).
 """
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ class DeferredMatmul:
         self.store, self.split = store, split
         self.__name__ = "deferred weight gradient" + ("" if split is PlainSplit else f" of {split.__name__}")
 
+    # Under model.compile each call is a graph break: the backward's side effect (keeping its halves in the store)
+    # is one AOTAutograd cannot put in a compiled backward, so the linear runs eagerly and the block's other ops
+    # (norms, attention, rotary, SwiGLU) compile between linears.
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, layer) -> torch.Tensor:
         # the weight enters detached: autograd has no edge to it in B (not even an empty call of its gradient
         # hooks); W accumulates into layer.weight itself
