@@ -13,7 +13,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from nanoexp.interop.nanotron import Import, NotANanotronConfig, write_experiment
-from nanoexp.checks import check_config, run
+from nanoexp.checks import check_config
+from nanoexp.run import run
 from nanoexp.validation import validate
 from tests.data_files import random_documents, write_jsonl
 from tests.helpers import CONF_DIR, read_metrics
