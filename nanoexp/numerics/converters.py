@@ -22,6 +22,8 @@ class Converter:
     #                                                            replace layer.matmul or leave it
     gather_format: Callable[[nn.Module, object], object] | None = None   # (converted model, cfg) -> how ZeRO-3
     #                                                 gathers the converted weights (parallel/units.GatherFormat)
+    product_dtype: Callable[[object, object], str] | None = None   # (cfg, device or None: the CPU) -> the dtype its
+    #                                                 products run in, whose peak MFU is measured against
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -48,4 +50,13 @@ def gather_format(model: nn.Module, cfg):
         made = converter.gather_format(model, cfg) if converter.enabled(cfg) and converter.gather_format else None
         if made is not None:
             return made
+    return None
+
+
+def product_dtype(cfg, device=None) -> str | None:
+    """The dtype the converted linears' products run in on `device` (they hold nearly all of the FLOPs), or None
+    when no enabled format says (the products run in model.dtype)."""
+    for converter in CONVERTERS.values():
+        if converter.enabled(cfg) and converter.product_dtype:
+            return converter.product_dtype(cfg, device)
     return None

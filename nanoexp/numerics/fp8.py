@@ -257,4 +257,9 @@ def gather_format(model, cfg):
                                                                                     Fp8Matmul)})
 
 
-CONVERTERS["fp8"] = Converter(enabled, convert, gather_format)
+def product_dtype(cfg, device: torch.device | None = None) -> str:
+    """float8 on FP8 units; emulated FP8 multiplies in float32."""
+    return "float32" if emulated(cfg, device) else "float8"
+
+
+CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype)
