@@ -24,6 +24,8 @@ class Converter:
     #                                                 gathers the converted weights (parallel/units.GatherFormat)
     product_dtype: Callable[[object, object], str] | None = None   # (cfg, device or None: the CPU) -> the dtype its
     #                                                 products run in, whose peak MFU is measured against
+    gathered_bytes: Callable[[object], int | None] | None = None   # cfg -> bytes an element of ZeRO-3's gathers of
+    #                                                 the layers' matrices (None: float32's 4), for the memory estimate
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -59,4 +61,14 @@ def product_dtype(cfg, device=None) -> str | None:
     for converter in CONVERTERS.values():
         if converter.enabled(cfg) and converter.product_dtype:
             return converter.product_dtype(cfg, device)
+    return None
+
+
+def gathered_bytes(cfg) -> int | None:
+    """Bytes an element of ZeRO-3's gathers of the decoder layers' matrices under an enabled format that gathers
+    them narrower than float32, else None."""
+    for converter in CONVERTERS.values():
+        made = converter.gathered_bytes(cfg) if converter.enabled(cfg) and converter.gathered_bytes else None
+        if made is not None:
+            return made
     return None

@@ -262,4 +262,9 @@ def product_dtype(cfg, device: torch.device | None = None) -> str:
     return "float32" if emulated(cfg, device) else "float8"
 
 
-CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype)
+def gathered_bytes(cfg) -> int | None:
+    """model.fp8.gather_in_fp8: one byte an element (the memory estimate's ZeRO-3 term)."""
+    return 1 if cfg.model.fp8.get("gather_in_fp8", False) else None
+
+
+CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype, gathered_bytes)

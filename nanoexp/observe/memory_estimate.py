@@ -9,6 +9,7 @@ from typing import NamedTuple
 from nanoexp.config import batch_accumulation, uses_muon
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
+from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
@@ -59,16 +60,16 @@ class HeldModule(NamedTuple):
     whole: int
     experts: int = 0
     hidden_matrices: int = 0   # of all of these, the elements of hidden matrices: what Muon updates (muon.py)
-    wire_bytes: int = 4        # bytes per element of its ZeRO-3 gathers (1: FP8 weights, model.fp8.gather_in_fp8)
+    wire_bytes: int = 4        # bytes per element of its ZeRO-3 gathers (a number format's gathered_bytes)
 
 
-def gathered_in_fp8(module: HeldModule) -> HeldModule:
-    """A decoder layer under model.fp8.gather_in_fp8: its dp x cp-sharded matrices gathered in FP8, one byte an
-    element, and the rest beside them (norms, router) kept whole (gradient_sync.py)."""
+def gathered_narrow(module: HeldModule, wire_bytes: int) -> HeldModule:
+    """A decoder layer whose dp x cp-sharded matrices a number format gathers in `wire_bytes` an element
+    (numerics/converters.gathered_bytes), and the rest beside them (norms, router) kept whole (gradient_sync.py)."""
     matrices = module.hidden_matrices - module.experts
     if matrices <= 0:
         return module
-    return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=1)
+    return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=wire_bytes)
 
 
 def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
@@ -206,7 +207,7 @@ def units_in_flight(cfg, stage: int, held: list[HeldModule], device_type: str, b
     """Bytes ZeRO-2/3 hold only while units compute, beside the activations (docs/memory.md), and on gloo its
     copy of one unit's gradients in the reduce-scatter:
     * ZeRO-2: two buckets' gradients (of at most `bucket` floats each), the one filling and the one reduced;
-    * ZeRO-3: the gathered units (a byte an element where gathered in FP8) and one unit's gradients. Its
+    * ZeRO-3: the gathered units (a byte an element where gathered in FP8: a format's gathered_bytes) and one unit's gradients. Its
       backward's peak is at its first unit, where all the activations are held and no reduce-scatter has started;
       a later unit holds two units' gradients (and gloo's copy) beside the activations of the layers before it
       only (measured in docs/zero.md)."""
@@ -238,8 +239,9 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     (gloo) or CUDA (NCCL) device, by kind (see `total` for what coexists)."""
     layout = Layout.from_config(cfg)
     stage, held = zero_stage(cfg, layout), held_modules(shape, layout, pp_rank)
-    if stage == 3 and cfg.model.fp8.get("gather_in_fp8", False):
-        held = [gathered_in_fp8(u) for u in held]
+    wire_bytes = gathered_bytes(cfg) if stage == 3 else None
+    if wire_bytes is not None:
+        held = [gathered_narrow(u, wire_bytes) for u in held]
     _, chunks = held_parameters(shape, layout, pp_rank)
     muon = uses_muon(cfg)
     return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, muon),
