@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from nanoexp.config import batch_accumulation, uses_muon
+from nanoexp.config import batch_accumulation, optimizer_name
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
 from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
+from nanoexp.runtime.optim import OPTIMIZERS
 
 MB = 2**20
 
@@ -170,12 +171,12 @@ def zero_stage(cfg, layout: Layout) -> int:
 
 
 def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = None,
-                sequence_parallel: bool = False, muon: bool = False) -> dict[str, float]:
+                sequence_parallel: bool = False, state_bytes=OPTIMIZERS["adamw"].state_bytes) -> dict[str, float]:
     """Persistent bytes (parameters, gradients, the optimizer's state) and the update's temporaries, for ZeRO
     `stage` over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard
     is ceil(sharded / d). What a replica holds twice stays whole at every stage, its state sharded from stage 1.
-    AdamW keeps two moments (8 bytes an element); with `muon` the hidden matrices keep one momentum (4), a rank's
-    shard of them in proportion."""
+    The optimizer's state is `state_bytes(hidden share)` an element (its OPTIMIZERS entry's: AdamW's two moments, 8;
+    Muon's one momentum on the hidden matrices, 4, a rank's shard of them in proportion)."""
     edp, experts = edp or d, sum(u.experts for u in held)
     full = sum(u.sharded + u.whole for u in held) + experts
     kept = sum(u.whole for u in held) + (experts if sequence_parallel else 0)
@@ -184,9 +185,9 @@ def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = No
     shard = scattered + kept   # what ZeRO-2/3 keep of the gradients (ZeRO-3: and of the parameters)
     updated = {0: full, 1: (full - experts) / d + experts / edp}.get(   # what the optimizer steps
         stage, scattered + sum(u.whole for u in held) / d + (experts / edp if sequence_parallel else 0))
-    muon_share = sum(u.hidden_matrices for u in held) / full if muon and full else 0.0
+    hidden_share = sum(u.hidden_matrices for u in held) / full if full else 0.0
     return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
-            "optimizer": (8 - 4 * muon_share) * updated, "update_workspace": 4 * updated}
+            "optimizer": state_bytes(hidden_share) * updated, "update_workspace": 4 * updated}
 
 
 def most_consecutive(sizes: list[int], count: int) -> int:
@@ -243,8 +244,8 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     if wire_bytes is not None:
         held = [gathered_narrow(u, wire_bytes) for u in held]
     _, chunks = held_parameters(shape, layout, pp_rank)
-    muon = uses_muon(cfg)
-    return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, muon),
+    state_bytes = OPTIMIZERS[optimizer_name(cfg)].state_bytes
+    return {**model_state(stage, held, layout.dp_cp, layout.edp, layout.sequence_parallel, state_bytes),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,23 @@ def takes_muon(name: str, param) -> bool:
     expert, each orthogonalised alone). The embedding, the LM head, the MoE router and every vector (norms) go to
     AdamW: their rows are looked up or scored one by one, not used as a linear map."""
     return param.ndim in (2, 3) and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
+
+
+def updater(name: str, ndim: int) -> str:
+    """What updates a parameter of `ndim` dimensions named `name` (the learning-rate table's column)."""
+    return "muon" if takes_muon(name, SimpleNamespace(ndim=ndim)) else "adamW"
+
+
+def state_bytes(hidden_share: float) -> float:
+    """Bytes of state per element it updates: one float32 momentum on the hidden matrices (`hidden_share` of the
+    elements), AdamW's two moments on the rest (docs/memory.md)."""
+    return 8 - 4 * hidden_share
+
+
+def lr_notes(cfg) -> list[str]:
+    """What the learning-rate table adds under its rows."""
+    return [f"muon: each matrix's rate is also scaled by its shape (muon_adjust_lr_fn="
+            f"{cfg.optimizer.optimizer_factory.muon_adjust_lr_fn}; docs/optimizers.md)"]
 
 
 def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):
