@@ -26,6 +26,8 @@ class Converter:
     #                                                 products run in, whose peak MFU is measured against
     gathered_bytes: Callable[[object], int | None] | None = None   # cfg -> bytes an element of ZeRO-3's gathers of
     #                                                 the layers' matrices (None: float32's 4), for the memory estimate
+    console_line: Callable[[object, int, object, int], str] | None = None   # (cfg, linears converted on rank 0,
+    #                                                 device, pp) -> the line the run's start prints about the format
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -72,3 +74,8 @@ def gathered_bytes(cfg) -> int | None:
         if made is not None:
             return made
     return None
+
+
+def console_lines(cfg, converted: int, device=None, pp: int = 1) -> list[str]:
+    """What each enabled format says at the start of a run (`converted`: linears it converted on rank 0)."""
+    return [c.console_line(cfg, converted, device, pp) for c in CONVERTERS.values() if c.enabled(cfg) and c.console_line]

@@ -267,4 +267,13 @@ def gathered_bytes(cfg) -> int | None:
     return 1 if cfg.model.fp8.get("gather_in_fp8", False) else None
 
 
-CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype, gathered_bytes)
+def console_line(cfg, converted: int, device: torch.device | None, pp: int) -> str:
+    fp8, where = cfg.model.fp8, " (rank 0's stage)" if pp > 1 else ""
+    products = ("products emulated in float32 (model.fp8.emulate), so MFU is against the float32 peak"
+                if emulated(cfg, device) else "products on FP8 units (torch._scaled_mm)")
+    return (f"FP8: {converted} linears{where} in FP8 (torchao, {fp8.recipe} scaling, {products}); "
+            f"in high precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}"
+            + ("; ZeRO-3 gathers their weights in FP8" if fp8.gather_in_fp8 else ""))
+
+
+CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype, gathered_bytes, console_line)
