@@ -7,15 +7,15 @@ import math
 import re
 
 from nanoexp.model.llama import parameter_shapes
-from nanoexp.model.mup import GROUPS, describe, parametrization_of
+from nanoexp.model.mup import GROUPS, describe
 from nanoexp.config import optimizer_name
 from nanoexp.runtime.build import model_shape
-from nanoexp.runtime.optim import OPTIMIZERS, min_decay_lr
+from nanoexp.runtime.optim import OPTIMIZERS, min_decay_lr, optimizer_parametrization
 
 
 def lr_table(cfg) -> str:
     """The parametrization, then one line per parameter group of the (normalized, valid) config `cfg`."""
-    shape, mup, sched = model_shape(cfg), parametrization_of(cfg), cfg.optimizer.learning_rate_scheduler
+    shape, mup, sched = model_shape(cfg), optimizer_parametrization(cfg), cfg.optimizer.learning_rate_scheduler
     entry = OPTIMIZERS[optimizer_name(cfg)]
     members: dict[tuple[str, str], list] = {}
     for name, full in parameter_shapes(shape).items():

@@ -44,6 +44,15 @@ def state_bytes(hidden_share: float) -> float:
     return 8 - 4 * hidden_share
 
 
+def hidden_lr_scale(cfg, width_multiplier: float) -> float:
+    """Under µP, the rate on the hidden matrices over the scheduled one at width multiplier m. Muon's update is
+    orthogonal, spectral norm 1, times lr·sqrt(max(1, rows/cols)) with muon_adjust_lr_fn=original: the same at
+    every width, the size µP's spectral condition asks (Yang, Simon and Bernstein, "A Spectral Condition for
+    Feature Learning", 2023), so 1; match_rms_adamw multiplies it by 0.2·sqrt(max(rows, cols)): 1/sqrt(m)."""
+    adjust = cfg.get("optimizer", {}).get("optimizer_factory", {}).get("muon_adjust_lr_fn", "original")
+    return {"original": 1.0, "match_rms_adamw": width_multiplier ** -0.5}[adjust]
+
+
 def lr_notes(cfg) -> list[str]:
     """What the learning-rate table adds under its rows."""
     return [f"muon: each matrix's rate is also scaled by its shape (muon_adjust_lr_fn="

@@ -2,6 +2,7 @@
 schedule, and clipping by the true global norm."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -16,6 +17,7 @@ from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.placement import value_name
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 from nanoexp.runtime.muon import MuonWithAdamW, takes_muon
+from nanoexp.runtime.muon import hidden_lr_scale as muon_hidden_lr_scale
 from nanoexp.runtime.muon import lr_notes as muon_lr_notes
 from nanoexp.runtime.muon import state_bytes as muon_state_bytes
 from nanoexp.runtime.muon import updater as muon_updater
@@ -69,12 +71,15 @@ class OptimizerEntry(NamedTuple):
                                  matrices (the memory estimate, docs/memory.md);
     rank_options(model, grad_sync, zero_stage)   the options it takes from this rank's model and process groups;
     updater(cfg, name, ndim)     what updates a parameter (the learning-rate table's column);
-    lr_notes(cfg)                lines the learning-rate table adds under its rows."""
+    lr_notes(cfg)                lines the learning-rate table adds under its rows;
+    hidden_lr_scale(cfg, m)      under µP, its rate on the hidden matrices at width multiplier m over the scheduled
+                                 one (None: AdamW's 1/m, model/mup.py)."""
     build: Callable
     state_bytes: Callable[[float], float]
     rank_options: Callable = lambda model, grad_sync, zero_stage: {}
     updater: Callable[[Any, str, int], str] = lambda cfg, name, ndim: cfg.optimizer.optimizer_factory.name
     lr_notes: Callable[[Any], list[str]] = lambda cfg: []
+    hidden_lr_scale: Callable[[Any, float], float | None] = lambda cfg, width_multiplier: None
 
 
 # optimizer.optimizer_factory.name (lowercased) -> its entry. ZeRO shards any optimizer whose update is
@@ -82,8 +87,17 @@ class OptimizerEntry(NamedTuple):
 OPTIMIZERS = {
     "adamw": OptimizerEntry(adamw, state_bytes=lambda hidden_share: 8),   # two float32 moments
     "muon": OptimizerEntry(muon, muon_state_bytes, muon_rank_options, lambda cfg, name, ndim: muon_updater(name, ndim),
-                           muon_lr_notes),
+                           muon_lr_notes, muon_hidden_lr_scale),
 }
+
+
+def optimizer_parametrization(cfg) -> Parametrization:
+    """The config's parametrization with the configured optimizer's rate on the hidden matrices (µP only)."""
+    p = parametrization_of(cfg)
+    if not p.mup:
+        return p
+    scale = OPTIMIZERS[optimizer_name(cfg)].hidden_lr_scale(cfg, p.width_multiplier)
+    return dataclasses.replace(p, hidden_lr_scale=scale)
 
 
 def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
@@ -91,7 +105,7 @@ def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None
     rank's shard of `grad_sync`'s buffers (ZeRO, parallel/sharded_optimizer.py)."""
     o, entry = cfg.optimizer, OPTIMIZERS[optimizer_name(cfg)]
     optimizer_class, options = entry.build(cfg)
-    groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
+    groups = parameter_groups(model, o.weight_decay, optimizer_parametrization(cfg))
     if o.zero_stage >= 1 and grad_sync is None:
         raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
     options |= entry.rank_options(model, grad_sync, o.zero_stage)
