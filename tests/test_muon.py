@@ -358,3 +358,15 @@ def test_the_optimizer_bench_times_both_optimizers(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("dp1tp1pp1 ")]
     assert [row[1] for row in rows] == ["adamW", "muon"] and all(row[-1].endswith("%") for row in rows), result.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.optimizer_factory.muon_adjust_lr_fn=sqrt",
+     "optimizer.optimizer_factory.muon_adjust_lr_fn=sqrt: allowed values are original, match_rms_adamw"),
+    ("optimizer.optimizer_factory.muon_ns_coefficients=[3.4,-4.7]",
+     "optimizer.optimizer_factory.muon_ns_coefficients=[3.4, -4.7]: must be three numbers (a, b, c)")])
+def test_muons_own_settings_are_checked_by_its_registry_entry(override, message):
+    """Muon's OPTIMIZERS entry says what of its settings cannot run (runtime/muon.py problems), one line naming the
+    key."""
+    assert message in start_error(compose_config(FAST + MUON + [override]))
+    assert muon.problems(compose_config(FAST + MUON)) == []

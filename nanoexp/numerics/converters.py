@@ -28,6 +28,8 @@ class Converter:
     #                                                 the layers' matrices (None: float32's 4), for the memory estimate
     console_line: Callable[[object, int, object, int], str] | None = None   # (cfg, linears converted on rank 0,
     #                                                 device, pp) -> the line the run's start prints about the format
+    problems: Callable[[object], list[str]] | None = None   # cfg -> why its keys cannot run, one line each naming
+    #                                                 the key (asked on or off: a key set for it while off is its own)
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -79,3 +81,8 @@ def gathered_bytes(cfg) -> int | None:
 def console_lines(cfg, converted: int, device=None, pp: int = 1) -> list[str]:
     """What each enabled format says at the start of a run (`converted`: linears it converted on rank 0)."""
     return [c.console_line(cfg, converted, device, pp) for c in CONVERTERS.values() if c.enabled(cfg) and c.console_line]
+
+
+def format_problems(cfg) -> list[str]:
+    """Why each format's keys cannot run this config (validation.py), one line each naming the key."""
+    return [problem for c in CONVERTERS.values() if c.problems for problem in c.problems(cfg)]

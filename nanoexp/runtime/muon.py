@@ -44,6 +44,19 @@ def state_bytes(hidden_share: float) -> float:
     return 8 - 4 * hidden_share
 
 
+ADJUST_LR_FNS = ("original", "match_rms_adamw")   # optimizer.optimizer_factory.muon_adjust_lr_fn
+
+
+def problems(cfg) -> list[str]:
+    """Why Muon's settings cannot run, one line each naming the key (docs/optimizers.md)."""
+    f, key = cfg.optimizer.optimizer_factory, "optimizer.optimizer_factory."
+    out = [] if f.muon_adjust_lr_fn in ADJUST_LR_FNS else [
+        f"{key}muon_adjust_lr_fn={f.muon_adjust_lr_fn}: allowed values are {', '.join(ADJUST_LR_FNS)}"]
+    if len(f.muon_ns_coefficients) != 3:
+        out.append(f"{key}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be three numbers (a, b, c)")
+    return out
+
+
 def hidden_lr_scale(cfg, width_multiplier: float) -> float:
     """Under µP, the rate on the hidden matrices over the scheduled one at width multiplier m. Muon's update is
     orthogonal, spectral norm 1, times lr·sqrt(max(1, rows/cols)) with muon_adjust_lr_fn=original: the same at

@@ -19,6 +19,7 @@ from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 from nanoexp.runtime.muon import MuonWithAdamW, takes_muon
 from nanoexp.runtime.muon import hidden_lr_scale as muon_hidden_lr_scale
 from nanoexp.runtime.muon import lr_notes as muon_lr_notes
+from nanoexp.runtime.muon import problems as muon_problems
 from nanoexp.runtime.muon import state_bytes as muon_state_bytes
 from nanoexp.runtime.muon import updater as muon_updater
 
@@ -73,13 +74,15 @@ class OptimizerEntry(NamedTuple):
     updater(cfg, name, ndim)     what updates a parameter (the learning-rate table's column);
     lr_notes(cfg)                lines the learning-rate table adds under its rows;
     hidden_lr_scale(cfg, m)      under µP, its rate on the hidden matrices at width multiplier m over the scheduled
-                                 one (None: AdamW's 1/m, model/mup.py)."""
+                                 one (None: AdamW's 1/m, model/mup.py);
+    problems(cfg)                why its settings cannot run, one line each naming the key ([] when they can)."""
     build: Callable
     state_bytes: Callable[[float], float]
     rank_options: Callable = lambda model, grad_sync, zero_stage: {}
     updater: Callable[[Any, str, int], str] = lambda cfg, name, ndim: cfg.optimizer.optimizer_factory.name
     lr_notes: Callable[[Any], list[str]] = lambda cfg: []
     hidden_lr_scale: Callable[[Any, float], float | None] = lambda cfg, width_multiplier: None
+    problems: Callable[[Any], list[str]] = lambda cfg: []
 
 
 # optimizer.optimizer_factory.name (lowercased) -> its entry. ZeRO shards any optimizer whose update is
@@ -87,7 +90,7 @@ class OptimizerEntry(NamedTuple):
 OPTIMIZERS = {
     "adamw": OptimizerEntry(adamw, state_bytes=lambda hidden_share: 8),   # two float32 moments
     "muon": OptimizerEntry(muon, muon_state_bytes, muon_rank_options, lambda cfg, name, ndim: muon_updater(name, ndim),
-                           muon_lr_notes, muon_hidden_lr_scale),
+                           muon_lr_notes, muon_hidden_lr_scale, muon_problems),
 }
 
 
