@@ -184,8 +184,6 @@ def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
         (dp % shard or layout.shard_size % ep == 0, f"{key} with parallelism.ep={ep}: ep must divide dp_shard * cp "
          f"= {shard * layout.cp}, so that an ep group lies inside one shard group (the experts shard over its edp "
          "ranks there); change parallelism.dp_shard or parallelism.ep"),
-        (optimizer_name(cfg) != "muon", f"{key}: Muon gathers its matrices over all of dp x cp and has no hybrid "
-         "sharding; use AdamW or parallelism.dp_shard=null"),
     ]
 
 

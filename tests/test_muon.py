@@ -364,7 +364,9 @@ def test_the_optimizer_bench_times_both_optimizers(tmp_path):
     ("optimizer.optimizer_factory.muon_adjust_lr_fn=sqrt",
      "optimizer.optimizer_factory.muon_adjust_lr_fn=sqrt: allowed values are original, match_rms_adamw"),
     ("optimizer.optimizer_factory.muon_ns_coefficients=[3.4,-4.7]",
-     "optimizer.optimizer_factory.muon_ns_coefficients=[3.4, -4.7]: must be three numbers (a, b, c)")])
+     "optimizer.optimizer_factory.muon_ns_coefficients=[3.4, -4.7]: must be three numbers (a, b, c)"),
+    ("parallelism.dp_shard=1", "parallelism.dp_shard=1: Muon gathers its matrices over all of dp x cp and has no "
+     "hybrid sharding; use AdamW or parallelism.dp_shard=null")])
 def test_muons_own_settings_are_checked_by_its_registry_entry(override, message):
     """Muon's OPTIMIZERS entry says what of its settings cannot run (runtime/muon.py problems), one line naming the
     key."""

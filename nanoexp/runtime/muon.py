@@ -54,6 +54,9 @@ def problems(cfg) -> list[str]:
         f"{key}muon_adjust_lr_fn={f.muon_adjust_lr_fn}: allowed values are {', '.join(ADJUST_LR_FNS)}"]
     if len(f.muon_ns_coefficients) != 3:
         out.append(f"{key}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be three numbers (a, b, c)")
+    if cfg.parallelism.dp_shard is not None:
+        out.append(f"parallelism.dp_shard={cfg.parallelism.dp_shard}: Muon gathers its matrices over all of dp x cp "
+                   "and has no hybrid sharding; use AdamW or parallelism.dp_shard=null")
     return out
 
 
