@@ -301,8 +301,8 @@ def test_muon_sends_the_analytic_bytes(overrides):
 
 def test_coord_check_muon_under_mup_keeps_activations_steady_as_width_grows():
     """Muon under µP (runtime/muon.py's hidden_lr_scale, through model/mup.py's lr_scale: no width multiplier on
-    Muon's hidden matrices with the original adjustment, whose update has the same spectral norm at every width; µP's init, logit multiplier and AdamW rates
-    for the rest). Widths 32, 64, 128 after 3 steps at lr 1e-2 (2026-12-03): under µP the attention, MLP and logit
+    Muon's hidden matrices with the original adjustment, whose update has the same spectral norm at every width;
+    µP's init, logit multiplier and AdamW rates for the rest). Widths 32, 64, 128 after 3 steps at lr 1e-2 (2026-12-03): under µP the attention, MLP and logit
     RMS stay within 1.28x across the 4x width range (lr 3e-2: 1.40x; match_rms_adamw with its 1/sqrt(m): 1.41x),
     under the standard parametrization they grow 3.0-10.4x. Bounds: µP within 1.5x, standard at least 2x up."""
     from benchmarks.mup_coord_check import coord_check
