@@ -28,7 +28,7 @@ class Effect:
 EFFECTS = (
     Effect("optimizer.optimizer_factory.muon_*", uses_muon, "optimizer.optimizer_factory.name=muon"),
     Effect("model.fp8.*", lambda cfg: cfg.model.fp8.enabled, "model.fp8.enabled=true",
-           besides=("enabled", "gather_in_fp8")),   # gather_in_fp8: validation.fp8_rules says more
+           besides=("enabled", "gather_in_fp8")),   # gather_in_fp8: numerics/fp8.py's problems say more
     Effect("model.moe.*", lambda cfg: cfg.model.moe.num_experts > 0, "model.moe.num_experts > 0",
            besides=("num_experts",)),
     Effect("model.attention_kernel", lambda cfg: cfg.parallelism.cp == 1,

@@ -9,14 +9,13 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size, stage_data, \
-    uses_muon
+from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size, stage_data
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.config_effects import effect_rules
 from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
-from nanoexp.numerics.fp8 import RECIPES as FP8_RECIPES, torchao_available
+from nanoexp.numerics.converters import format_problems
 from nanoexp.runtime.optim import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
@@ -75,23 +74,7 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
         one_of(cfg, "model.attention_kernel", tuple(ATTENTION_KERNELS)),
         (cfg.model.attention_kernel != "flash" or flash_attn_func is not None, "model.attention_kernel=flash needs "
          "flash-attn, which is not importable here: pip install -e '.[flash]' on a CUDA machine, or use auto"),
-    ] + parametrization_rules(cfg) + moe_rules(cfg) + fp8_rules(cfg)
-
-
-def fp8_rules(cfg: Any) -> list[Rule]:
-    """model.fp8: a recipe torchao has, torchao installed when on, and nothing asked that is not built."""
-    fp8 = cfg.model.fp8
-    return [
-        one_of(cfg, "model.fp8.recipe", FP8_RECIPES),
-        (not fp8.enabled or torchao_available(), "model.fp8.enabled=true needs torchao, which is not importable "
-         "here: pip install -e '.[fp8]'"),
-    ] + ([] if not fp8.gather_in_fp8 else [
-        (fp8.enabled, "model.fp8.gather_in_fp8=true needs model.fp8.enabled=true (it gathers FP8 layers' weights)"),
-        (fp8.recipe == "tensorwise", f"model.fp8.gather_in_fp8=true needs model.fp8.recipe=tensorwise, not "
-         f"{fp8.recipe} (a rowwise recipe casts each weight per row and per column: no one FP8 copy serves both)"),
-        (cfg.optimizer.zero_stage == 3 and cfg.parallelism.dp * cfg.parallelism.cp > 1, "model.fp8.gather_in_fp8=true "
-         "gathers ZeRO-3's weights: it needs optimizer.zero_stage=3 and parallelism.dp*cp > 1, else set it to false"),
-    ])
+    ] + parametrization_rules(cfg) + moe_rules(cfg) + [(False, problem) for problem in format_problems(cfg)]
 
 
 def moe_rules(cfg: Any) -> list[Rule]:
@@ -201,8 +184,6 @@ def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
         (dp % shard or layout.shard_size % ep == 0, f"{key} with parallelism.ep={ep}: ep must divide dp_shard * cp "
          f"= {shard * layout.cp}, so that an ep group lies inside one shard group (the experts shard over its edp "
          "ranks there); change parallelism.dp_shard or parallelism.ep"),
-        (optimizer_name(cfg) != "muon", f"{key}: Muon gathers its matrices over all of dp x cp and has no hybrid "
-         "sharding; use AdamW or parallelism.dp_shard=null"),
     ]
 
 
@@ -260,7 +241,7 @@ def optimizer_rules(cfg: Any) -> list[Rule]:
              f">= lr_warmup_steps={lr.lr_warmup_steps} or null (the decay starts when warm-up ends)"),
         (lr.min_decay_lr is None or lr.min_decay_lr <= lr.learning_rate,
          f"{LR_SCHEDULER}min_decay_lr={lr.min_decay_lr} must be between 0 and learning_rate"),
-    ] + muon_rules(cfg) + zero_rules(cfg)
+    ] + optimizer_problems(cfg) + zero_rules(cfg)
 
 
 def zero_rules(cfg: Any) -> list[Rule]:
@@ -278,16 +259,10 @@ def zero_rules(cfg: Any) -> list[Rule]:
     ]
 
 
-def muon_rules(cfg: Any) -> list[Rule]:
-    """Muon's settings (docs/optimizers.md)."""
-    f = cfg.optimizer.optimizer_factory
-    if not uses_muon(cfg):
-        return []
-    return [
-        one_of(cfg, ADAM + "muon_adjust_lr_fn", ("original", "match_rms_adamw")),
-        (len(f.muon_ns_coefficients) == 3, f"{ADAM}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be "
-         "three numbers (a, b, c)"),
-    ]
+def optimizer_problems(cfg: Any) -> list[Rule]:
+    """The configured optimizer's own settings (its OPTIMIZERS entry's problems)."""
+    entry = OPTIMIZERS.get(optimizer_name(cfg))
+    return [(False, problem) for problem in entry.problems(cfg)] if entry else []
 
 
 def weights_rules(cfg: Any) -> list[Rule]:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from nanoexp import validation
 from nanoexp.config import ConfigError
 from nanoexp.model.linear import Linear, plain_matmul
 from nanoexp.numerics import fp8
@@ -192,7 +191,7 @@ def test_a_bad_fp8_config_is_named(overrides, message):
 
 
 def test_fp8_without_torchao_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(validation, "torchao_available", lambda: False)
+    monkeypatch.setattr(fp8, "torchao_available", lambda: False)
     assert "pip install -e '.[fp8]'" in start_error(compose_config(FAST + FP8))
 
 

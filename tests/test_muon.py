@@ -300,9 +300,9 @@ def test_muon_sends_the_analytic_bytes(overrides):
 
 
 def test_coord_check_muon_under_mup_keeps_activations_steady_as_width_grows():
-    """Muon under µP (model/mup.py's lr_scale: no width multiplier on Muon's hidden matrices with the original
-    adjustment, whose update has the same spectral norm at every width; µP's init, logit multiplier and AdamW rates
-    for the rest). Widths 32, 64, 128 after 3 steps at lr 1e-2 (2026-12-03): under µP the attention, MLP and logit
+    """Muon under µP (runtime/muon.py's hidden_lr_scale, through model/mup.py's lr_scale: no width multiplier on
+    Muon's hidden matrices with the original adjustment, whose update has the same spectral norm at every width;
+    µP's init, logit multiplier and AdamW rates for the rest). Widths 32, 64, 128 after 3 steps at lr 1e-2 (2026-12-03): under µP the attention, MLP and logit
     RMS stay within 1.28x across the 4x width range (lr 3e-2: 1.40x; match_rms_adamw with its 1/sqrt(m): 1.41x),
     under the standard parametrization they grow 3.0-10.4x. Bounds: µP within 1.5x, standard at least 2x up."""
     from benchmarks.mup_coord_check import coord_check
@@ -358,3 +358,17 @@ def test_the_optimizer_bench_times_both_optimizers(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("dp1tp1pp1 ")]
     assert [row[1] for row in rows] == ["adamW", "muon"] and all(row[-1].endswith("%") for row in rows), result.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.optimizer_factory.muon_adjust_lr_fn=sqrt",
+     "optimizer.optimizer_factory.muon_adjust_lr_fn=sqrt: allowed values are original, match_rms_adamw"),
+    ("optimizer.optimizer_factory.muon_ns_coefficients=[3.4,-4.7]",
+     "optimizer.optimizer_factory.muon_ns_coefficients=[3.4, -4.7]: must be three numbers (a, b, c)"),
+    ("parallelism.dp_shard=1", "parallelism.dp_shard=1: Muon gathers its matrices over all of dp x cp and has no "
+     "hybrid sharding; use AdamW or parallelism.dp_shard=null")])
+def test_muons_own_settings_are_checked_by_its_registry_entry(override, message):
+    """Muon's OPTIMIZERS entry says what of its settings cannot run (runtime/muon.py problems), one line naming the
+    key."""
+    assert message in start_error(compose_config(FAST + MUON + [override]))
+    assert muon.problems(compose_config(FAST + MUON)) == []

@@ -18,10 +18,13 @@ import torch.nn.functional as F
 from nanoexp.model.placement import local_slice, placement
 from nanoexp.parallel.context import Axis, ParallelContext
 from nanoexp.parallel.layout import Layout
+from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
+from nanoexp.model.moe import MoeShape
 from nanoexp.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+    ColumnInput, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
     gather_from_sequence_parallel, reduce_from_tp, scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy)
+from nanoexp.parallel.tensor_parallel_plan import PLAN, apply_tensor_parallel
 from tests.distributed import run_distributed
 
 B, S, H, FF, V = 2, 8, 16, 32, 64  # S, FF and V divisible by 4
@@ -191,3 +194,36 @@ def test_sizes_must_divide_tp():
         RowParallelLinear(FF + 1, H, fake_tp2)
     with pytest.raises(ValueError, match="vocab_size"):
         VocabParallelEmbedding(V + 1, H, fake_tp2)
+
+
+def _plain_model(layer_frequency: int) -> LlamaForCausalLM:
+    moe = MoeShape(num_experts=4, top_k=2, intermediate_size=FF, num_shared_experts=1, layer_frequency=layer_frequency)
+    shape = LlamaShape(hidden_size=H, intermediate_size=FF, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=V, max_position_embeddings=S, moe=moe)
+    with torch.device("meta"):
+        return LlamaForCausalLM(shape)
+
+
+def test_the_plan_splits_the_layers_it_names_by_path():
+    """Layer 0 dense, layer 1 MoE: each named layer becomes its tp version, nothing else does (the MoE block's
+    shared experts stay whole); a model whose every layer is MoE has no MLP entry to match."""
+    model = apply_tensor_parallel(_plain_model(layer_frequency=2), Axis(size=2), sequence_parallel=True)
+    styles = {path: type(module) for path, module in model.named_modules()
+              if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnInput))}
+    layer, attn = "model.layers.{}.", "model.layers.{}.self_attn."
+    expected = {"model.embed_tokens": VocabParallelEmbedding, "lm_head": ColumnParallelLinear,
+                layer.format(0) + "mlp.mlp_input": ColumnInput, layer.format(0) + "mlp.down_proj": RowParallelLinear,
+                **{layer.format(0) + f"mlp.{name}": ColumnParallelLinear for name in ("gate_proj", "up_proj")}}
+    for n in (0, 1):
+        expected.update({attn.format(n) + "qkv_input": ColumnInput, attn.format(n) + "o_proj": RowParallelLinear,
+                         **{attn.format(n) + f"{x}_proj": ColumnParallelLinear for x in "qkv"}})
+    assert styles == expected
+    assert model.model.layers["1"].self_attn.heads == 2 and model.model.layers["1"].self_attn.kv_heads == 1
+    apply_tensor_parallel(_plain_model(layer_frequency=1), Axis(size=2), sequence_parallel=False)
+
+
+def test_a_plan_entry_that_matches_no_module_is_refused(monkeypatch):
+    """A layer renamed in the model but not in the plan would stay whole on every rank: refused, naming the entry."""
+    monkeypatch.setitem(PLAN, "model.layers.*.self_attn.qkv_proj", "column")
+    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.self_attn\.qkv_proj' matches no module"):
+        apply_tensor_parallel(_plain_model(layer_frequency=2), Axis(size=2), sequence_parallel=False)

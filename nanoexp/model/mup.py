@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nanoexp.config import uses_muon
 from nanoexp.model.llama import EMBEDDING, LM_HEAD
 
 ROUTER = ".mlp.router.weight"   # a MoE layer's router: an output layer under µP
@@ -25,7 +24,7 @@ class Parametrization:
     mup: bool = False
     width_multiplier: float = 1.0   # m = hidden_size / base_width (1 under standard)
     attention_multiplier: float = 1.0   # α in α·q·k / d_head (µP only)
-    hidden_update: str = "adamw"   # how the hidden matrices' update grows with width: adamw | muon_<adjust_lr_fn>
+    hidden_lr_scale: float | None = None   # the optimizer's own rate on hidden matrices (None: AdamW's 1/m)
 
     def group(self, name: str, ndim: int) -> str:
         """The optimizer group of a parameter, named by the values it holds (see placement.value_name)."""
@@ -36,14 +35,11 @@ class Parametrization:
 
     def lr_scale(self, group: str) -> float:
         """The group's learning rate over the scheduled one. Hidden matrices: AdamW's update moves every entry by
-        about lr, its spectral norm grows as m: 1/m. Muon's (optimizer_factory.name=muon, docs/optimizers.md) is
-        orthogonal, spectral norm 1, times lr·sqrt(max(1, rows/cols)) with muon_adjust_lr_fn=original: the same at
-        every width, the size µP's spectral condition asks (Yang, Simon and Bernstein, "A Spectral Condition for
-        Feature Learning", 2023), so 1; match_rms_adamw multiplies it by 0.2·sqrt(max(rows, cols)): 1/sqrt(m)."""
+        about lr, its spectral norm grows as m: 1/m; another optimizer's update grows as it says (its OPTIMIZERS
+        entry's hidden_lr_scale, runtime/optim.py: Muon's, runtime/muon.py)."""
         if group != "hidden":
             return 1.0
-        return {"muon_original": 1.0, "muon_match_rms_adamw": self.width_multiplier ** -0.5}.get(
-            self.hidden_update, 1.0 / self.width_multiplier)
+        return 1.0 / self.width_multiplier if self.hidden_lr_scale is None else self.hidden_lr_scale
 
     def weight_decay(self, group: str, weight_decay: float) -> float:
         """The group's weight decay, from optimizer.weight_decay: none on vectors (norm weights), over the lr
@@ -52,7 +48,7 @@ class Parametrization:
             return 0.0
         if group != "hidden":
             return weight_decay
-        return weight_decay * self.width_multiplier if self.hidden_update == "adamw" else \
+        return weight_decay * self.width_multiplier if self.hidden_lr_scale is None else \
             weight_decay / self.lr_scale(group)
 
     def init_std(self, name: str, ndim: int, std: float) -> float:
@@ -72,14 +68,13 @@ STANDARD = Parametrization()
 
 
 def parametrization_of(cfg: Any) -> Parametrization:
-    """The config's parametrization (a checkpoint written before µP existed has no key: standard)."""
+    """The config's parametrization (a checkpoint written before µP existed has no key: standard), with AdamW's
+    rate on the hidden matrices: runtime/optim.py's optimizer_parametrization gives the configured optimizer's."""
     model = cfg.model
     if model.get("parametrization", "standard") != "mup":
         return STANDARD
-    factory = cfg.get("optimizer", {}).get("optimizer_factory", {})
     return Parametrization(mup=True, width_multiplier=model.model_config.hidden_size / model.mup.base_width,
-                           attention_multiplier=model.mup.get("attention_multiplier", 1.0),
-                           hidden_update=f"muon_{factory.get('muon_adjust_lr_fn', 'original')}" if uses_muon(cfg) else "adamw")
+                           attention_multiplier=model.mup.get("attention_multiplier", 1.0))
 
 
 def describe(p: Parametrization, hidden_size: int, head_dim: int) -> str:

@@ -22,6 +22,14 @@ class Converter:
     #                                                            replace layer.matmul or leave it
     gather_format: Callable[[nn.Module, object], object] | None = None   # (converted model, cfg) -> how ZeRO-3
     #                                                 gathers the converted weights (parallel/units.GatherFormat)
+    product_dtype: Callable[[object, object], str] | None = None   # (cfg, device or None: the CPU) -> the dtype its
+    #                                                 products run in, whose peak MFU is measured against
+    gathered_bytes: Callable[[object], int | None] | None = None   # cfg -> bytes an element of ZeRO-3's gathers of
+    #                                                 the layers' matrices (None: float32's 4), for the memory estimate
+    console_line: Callable[[object, int, object, int], str] | None = None   # (cfg, linears converted on rank 0,
+    #                                                 device, pp) -> the line the run's start prints about the format
+    problems: Callable[[object], list[str]] | None = None   # cfg -> why its keys cannot run, one line each naming
+    #                                                 the key (asked on or off: a key set for it while off is its own)
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -49,3 +57,32 @@ def gather_format(model: nn.Module, cfg):
         if made is not None:
             return made
     return None
+
+
+def product_dtype(cfg, device=None) -> str | None:
+    """The dtype the converted linears' products run in on `device` (they hold nearly all of the FLOPs), or None
+    when no enabled format says (the products run in model.dtype)."""
+    for converter in CONVERTERS.values():
+        if converter.enabled(cfg) and converter.product_dtype:
+            return converter.product_dtype(cfg, device)
+    return None
+
+
+def gathered_bytes(cfg) -> int | None:
+    """Bytes an element of ZeRO-3's gathers of the decoder layers' matrices under an enabled format that gathers
+    them narrower than float32, else None."""
+    for converter in CONVERTERS.values():
+        made = converter.gathered_bytes(cfg) if converter.enabled(cfg) and converter.gathered_bytes else None
+        if made is not None:
+            return made
+    return None
+
+
+def console_lines(cfg, converted: int, device=None, pp: int = 1) -> list[str]:
+    """What each enabled format says at the start of a run (`converted`: linears it converted on rank 0)."""
+    return [c.console_line(cfg, converted, device, pp) for c in CONVERTERS.values() if c.enabled(cfg) and c.console_line]
+
+
+def format_problems(cfg) -> list[str]:
+    """Why each format's keys cannot run this config (validation.py), one line each naming the key."""
+    return [problem for c in CONVERTERS.values() if c.problems for problem in c.problems(cfg)]

@@ -257,4 +257,45 @@ def gather_format(model, cfg):
                                                                                     Fp8Matmul)})
 
 
-CONVERTERS["fp8"] = Converter(enabled, convert, gather_format)
+def product_dtype(cfg, device: torch.device | None = None) -> str:
+    """float8 on FP8 units; emulated FP8 multiplies in float32."""
+    return "float32" if emulated(cfg, device) else "float8"
+
+
+def gathered_bytes(cfg) -> int | None:
+    """model.fp8.gather_in_fp8: one byte an element (the memory estimate's ZeRO-3 term)."""
+    return 1 if cfg.model.fp8.get("gather_in_fp8", False) else None
+
+
+def console_line(cfg, converted: int, device: torch.device | None, pp: int) -> str:
+    fp8, where = cfg.model.fp8, " (rank 0's stage)" if pp > 1 else ""
+    products = ("products emulated in float32 (model.fp8.emulate), so MFU is against the float32 peak"
+                if emulated(cfg, device) else "products on FP8 units (torch._scaled_mm)")
+    return (f"FP8: {converted} linears{where} in FP8 (torchao, {fp8.recipe} scaling, {products}); "
+            f"in high precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}"
+            + ("; ZeRO-3 gathers their weights in FP8" if fp8.gather_in_fp8 else ""))
+
+
+def problems(cfg) -> list[str]:
+    """model.fp8: a recipe torchao has, torchao installed when on, and nothing asked that is not built."""
+    fp8, out = cfg.model.fp8, []
+    if fp8.recipe not in RECIPES:
+        out.append(f"model.fp8.recipe={fp8.recipe}: allowed values are {', '.join(RECIPES)}")
+    if fp8.enabled and not torchao_available():
+        out.append("model.fp8.enabled=true needs torchao, which is not importable here: pip install -e '.[fp8]'")
+    return out + (gather_problems(cfg) if fp8.gather_in_fp8 else [])
+
+
+def gather_problems(cfg) -> list[str]:
+    """model.fp8.gather_in_fp8=true: what it needs."""
+    fp8, dp_cp = cfg.model.fp8, cfg.parallelism.dp * cfg.parallelism.cp
+    needs = [(fp8.enabled, "model.fp8.gather_in_fp8=true needs model.fp8.enabled=true (it gathers FP8 layers' "
+              "weights)"),
+             (fp8.recipe == "tensorwise", f"model.fp8.gather_in_fp8=true needs model.fp8.recipe=tensorwise, not "
+              f"{fp8.recipe} (a rowwise recipe casts each weight per row and per column: no one FP8 copy serves both)"),
+             (cfg.optimizer.zero_stage == 3 and dp_cp > 1, "model.fp8.gather_in_fp8=true gathers ZeRO-3's weights: it "
+              "needs optimizer.zero_stage=3 and parallelism.dp*cp > 1, else set it to false")]
+    return [message for ok, message in needs if not ok]
+
+
+CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype, gathered_bytes, console_line, problems)

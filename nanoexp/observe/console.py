@@ -15,6 +15,7 @@ from collections import deque
 
 from nanoexp.model.llama import count_active_parameters
 from nanoexp.model.mup import describe, parametrization_of
+from nanoexp.numerics.converters import console_lines
 from nanoexp.observe.moe_metrics import LOAD_IMBALANCE
 
 
@@ -92,10 +93,10 @@ def resume_command(overrides: list[str], run_dir: str) -> str:
 
 def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: str, peak,
               converted_linears: int = 0, tf32: bool = False, flush_denormals: bool = False,
-              fp8_emulated: bool = False, ranks_per_node: int | None = None) -> list[str]:
+              device=None, ranks_per_node: int | None = None) -> list[str]:
     """The lines that say what a run is: model, parametrization, number format (`converted_linears`: how many
-    linears of rank 0's model a format converted; whether matmuls run in TF32, denormals are flushed, FP8 products
-    emulated), initial weights, layout (and where hybrid sharding's shard groups lie on nodes of `ranks_per_node`
+    linears of rank 0's model a format converted, each enabled format's own line on `device`; whether matmuls run
+    in TF32, denormals are flushed), initial weights, layout (and where hybrid sharding's shard groups lie on nodes of `ranks_per_node`
     ranks, default one node), global batch, data (`data`: describe_data's words) and the peak MFU is measured
     against."""
     p, t = cfg.parallelism, cfg.tokens
@@ -117,13 +118,7 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
                      f"z-loss x {moe.z_loss_coef:g}")
     if cfg.model.parametrization == "mup":
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
-    if cfg.model.fp8.enabled:
-        fp8, where = cfg.model.fp8, " (rank 0's stage)" if layout.pp > 1 else ""
-        products = ("products emulated in float32 (model.fp8.emulate), so MFU is against the float32 peak"
-                    if fp8_emulated else "products on FP8 units (torch._scaled_mm)")
-        lines.append(f"FP8: {converted_linears} linears{where} in FP8 (torchao, {fp8.recipe} scaling, {products}); "
-                     f"in high precision: those named with {', '.join(fp8.filter_fqns) or 'nothing'}"
-                     + ("; ZeRO-3 gathers their weights in FP8" if fp8.gather_in_fp8 else ""))
+    lines += console_lines(cfg, converted_linears, device, layout.pp)
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
     parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]

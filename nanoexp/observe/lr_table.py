@@ -5,25 +5,21 @@ from __future__ import annotations
 
 import math
 import re
-from types import SimpleNamespace
 
 from nanoexp.model.llama import parameter_shapes
-from nanoexp.model.mup import GROUPS, describe, parametrization_of
-from nanoexp.config import uses_muon
+from nanoexp.model.mup import GROUPS, describe
+from nanoexp.config import optimizer_name
 from nanoexp.model.shape import model_shape
-from nanoexp.runtime.muon import takes_muon
-from nanoexp.runtime.optim import min_decay_lr
+from nanoexp.runtime.optim import OPTIMIZERS, min_decay_lr, optimizer_parametrization
 
 
 def lr_table(cfg) -> str:
     """The parametrization, then one line per parameter group of the (normalized, valid) config `cfg`."""
-    shape, mup, sched = model_shape(cfg), parametrization_of(cfg), cfg.optimizer.learning_rate_scheduler
-    factory = cfg.optimizer.optimizer_factory
-    muon = uses_muon(cfg)
+    shape, mup, sched = model_shape(cfg), optimizer_parametrization(cfg), cfg.optimizer.learning_rate_scheduler
+    entry = OPTIMIZERS[optimizer_name(cfg)]
     members: dict[tuple[str, str], list] = {}
     for name, full in parameter_shapes(shape).items():
-        optimizer = ("muon" if takes_muon(name, SimpleNamespace(ndim=len(full))) else "adamW") if muon \
-            else factory.name
+        optimizer = entry.updater(cfg, name, len(full))
         members.setdefault((mup.group(name, len(full)), optimizer), []).append((name, full))
     lines = [f"parametrization: {describe(mup, shape.hidden_size, shape.head_dim)}",
              f"{'group':<10}{'optimizer':>10}{'tensors':>8}{'parameters':>12}{'init std':>10}{'lr scale':>10}"
@@ -42,7 +38,4 @@ def lr_table(cfg) -> str:
                      f"{sched.learning_rate * scale:>11.4g}{min_decay_lr(cfg) * scale:>11.4g}{decay:>7g}  "
                      + ", ".join(n for n in held if not n.endswith("{}"))
                      + (" (= lm_head, tied)" if shape.tie_word_embeddings and "model.embed_tokens" in held else ""))
-    if muon:
-        lines.append(f"muon: each matrix's rate is also scaled by its shape (muon_adjust_lr_fn="
-                     f"{factory.muon_adjust_lr_fn}; docs/optimizers.md)")
-    return "\n".join(lines)
+    return "\n".join(lines + entry.lr_notes(cfg))

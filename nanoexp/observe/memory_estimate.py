@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from nanoexp.config import batch_accumulation, uses_muon
+from nanoexp.config import batch_accumulation, optimizer_name
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
+from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
+from nanoexp.runtime.optim import OPTIMIZERS
 
 MB = 2**20
 
@@ -59,16 +61,16 @@ class HeldModule(NamedTuple):
     whole: int
     experts: int = 0
     hidden_matrices: int = 0   # of all of these, the elements of hidden matrices: what Muon updates (muon.py)
-    wire_bytes: int = 4        # bytes per element of its ZeRO-3 gathers (1: FP8 weights, model.fp8.gather_in_fp8)
+    wire_bytes: int = 4        # bytes per element of its ZeRO-3 gathers (a number format's gathered_bytes)
 
 
-def gathered_in_fp8(module: HeldModule) -> HeldModule:
-    """A decoder layer under model.fp8.gather_in_fp8: its dp x cp-sharded matrices gathered in FP8, one byte an
-    element, and the rest beside them (norms, router) kept whole (gradient_sync.py)."""
+def gathered_narrow(module: HeldModule, wire_bytes: int) -> HeldModule:
+    """A decoder layer whose dp x cp-sharded matrices a number format gathers in `wire_bytes` an element
+    (numerics/converters.gathered_bytes), and the rest beside them (norms, router) kept whole (gradient_sync.py)."""
     matrices = module.hidden_matrices - module.experts
     if matrices <= 0:
         return module
-    return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=1)
+    return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=wire_bytes)
 
 
 def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
@@ -170,12 +172,12 @@ def zero_stage(cfg, layout: Layout) -> int:
 
 
 def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = None,
-                sequence_parallel: bool = False, muon: bool = False) -> dict[str, float]:
+                sequence_parallel: bool = False, state_bytes=OPTIMIZERS["adamw"].state_bytes) -> dict[str, float]:
     """Persistent bytes (parameters, gradients, the optimizer's state) and the update's temporaries, for ZeRO
     `stage` over d ranks (experts over `edp`). Each unit's flat buffer is padded to a multiple of d: a rank's shard
     is ceil(sharded / d). What a replica holds twice stays whole at every stage, its state sharded from stage 1.
-    AdamW keeps two moments (8 bytes an element); with `muon` the hidden matrices keep one momentum (4), a rank's
-    shard of them in proportion."""
+    The optimizer's state is `state_bytes(hidden share)` an element (its OPTIMIZERS entry's: AdamW's two moments, 8;
+    Muon's one momentum on the hidden matrices, 4, a rank's shard of them in proportion)."""
     edp, experts = edp or d, sum(u.experts for u in held)
     full = sum(u.sharded + u.whole for u in held) + experts
     kept = sum(u.whole for u in held) + (experts if sequence_parallel else 0)
@@ -184,9 +186,9 @@ def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = No
     shard = scattered + kept   # what ZeRO-2/3 keep of the gradients (ZeRO-3: and of the parameters)
     updated = {0: full, 1: (full - experts) / d + experts / edp}.get(   # what the optimizer steps
         stage, scattered + sum(u.whole for u in held) / d + (experts / edp if sequence_parallel else 0))
-    muon_share = sum(u.hidden_matrices for u in held) / full if muon and full else 0.0
+    hidden_share = sum(u.hidden_matrices for u in held) / full if full else 0.0
     return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
-            "optimizer": (8 - 4 * muon_share) * updated, "update_workspace": 4 * updated}
+            "optimizer": state_bytes(hidden_share) * updated, "update_workspace": 4 * updated}
 
 
 def most_consecutive(sizes: list[int], count: int) -> int:
@@ -207,7 +209,7 @@ def units_in_flight(cfg, stage: int, held: list[HeldModule], device_type: str, b
     """Bytes ZeRO-2/3 hold only while units compute, beside the activations (docs/memory.md), and on gloo its
     copy of one unit's gradients in the reduce-scatter:
     * ZeRO-2: two buckets' gradients (of at most `bucket` floats each), the one filling and the one reduced;
-    * ZeRO-3: the gathered units (a byte an element where gathered in FP8) and one unit's gradients. Its
+    * ZeRO-3: the gathered units (a byte an element where gathered in FP8: a format's gathered_bytes) and one unit's gradients. Its
       backward's peak is at its first unit, where all the activations are held and no reduce-scatter has started;
       a later unit holds two units' gradients (and gloo's copy) beside the activations of the layers before it
       only (measured in docs/zero.md)."""
@@ -239,14 +241,15 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     (gloo) or CUDA (NCCL) device, by kind (see `total` for what coexists)."""
     layout = Layout.from_config(cfg)
     stage, held = zero_stage(cfg, layout), held_modules(shape, layout, pp_rank)
-    if stage == 3 and cfg.model.fp8.get("gather_in_fp8", False):
-        held = [gathered_in_fp8(u) for u in held]
+    wire_bytes = gathered_bytes(cfg) if stage == 3 else None
+    if wire_bytes is not None:
+        held = [gathered_narrow(u, wire_bytes) for u in held]
     _, chunks = held_parameters(shape, layout, pp_rank)
-    muon = uses_muon(cfg)
+    state_bytes = OPTIMIZERS[optimizer_name(cfg)].state_bytes
     # ZeRO shards over the shard group (all of dp x cp without hybrid sharding), the experts over its edp ranks;
     # a group of one holds its part whole (16 bytes a parameter with AdamW), as stage 0 does
     shard_size = layout.shard_size
-    return {**model_state(stage, held, shard_size, shard_size // layout.ep, layout.sequence_parallel, muon),
+    return {**model_state(stage, held, shard_size, shard_size // layout.ep, layout.sequence_parallel, state_bytes),
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}

@@ -89,18 +89,16 @@ def gpu_table_peak(device: torch.device, dtype: str) -> tuple[float | None, str]
 
 
 def peak_dtype(cfg, device: torch.device | None = None) -> str:
-    """The number format of the matmuls MFU is measured against (on `device`, default the CPU): float8 when
-    model.fp8 converts the linears and runs their products on FP8 units (they hold nearly all of the FLOPs;
-    attention and the LM head stay in model.dtype); emulated FP8 multiplies in float32, so float32's; tfloat32
-    for float32 on `device` with TF32 on (nanoexp/numerics/precision.py), else model.dtype."""
-    from nanoexp.numerics.fp8 import emulated
+    """The number format of the matmuls MFU is measured against (on `device`, default the CPU): that of the
+    products of a number format that converts the linears (its Converter's product_dtype: model.fp8's float8, or
+    float32 where emulated; attention and the LM head stay in model.dtype), else model.dtype; float32 on `device`
+    with TF32 on (nanoexp/numerics/precision.py) is tfloat32."""
+    from nanoexp.numerics.converters import product_dtype
     from nanoexp.numerics.precision import tf32_enabled
-    if cfg.model.fp8.enabled and not emulated(cfg, device):
-        return "float8"
-    float32 = cfg.model.dtype == "float32" or cfg.model.fp8.enabled
-    if float32 and device is not None and tf32_enabled(cfg, device):
+    dtype = product_dtype(cfg, device) or cfg.model.dtype
+    if dtype == "float32" and device is not None and tf32_enabled(cfg, device):
         return "tfloat32"
-    return "float32" if float32 else cfg.model.dtype
+    return dtype
 
 
 def measure_cpu_peak(dtype: str, threads: int, max_size: int = 2048, repeats: int = 3, min_seconds: float = 0.05,

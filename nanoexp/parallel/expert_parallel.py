@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoexp.model.experts import ExpertCounts
+from nanoexp.model.moe import MoE
 from nanoexp.parallel.context import Axis
 from nanoexp.model.placement import place, placement
 
@@ -89,7 +90,7 @@ def apply_expert_parallel(model: nn.Module, axis: Axis) -> nn.Module:
     the same ones, and checkpoints name them by their global index), and exchanges its rows with the other ranks
     of the ep group."""
     for module in model.modules():
-        if type(module).__name__ != "MoE":
+        if not isinstance(module, MoE):
             continue
         local = module.moe.num_experts // axis.size
         for name, param in list(module.experts.named_parameters()):

@@ -7,7 +7,7 @@ from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.context_parallel import apply_context_parallel
 from nanoexp.parallel.expert_parallel import apply_expert_parallel
 from nanoexp.parallel.pipeline.split import apply_pipeline
-from nanoexp.parallel.tensor_parallel import apply_tensor_parallel
+from nanoexp.parallel.tensor_parallel_plan import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext) -> nn.Module:

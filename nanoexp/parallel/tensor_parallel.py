@@ -1,5 +1,5 @@
 """Tensor parallelism: sharded linear and embedding layers, a vocab-parallel cross-entropy, and `apply_tensor_parallel`,
-which puts them into a plain model by a plan (which layer is split how).
+which tensor_parallel_plan.py puts into a plain model by a plan (which layer is split how).
 
 A tensor-parallel (tp) group of ranks splits each large weight; the layers below declare which dimension they
 split and which part a rank holds (``placement.place``), which is all that initialisation, checkpoints and
@@ -16,8 +16,6 @@ Every communication is one of the small autograd functions below, each paired wi
 tensors: gloo silently mis-reduces non-contiguous views.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -349,59 +347,3 @@ class VocabParallelCrossEntropy(nn.Module):
 
     def forward(self, logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, self.axis)
-
-
-# -- the plan: which layer of the plain model becomes which -----------------------------------------
-# (attribute, style) per module class: "column" and "row" linears, the "vocab" embedding; the blocks read their
-# input once through their "input" slot
-PLAN = {"Attention": {"qkv_input": "input", "q_proj": "column", "k_proj": "column", "v_proj": "column",
-                      "o_proj": "row"},
-        "MLP": {"mlp_input": "input", "gate_proj": "column", "up_proj": "column", "down_proj": "row"},
-        "LlamaBody": {"embed_tokens": "vocab"},
-        "LlamaForCausalLM": {"lm_head": "head"}}
-
-
-def apply_tensor_parallel(model: nn.Module, axis: Axis, sequence_parallel: bool) -> nn.Module:
-    """Replace the plan's layers of a plain Llama (on the meta device) by their tp versions, in place, and declare
-    what tp changes about the rest: norms and MoE blocks see part of the sequence under SP (their gradients are
-    summed over tp), q/k norms part of the heads (summed over tp too), a MoE block's router counts are summed over
-    tp. With tp = 1 the layers compute what the
-    plain ones do, and still declare their split dimension: initialisation draws along it on every layout."""
-    tied = model.shape.tie_word_embeddings
-    for module in list(model.modules()):
-        for name, style in PLAN.get(type(module).__name__, {}).items():
-            setattr(module, name, _parallel_version(getattr(module, name), style, axis, sequence_parallel))
-        if type(module).__name__ == "Attention":
-            module.heads = _divide(module.heads, axis.size, "num_attention_heads")
-            module.kv_heads = _divide(module.kv_heads, axis.size, "num_key_value_heads")
-    if tied:   # the LM head is the embedding
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.cross_entropy = VocabParallelCrossEntropy(axis) if axis.size > 1 else model.cross_entropy
-    for module in model.modules():   # q/k norms: each tp rank normalises its own heads, its gradient their part
-        if type(module).__name__ == "Attention" and axis.size > 1 and not sequence_parallel:
-            for param in [*module.q_norm.parameters(), *module.k_norm.parameters()]:
-                place(param, sequence_parallel=True)
-    if sequence_parallel:
-        for module in model.modules():
-            if type(module).__name__ in ("RMSNorm", "MoE"):
-                for param in module.parameters():
-                    place(param, sequence_parallel=True)
-        if model.moe_losses is not None and axis.size > 1:
-            model.moe_losses.token_sums.append(functools.partial(all_reduce_, group=axis.group))
-    return model
-
-
-def _parallel_version(layer: nn.Module, style: str, axis: Axis, sequence_parallel: bool) -> nn.Module:
-    h = sequence_parallel
-    if style == "input":
-        return ColumnInput(axis, h) if axis.size > 1 else layer
-    if style == "vocab":
-        return VocabParallelEmbedding(layer.num_embeddings, layer.embedding_dim, axis, sequence_parallel=h)
-    if style == "row":
-        return RowParallelLinear(layer.in_features, layer.out_features, axis, sequence_parallel=h)
-    return ColumnParallelLinear(layer.in_features, layer.out_features, axis, sequence_parallel=h,
-                                gather_input=style == "head")
-
-
-def all_reduce_(tensor: torch.Tensor, group) -> None:
-    dist.all_reduce(tensor, group=group)

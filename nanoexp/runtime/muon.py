@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,48 @@ def takes_muon(name: str, param) -> bool:
     expert, each orthogonalised alone). The embedding, the LM head, the MoE router and every vector (norms) go to
     AdamW: their rows are looked up or scored one by one, not used as a linear map."""
     return param.ndim in (2, 3) and name not in (EMBEDDING, LM_HEAD) and not name.endswith(ROUTER)
+
+
+def updater(name: str, ndim: int) -> str:
+    """What updates a parameter of `ndim` dimensions named `name` (the learning-rate table's column)."""
+    return "muon" if takes_muon(name, SimpleNamespace(ndim=ndim)) else "adamW"
+
+
+def state_bytes(hidden_share: float) -> float:
+    """Bytes of state per element it updates: one float32 momentum on the hidden matrices (`hidden_share` of the
+    elements), AdamW's two moments on the rest (docs/memory.md)."""
+    return 8 - 4 * hidden_share
+
+
+ADJUST_LR_FNS = ("original", "match_rms_adamw")   # optimizer.optimizer_factory.muon_adjust_lr_fn
+
+
+def problems(cfg) -> list[str]:
+    """Why Muon's settings cannot run, one line each naming the key (docs/optimizers.md)."""
+    f, key = cfg.optimizer.optimizer_factory, "optimizer.optimizer_factory."
+    out = [] if f.muon_adjust_lr_fn in ADJUST_LR_FNS else [
+        f"{key}muon_adjust_lr_fn={f.muon_adjust_lr_fn}: allowed values are {', '.join(ADJUST_LR_FNS)}"]
+    if len(f.muon_ns_coefficients) != 3:
+        out.append(f"{key}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be three numbers (a, b, c)")
+    if cfg.parallelism.dp_shard is not None:
+        out.append(f"parallelism.dp_shard={cfg.parallelism.dp_shard}: Muon gathers its matrices over all of dp x cp "
+                   "and has no hybrid sharding; use AdamW or parallelism.dp_shard=null")
+    return out
+
+
+def hidden_lr_scale(cfg, width_multiplier: float) -> float:
+    """Under µP, the rate on the hidden matrices over the scheduled one at width multiplier m. Muon's update is
+    orthogonal, spectral norm 1, times lr·sqrt(max(1, rows/cols)) with muon_adjust_lr_fn=original: the same at
+    every width, the size µP's spectral condition asks (Yang, Simon and Bernstein, "A Spectral Condition for
+    Feature Learning", 2023), so 1; match_rms_adamw multiplies it by 0.2·sqrt(max(rows, cols)): 1/sqrt(m)."""
+    adjust = cfg.get("optimizer", {}).get("optimizer_factory", {}).get("muon_adjust_lr_fn", "original")
+    return {"original": 1.0, "match_rms_adamw": width_multiplier ** -0.5}[adjust]
+
+
+def lr_notes(cfg) -> list[str]:
+    """What the learning-rate table adds under its rows."""
+    return [f"muon: each matrix's rate is also scaled by its shape (muon_adjust_lr_fn="
+            f"{cfg.optimizer.optimizer_factory.muon_adjust_lr_fn}; docs/optimizers.md)"]
 
 
 def orthogonalise(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = EPS):

@@ -2,7 +2,10 @@
 schedule, and clipping by the true global norm."""
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,6 +17,11 @@ from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.model.placement import value_name
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 from nanoexp.runtime.muon import MuonWithAdamW, takes_muon
+from nanoexp.runtime.muon import hidden_lr_scale as muon_hidden_lr_scale
+from nanoexp.runtime.muon import lr_notes as muon_lr_notes
+from nanoexp.runtime.muon import problems as muon_problems
+from nanoexp.runtime.muon import state_bytes as muon_state_bytes
+from nanoexp.runtime.muon import updater as muon_updater
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
@@ -46,25 +54,64 @@ def muon(cfg) -> tuple[type, dict]:
         ns_steps=f.muon_ns_steps, ns_coefficients=tuple(f.muon_ns_coefficients), adjust_lr_fn=f.muon_adjust_lr_fn))
 
 
-# optimizer.optimizer_factory.name (lowercased) -> its torch class and options. ZeRO shards any of them whose
-# update is element-wise (parallel/sharding.py); Muon puts its matrices together from the shards (runtime/muon.py).
-OPTIMIZERS = {"adamw": adamw, "muon": muon}
+def muon_rank_options(model: nn.Module, grad_sync: GradientSync | None, zero_stage: int) -> dict:
+    """Muon picks its matrices by name and gathers tp (and ZeRO) shards."""
+    names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
+    options = dict(names=names, tp_group=grad_sync.ctx.tp_group if grad_sync else None)
+    if zero_stage >= 1:
+        matrices = [p for p in model.parameters() if takes_muon(names[id(p)], p)]
+        options["zero"] = (matrices, grad_sync.ctx.dp_cp_group, grad_sync.ctx.edp_group)
+    return options
+
+
+class OptimizerEntry(NamedTuple):
+    """An optimizer (optimizer.optimizer_factory.name) and its facts, which the modules that need them ask for
+    instead of comparing names:
+    build(cfg)                   its torch class and options;
+    state_bytes(hidden_share)    bytes of its state per element it updates, `hidden_share` of them in hidden
+                                 matrices (the memory estimate, docs/memory.md);
+    rank_options(model, grad_sync, zero_stage)   the options it takes from this rank's model and process groups;
+    updater(cfg, name, ndim)     what updates a parameter (the learning-rate table's column);
+    lr_notes(cfg)                lines the learning-rate table adds under its rows;
+    hidden_lr_scale(cfg, m)      under µP, its rate on the hidden matrices at width multiplier m over the scheduled
+                                 one (None: AdamW's 1/m, model/mup.py);
+    problems(cfg)                why its settings cannot run, one line each naming the key ([] when they can)."""
+    build: Callable
+    state_bytes: Callable[[float], float]
+    rank_options: Callable = lambda model, grad_sync, zero_stage: {}
+    updater: Callable[[Any, str, int], str] = lambda cfg, name, ndim: cfg.optimizer.optimizer_factory.name
+    lr_notes: Callable[[Any], list[str]] = lambda cfg: []
+    hidden_lr_scale: Callable[[Any, float], float | None] = lambda cfg, width_multiplier: None
+    problems: Callable[[Any], list[str]] = lambda cfg: []
+
+
+# optimizer.optimizer_factory.name (lowercased) -> its entry. ZeRO shards any optimizer whose update is
+# element-wise (parallel/sharding.py); Muon puts its matrices together from the shards (runtime/muon.py).
+OPTIMIZERS = {
+    "adamw": OptimizerEntry(adamw, state_bytes=lambda hidden_share: 8),   # two float32 moments
+    "muon": OptimizerEntry(muon, muon_state_bytes, muon_rank_options, lambda cfg, name, ndim: muon_updater(name, ndim),
+                           muon_lr_notes, muon_hidden_lr_scale, muon_problems),
+}
+
+
+def optimizer_parametrization(cfg) -> Parametrization:
+    """The config's parametrization with the configured optimizer's rate on the hidden matrices (µP only)."""
+    p = parametrization_of(cfg)
+    if not p.mup:
+        return p
+    scale = OPTIMIZERS[optimizer_name(cfg)].hidden_lr_scale(cfg, p.width_multiplier)
+    return dataclasses.replace(p, hidden_lr_scale=scale)
 
 
 def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
     """The configured optimizer over the model's parameter groups, or, with optimizer.zero_stage >= 1, over this
     rank's shard of `grad_sync`'s buffers (ZeRO, parallel/sharded_optimizer.py)."""
-    o = cfg.optimizer
-    optimizer_class, options = OPTIMIZERS[optimizer_name(cfg)](cfg)
-    groups = parameter_groups(model, o.weight_decay, parametrization_of(cfg))
+    o, entry = cfg.optimizer, OPTIMIZERS[optimizer_name(cfg)]
+    optimizer_class, options = entry.build(cfg)
+    groups = parameter_groups(model, o.weight_decay, optimizer_parametrization(cfg))
     if o.zero_stage >= 1 and grad_sync is None:
         raise ValueError(f"optimizer.zero_stage={o.zero_stage} shards the buffers of a GradientSync: pass one")
-    if optimizer_class is MuonWithAdamW:   # it picks its matrices by name and gathers tp (and ZeRO) shards
-        names = {id(p): value_name(n, p) for n, p in model.named_parameters()}
-        options |= dict(names=names, tp_group=grad_sync.ctx.tp_group if grad_sync else None)
-        if o.zero_stage >= 1:
-            matrices = [p for p in model.parameters() if takes_muon(names[id(p)], p)]
-            options["zero"] = (matrices, grad_sync.ctx.dp_cp_group, grad_sync.ctx.edp_group)
+    options |= entry.rank_options(model, grad_sync, o.zero_stage)
     if o.zero_stage >= 1:
         return ShardedOptimizer(grad_sync, groups, optimizer_class, **options)
     return optimizer_class(groups, **options)

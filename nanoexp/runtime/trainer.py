@@ -24,7 +24,6 @@ from nanoexp.data.stages import StagedBatches, stage_spans
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
 from nanoexp.failures import KnownFailure
-from nanoexp.numerics.fp8 import emulated as fp8_emulated
 from nanoexp.numerics.precision import flushes_denormals, tf32_enabled
 from nanoexp.observe import timing
 from nanoexp.observe.heartbeat import HEARTBEAT
@@ -392,7 +391,7 @@ class Trainer:
         for line in run_facts(self.cfg, self.ctx.layout, self.shape, num_parameters, self.accumulation,
                               named + self.describe_data(), self.peak, len(self.model.converted_linears),
                               tf32_enabled(self.cfg, self.ctx.device), flushes_denormals(self.cfg, self.ctx.device),
-                              self.cfg.model.fp8.enabled and fp8_emulated(self.cfg, self.ctx.device),
+                              self.ctx.device,
                               int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))):
             log.info(line)
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 from torch import nn
 
 from nanoexp.model.attention import Causal
+from nanoexp.model.llama import Attention
 from nanoexp.parallel.context import Axis
 from nanoexp.parallel.context_parallel import all_gather, ring, ulysses
 from nanoexp.parallel.context_parallel.zigzag import document_starts
@@ -86,7 +87,7 @@ class ContextParallelAttention(nn.Module):
 def apply_context_parallel(model: nn.Module, axis: Axis, mode: str) -> nn.Module:
     """Every layer of `model` attends across the cp ranks; its MoE blocks' router counts are summed over them."""
     for module in model.modules():
-        if type(module).__name__ == "Attention":
+        if isinstance(module, Attention):
             module.kernel = ContextParallelAttention(mode, axis)
     if model.moe_losses is not None:
         model.moe_losses.token_sums.append(functools.partial(_all_reduce, group=axis.group))
