@@ -157,11 +157,9 @@ def test_dualpipev_holds_half_a_micro_batch_more_than_zbv():
 # -- training ----------------------------------------------------------------------------------------------------
 CASES = {   # name: (model overrides, shared with the one-process run; layout overrides)
     "dp1tp1pp2": ([], ["parallelism=dp1tp1pp2"]),
-    "dp1tp1pp4": (EIGHT_LAYERS, ["parallelism=dp1tp1pp4"] + MICRO_1),   # 8 micro-batches for 8 virtual stages
     "dp1tp2pp2-sequence_parallel": ([], ["parallelism=dp1tp2pp2", "parallelism.tp_mode=reduce_scatter"]),
     "dp1cp2tp1pp2-recompute": ([], ["parallelism=dp1cp2tp1pp2", "parallelism.recompute_layer=true"]),
     "dp2tp1pp2-zero1": ([], ["parallelism=dp2tp1pp2", "optimizer.zero_stage=1"] + MICRO_1),
-    "dp2tp1pp2-zero2": ([], ["parallelism=dp2tp1pp2", "optimizer.zero_stage=2"] + MICRO_1),
     "dp2tp1pp2-zero3-recompute": ([], ["parallelism=dp2tp1pp2", "optimizer.zero_stage=3",
                                        "parallelism.recompute_layer=true"] + MICRO_1),
     # tied on rank 0 across its two chunks, as under zbv

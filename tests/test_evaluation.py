@@ -291,8 +291,8 @@ def test_a_failing_task_loses_no_checkpoint(tmp_path, on_error):
 
 
 def test_without_the_harness_a_config_with_tasks_says_what_to_install(monkeypatch):
-    import nanoexp.run
-    monkeypatch.setattr(nanoexp.run, "harness_installed", lambda: False)
+    import nanoexp.checks
+    monkeypatch.setattr(nanoexp.checks, "harness_installed", lambda: False)
     assert "pip install -e '.[eval]'" in start_error(compose_config(["eval.tasks=[shakespeare_choice]"]))
 
 

@@ -61,7 +61,6 @@ LAYOUTS = {   # name: (overrides, which step-1 grad_norm tolerance)
     "pp2-interleaved": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=interleaved_1f1b",
                          "parallelism.pp_virtual_stages=2"], "exact"),
     # zero bubble: B and W through Fp8Matmul's own halves (weight_grad.py): the same FP8 products and scales
-    "pp2-zb_h1": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=zb_h1"], "exact"),
     "pp2-zbv": (["parallelism=dp1tp1pp2", "parallelism.pp_engine=zbv", "parallelism.pp_virtual_stages=2"], "exact"),
     "dp2pp2-zbv-zero3": (["parallelism=dp2tp1pp2", "parallelism.pp_engine=zbv", "parallelism.pp_virtual_stages=2",
                           "optimizer.zero_stage=3"], "exact"),
