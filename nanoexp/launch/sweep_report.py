@@ -28,7 +28,7 @@ import subprocess
 import yaml
 
 from nanoexp.parallel.layout import Layout
-from nanoexp.observe.summary import machine_was_busy, read_summary
+from nanoexp.observe.summary import machine_was_busy, read_json, read_summary
 
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "load", "state", "reason"]
@@ -252,11 +252,7 @@ def best_lr_table(curves: dict, metric: str = "eval_loss") -> str:
 
 def read_plan(sweep_dir: str) -> dict | None:
     """The predictions of a `+plan=topK` sweep (nanoexp/plan/sweep.py writes them), or None."""
-    path = os.path.join(sweep_dir, PLAN_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(os.path.join(sweep_dir, PLAN_FILE))
 
 
 def plan_table(sweep_dir: str, rows: list[dict]) -> str | None:

@@ -16,12 +16,16 @@ from nanoexp.launch.workers import launcher_env
 SUMMARY_FILE = "summary.json"
 
 
-def read_summary(run_dir: str) -> dict | None:
-    path = os.path.join(run_dir, SUMMARY_FILE)
+def read_json(path: str) -> dict | None:
+    """A JSON file nanoexp wrote (summary.json, a sweep's plan), or None where there is none."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def read_summary(run_dir: str) -> dict | None:
+    return read_json(os.path.join(run_dir, SUMMARY_FILE))
 
 
 def write_summary(run_dir: str, summary: dict) -> None:

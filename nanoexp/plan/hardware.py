@@ -195,10 +195,11 @@ def best_rates(threads: int, dtype: str) -> tuple[float, float]:
 
 
 def measure_rates(threads: int, dtype: str = "float32", repeats: int = 10) -> tuple[float, float]:
-    """(GB/s, TFLOP/s) on `threads` threads, best of `repeats`: an eager SwiGLU-like product (silu(x) * x at a
-    small layer's width; four tensors' bytes move: x twice, silu(x) written and read... counted as 4) and causal
-    SDPA's forward and backward at a small model's shape (batch 4, 8 heads, sequence 128, head 64; FLOPs counted as cost.py does: the causal half, the
-    backward 2.5 forwards). The sizes of nanoexp's CPU runs, where eager overheads count."""
+    """(GB/s, TFLOP/s) on `threads` threads, best of `repeats`: an eager SwiGLU-like product, silu(x) * x at a
+    small layer's width (counted as four tensors' bytes: x read twice, silu(x) written and read back), and causal
+    SDPA's forward and backward at a small model's shape (batch 4, 8 heads, sequence 128, head 64; FLOPs counted
+    as cost.py counts them: the causal half, the backward 2.5 forwards). The sizes of nanoexp's CPU runs, where
+    eager overheads count."""
     import time
 
     import torch
