@@ -13,8 +13,8 @@ from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, optimi
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.config_effects import effect_rules
 from nanoexp.model.experts import EXPERT_KERNELS
-from nanoexp.model.moe import BALANCES, ROUTERS
-from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
+from nanoexp.model.moe import BALANCES, ROUTERS, balance_rules, routes_with_bias
+from nanoexp.model.attention import ATTENTION_KERNELS, kernel_problems
 from nanoexp.numerics.converters import format_problems
 from nanoexp.runtime.optim import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
@@ -72,9 +72,7 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
         one_of(cfg, "model.dtype", ("float32", "bfloat16")),
         one_of(cfg, "model.attention_mask", ("causal", "document")),
         one_of(cfg, "model.attention_kernel", tuple(ATTENTION_KERNELS)),
-        (cfg.model.attention_kernel != "flash" or flash_attn_func is not None, "model.attention_kernel=flash needs "
-         "flash-attn, which is not importable here: pip install -e '.[flash]' on a CUDA machine, or use auto"),
-    ] + parametrization_rules(cfg) + moe_rules(cfg) + [(False, problem) for problem in format_problems(cfg)]
+    ] + [(False, problem) for problem in kernel_problems(cfg.model.attention_kernel)] + parametrization_rules(cfg) + moe_rules(cfg) + [(False, problem) for problem in format_problems(cfg)]
 
 
 def moe_rules(cfg: Any) -> list[Rule]:
@@ -85,7 +83,7 @@ def moe_rules(cfg: Any) -> list[Rule]:
              one_of(cfg, "model.moe.balance", BALANCES)]
     if moe.num_experts == 0:
         return rules
-    return rules + balance_rules(cfg) + [
+    return rules + balance_rules(cfg.model.moe) + [
         must(cfg, "model.moe.top_k", lambda k: 1 <= k <= moe.num_experts,
              f"between 1 and model.moe.num_experts={moe.num_experts}"),
         must(cfg, "model.moe.layer_frequency", lambda k: 1 <= k <= model.model_config.num_hidden_layers,
@@ -95,25 +93,11 @@ def moe_rules(cfg: Any) -> list[Rule]:
          f"tp_mode={cfg.parallelism.tp_mode}: an expert's capacity counts a rank's tokens, so splitting a "
          "micro-batch's tokens over cp or sequence-parallel ranks would drop other tokens than one process; "
          "use cp=1 and tp_mode=all_reduce, or capacity_factor=null (dropless)"),
-        (not model.init_method.path or (moe.num_shared_experts == 0 and moe.balance != "bias" and (
+        (not model.init_method.path or (moe.num_shared_experts == 0 and not routes_with_bias(moe.balance) and (
             model.model_config.qk_norm or (moe.layer_frequency == 1 and moe.router == "softmax_topk_normalized"))),
          f"model.init_method.path={model.init_method.path}: Hugging Face mixtures of experts load as Mixtral or "
          "Qwen3-MoE, which need model.moe.num_shared_experts=0 and a balance other than bias (Mixtral: "
          "layer_frequency=1 and router=softmax_topk_normalized; Qwen3-MoE: model.model_config.qk_norm=true)"),
-    ]
-
-
-def balance_rules(cfg: Any) -> list[Rule]:
-    """model.moe.balance picks one way to keep the routing even: the other way's key must not be set."""
-    moe = cfg.model.moe
-    return [
-        (moe.balance == "aux_loss" or moe.aux_loss_coef == 0,
-         f"model.moe.aux_loss_coef={moe.aux_loss_coef} with model.moe.balance={moe.balance}: the load-balancing loss "
-         "trains only under balance=aux_loss; set model.moe.aux_loss_coef=0 (its value is still logged as "
-         "moe_aux_loss) or balance=aux_loss"),
-        (moe.balance == "bias" or moe.bias_update_rate is None,
-         f"model.moe.bias_update_rate={moe.bias_update_rate} with model.moe.balance={moe.balance}: the rate moves "
-         "the routing bias of balance=bias; set model.moe.balance=bias or bias_update_rate=null"),
     ]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from nanoexp.config import compose, normalize
 from nanoexp.plan.cost import cpu_overhead, predict
+from nanoexp.parallel.layout import Layout
 from nanoexp.plan.hardware import GPUS, Hardware, cpu_share, per_rank
 
 CPU = Hardware("a CPU", 0.5, 0.5, 16.0, 10.0, 1.5, 1.5, 50.0, 50.0, cuda_context_gb=0.0)
@@ -87,3 +88,32 @@ def test_a_rank_gets_the_rates_measured_at_its_thread_count():
     eight = cpu_share(node, 8, 4)
     assert (eight.bf16_tflops, eight.memory_gbps) == pytest.approx((0.05, 10.0))
     assert cpu_share(node, 1, 4).bf16_tflops == pytest.approx(0.4)
+
+
+def test_slower_collectives_stretch_only_their_bytes():
+    """A reduce-scatter at half the all-reduce's rate doubles the time of exactly ZeRO's reduce-scatter bytes: on
+    dp2 ZeRO-2 (m = 8: 8 reduce-scatters and one all-gather of the 9 passes) the dp group's byte time grows by
+    8/9 of itself; ZeRO-0 (all-reduces) and a GPU (no speeds: NCCL's) do not move."""
+    from nanoexp.plan.traffic import collective_shares, zero_collectives
+    zero2 = _config(["parallelism.dp=2", "optimizer.zero_stage=2"])
+    assert zero_collectives(zero2, 8) == {"reduce_scatter": 8, "all_gather": 1}
+    slow = dataclasses.replace(CPU, collective_speed=(("reduce_scatter", 0.5), ("all_gather", 1.0)))
+    assert slow.slowdown(collective_shares(zero2, Layout.from_config(zero2), 8)["dp"]) == pytest.approx(17 / 9)
+    grown = predict(zero2, slow, 2, with_memory=False).breakdown["exposed_comm"]
+    base = predict(zero2, CPU, 2, with_memory=False).breakdown["exposed_comm"]
+    assert grown > base
+    zero0 = _config(["parallelism.dp=2"])
+    assert predict(zero0, slow, 2, with_memory=False).step_time_s == predict(zero0, CPU, 2, with_memory=False).step_time_s
+    assert GPUS["h100"].slowdown({"reduce_scatter": 1.0}) == 1.0
+
+
+def test_idle_ranks_lend_their_cores():
+    """Four ranks on two cores (dp2pp2): the pipeline's bubble costs no time, since a rank waiting in it leaves its
+    core to another; two ranks on two cores (pp2) keep it."""
+    node = dataclasses.replace(CPU, cores=2)
+    for overrides, world in ((["parallelism.dp=2", "parallelism.pp=2"], 4), (["parallelism.pp=2"], 2)):
+        p = predict(_config(overrides), node, world, with_memory=False)
+        total = sum(p.breakdown.values())
+        assert p.breakdown["bubble"] > 0
+        expected = max(total - p.breakdown["bubble"], total * 2 / world) if world > 2 else total
+        assert p.step_time_s == pytest.approx(expected)

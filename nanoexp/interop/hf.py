@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from nanoexp.model.llama import LlamaShape, parameter_shapes
+from nanoexp.model.moe import routes_with_bias
 from nanoexp.model.mup import ROUTER
 from nanoexp.model.placement import EMBEDDING, LM_HEAD, expert_values, local_slice, placement, stored_names
 
@@ -41,7 +42,7 @@ def hf_mismatch(shape: LlamaShape) -> str | None:
         return "model.model_config.qk_norm=true: a dense Qwen3 is not exported" if shape.qk_norm else None
     moe = shape.moe
     wrong = [f"model.moe.num_shared_experts={moe.num_shared_experts}"] if moe.num_shared_experts else []
-    wrong += ["model.moe.balance=bias"] if moe.balance == "bias" else []
+    wrong += ["model.moe.balance=bias"] if routes_with_bias(moe.balance) else []
     if not shape.qk_norm:   # Mixtral
         wrong += [f"model.moe.layer_frequency={moe.layer_frequency}"] if moe.layer_frequency != 1 else []
         wrong += ["model.moe.router=softmax_topk"] if not moe.normalize_top_k else []

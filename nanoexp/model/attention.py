@@ -104,3 +104,11 @@ ATTENTION_KERNELS = {"auto": FlashAttention, "sdpa": SDPA, "flash": FlashAttenti
 
 def attention_kernel(name: str) -> nn.Module:
     return ATTENTION_KERNELS[name]()
+
+
+def kernel_problems(name: str) -> list[str]:
+    """Why model.attention_kernel=`name` cannot run here: "flash" insists on flash-attn ("auto" falls back)."""
+    if name == "flash" and flash_attn_func is None:
+        return ["model.attention_kernel=flash needs flash-attn, which is not importable here: pip install -e "
+                "'.[flash]' on a CUDA machine, or use auto"]
+    return []

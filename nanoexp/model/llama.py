@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanoexp.model.attention import Causal, Documents, attention_kernel
 from nanoexp.model.linear import Linear
-from nanoexp.model.moe import MoE, MoeLosses, MoeShape, moe_layer_shapes
+from nanoexp.model.moe import MoE, MoeLosses, MoeShape, moe_layer_shapes, routes_with_bias
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 IGNORE_INDEX = -100   # a label the loss skips (padding, the end of a packed document's context)
@@ -84,7 +84,7 @@ def parameter_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
 
 def buffer_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
     """The buffers checkpoints keep beside the parameters: each MoE layer's routing bias under balance=bias."""
-    if shape.moe is None or shape.moe.balance != "bias":
+    if shape.moe is None or not routes_with_bias(shape.moe.balance):
         return {}
     return {f"model.layers.{n}.mlp.expert_bias": (shape.moe.num_experts,) for n in range(shape.num_hidden_layers)
             if shape.is_moe_layer(n)}

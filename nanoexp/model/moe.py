@@ -57,6 +57,24 @@ class MoeShape:
         return (n + 1) % self.layer_frequency == 0
 
 
+def routes_with_bias(balance: str) -> bool:
+    """Whether model.moe.balance keeps a routing bias per MoE layer (a buffer checkpoints keep)."""
+    return balance == "bias"
+
+
+def balance_rules(moe) -> list[tuple[bool, str]]:
+    """model.moe.balance picks one way to keep the routing even: the other way's key must not be set."""
+    return [
+        (moe.balance == "aux_loss" or moe.aux_loss_coef == 0,
+         f"model.moe.aux_loss_coef={moe.aux_loss_coef} with model.moe.balance={moe.balance}: the load-balancing loss "
+         "trains only under balance=aux_loss; set model.moe.aux_loss_coef=0 (its value is still logged as "
+         "moe_aux_loss) or balance=aux_loss"),
+        (routes_with_bias(moe.balance) or moe.bias_update_rate is None,
+         f"model.moe.bias_update_rate={moe.bias_update_rate} with model.moe.balance={moe.balance}: the rate moves "
+         "the routing bias of balance=bias; set model.moe.balance=bias or bias_update_rate=null"),
+    ]
+
+
 def moe_layer_shapes(hidden: int, moe: MoeShape, prefix: str) -> dict[str, tuple[int, ...]]:
     """The full shape of every parameter of one MoE block (`prefix`: "model.layers.<n>.mlp."), each routed expert's
     matrices apart, as checkpoints store them (experts.expert_value_names)."""
@@ -215,7 +233,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(moe.num_experts, hidden, moe.intermediate_size, moe.expert_kernel)
         self.shared_experts = (Expert(hidden, moe.intermediate_size * moe.num_shared_experts)
                                if moe.num_shared_experts else None)
-        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "bias" else None)
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if routes_with_bias(moe.balance) else None)
         self.route = LocalRoute
 
     def forward(self, x):

@@ -12,7 +12,8 @@ One optimizer step on the busiest pipeline rank is
   for zb_h1/zbv), one p2p hop added to each.
 - communication: the bytes of each group from nanoexp/plan/traffic.py (the comm counter's formulas) over the
   link the group crosses (NVLink inside a node, the network across: the rank grid is (pp, dp, cp, tp), tp
-  innermost), plus a latency per ring step. Under hybrid sharding (parallelism.dp_shard) ZeRO's collectives run
+  innermost), plus a latency per ring step; on gloo, a reduce-scatter's or all-gather's bytes at its measured rate
+  (Hardware.collective_speed). Under hybrid sharding (parallelism.dp_shard) ZeRO's collectives run
   on the shard group (a block of tp x shard_size ranks) and the replicas' all-reduce once a step, exposed. What can overlap does, up to the compute it overlaps: gradient
   buckets with the last backward (ZeRO-0/1), reduce-scatters with every backward (ZeRO-2), prefetched gathers
   with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
@@ -43,7 +44,7 @@ from nanoexp.observe.metrics import (
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.plan.hardware import GB, Hardware, per_rank
-from nanoexp.plan.traffic import sent_bytes
+from nanoexp.plan.traffic import collective_shares, sent_bytes
 from nanoexp.model.shape import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
@@ -212,7 +213,7 @@ def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) 
     split = SCHEDULES[schedule].splits_backward   # the schedule says whether it runs W apart
     backward, weight = (backward_ratio / 2, backward_ratio / 2) if split else (backward_ratio, 0.0)
     simulated = min(m, 4 * pp * v)   # the idle time stops growing once the pipeline is full
-    simulated -= simulated % pp if schedule == "interleaved_1f1b" and simulated >= pp else 0
+    simulated -= simulated % pp if SCHEDULES[schedule].micro_batches_per_pp and simulated >= pp else 0
     try:
         return idle_by_dependencies(schedule, pp, v, simulated, 1.0, backward, weight)
     except ValueError:
@@ -223,7 +224,7 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg` on `hw` (a
     CPU node shared by the layout's ranks: hardware.per_rank)."""
     layout, shape = Layout.from_config(cfg), model_shape(cfg)
-    hw = per_rank(hw, layout.world_size)
+    node, hw = hw, per_rank(hw, layout.world_size)
     m = batch_accumulation(cfg)
     busiest = max(range(layout.pp), key=lambda r: sum(micro_batch_times(cfg, layout, shape, r, hw, fw)))
     forward, backward = micro_batch_times(cfg, layout, shape, busiest, hw, fw)
@@ -239,8 +240,9 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
              # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
              dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20)),
              "replica": max(1.0, sent["replica"] / (25 * 2 ** 20))}
-    comm = {g: comm_seconds(b, calls.get(g, 1), group_size(layout, g), crosses_nodes(layout, g, gpus_per_node), hw)
-            for g, b in sent.items()}
+    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
+    comm = {g: comm_seconds(b * hw.slowdown(shares.get(g, {})), calls.get(g, 1), group_size(layout, g),
+                            crosses_nodes(layout, g, gpus_per_node), hw) for g, b in sent.items()}
     hop = comm["pp"] / (2 * m) if m else 0.0
     window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
     attention = m * layers * 3.5 * 2 * cfg.tokens.micro_batch_size * cfg.tokens.sequence_length ** 2 / layout.cp \
@@ -258,6 +260,10 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
                 + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.shard_size > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
     step = m * (forward + backward) + bubble + exposed_comm + update + overhead
+    if node.cores and layout.world_size > node.cores:
+        # more ranks than cores: a rank idle in the bubble lends its core to the others (the scheduler is
+        # work-conserving), so the bubble costs no time, down to the critical path of a core each
+        step = max(step - bubble, step * node.cores / layout.world_size)
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
     mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)

@@ -11,8 +11,8 @@ Between nodes every GPU has its own NIC: 400 Gb/s InfiniBand/RoCE (ConnectX-7) =
 HDR 200 Gb/s = 25 GB/s). Latencies are typical NCCL small-message figures (a few µs inside a node over NVLink,
 ~10 µs across InfiniBand), not datasheet numbers.
 
-"cpu" is this machine, calibrated (`calibrate_cpu`): the matmul peak of nanoexp/observe/peak.py and the bandwidth of
-a gloo all-reduce between two local processes, measured by a short micro-benchmark.
+"cpu" is this machine, calibrated (`calibrate_cpu`): the matmul peak of nanoexp/observe/peak.py and the rates of gloo's
+all-reduce, reduce-scatter and all-gather between two local processes, measured by a short micro-benchmark.
 """
 from __future__ import annotations
 
@@ -45,9 +45,17 @@ class Hardware:
     step_overhead_s: float = 0.0          # per optimizer step (the update's and the loop's Python)
     micro_batch_overhead_s: float = 0.0   # per micro-batch and layer a rank runs (module calls, autograd)
     message_us: float = 0.0               # per blocking message: tp's collectives, ring attention's hops, pp's sends
+    # (collective, its bytes' rate over the all-reduce's): measured on gloo, whose reduce-scatter runs at a fraction
+    # of its all-reduce's rate; empty on GPUs (NCCL's rings move each collective's bytes at one bus bandwidth)
+    collective_speed: tuple = ()
 
     def peak_tflops(self, fp8: bool = False) -> float:
         return self.fp8_tflops if fp8 else self.bf16_tflops
+
+    def slowdown(self, shares: dict[str, float]) -> float:
+        """Time of a group's bytes, sent in these shares by collective, over the time at the all-reduce's rate."""
+        speed = dict(self.collective_speed)
+        return sum(share / speed.get(kind, 1.0) for kind, share in shares.items()) if shares else 1.0
 
 
 GPUS = {
@@ -109,9 +117,13 @@ def per_rank(hw: Hardware, processes: int) -> Hardware:
     return cpu_share(hw, processes, hw.cores) if hw.cores else hw
 
 
-def gloo_all_reduce_gbps(numel: int = 1 << 20, repeats: int = 5) -> float:
-    """Bus bandwidth (GB/s of what each rank sends, comm_counter's ring rule) of a float32 all-reduce between two
-    local gloo processes: the best of `repeats`."""
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def gloo_rates(numel: int = 1 << 22, repeats: int = 5) -> dict[str, float]:
+    """{collective: GB/s of what each rank sends (comm_counter's ring rule)} of float32 all-reduce, reduce-scatter
+    and all-gather over a tensor of `numel` (16 MB: a small model's layer or ZeRO unit) between two local gloo
+    processes, one thread each: the best of `repeats`."""
     import multiprocessing as mp
 
     from nanoexp.launch.workers import free_port
@@ -121,11 +133,11 @@ def gloo_all_reduce_gbps(numel: int = 1 << 20, repeats: int = 5) -> float:
     procs = [context.Process(target=_gloo_worker, args=(r, port, numel, repeats, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
-    seconds = min(queue.get(timeout=120) for _ in procs)
+    results = [queue.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=10)
-    sent = 2 * (2 - 1) / 2 * 4 * numel   # all-reduce of n=2: (n-1)/n x 2 x the tensor
-    return sent / seconds / GB
+    sent = {"all_reduce": 4 * numel, "reduce_scatter": 2 * numel, "all_gather": 2 * numel}   # n = 2
+    return {kind: sent[kind] / min(r[kind] for r in results) / GB for kind in COLLECTIVES}
 
 
 def _gloo_worker(rank: int, port: int, numel: int, repeats: int, queue) -> None:
@@ -134,30 +146,39 @@ def _gloo_worker(rank: int, port: int, numel: int, repeats: int, queue) -> None:
 
     import torch
     import torch.distributed as dist
+
+    from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    x, best = torch.ones(numel), float("inf")
-    for _ in range(repeats + 1):   # the first call sets up the connection
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        best = min(best, time.perf_counter() - start)
+    full, half = torch.ones(numel), torch.ones(numel // 2)
+    calls = {"all_reduce": lambda: dist.all_reduce(full), "reduce_scatter": lambda: reduce_scatter_into(half, full, None),
+             "all_gather": lambda: all_gather_into(full, half, None)}
+    best = {}
+    for kind, call in calls.items():
+        best[kind] = float("inf")
+        for _ in range(repeats + 1):   # the first call sets up the connection
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            best[kind] = min(best[kind], time.perf_counter() - start)
     dist.destroy_process_group()
     queue.put(best)
 
 
 # Fitted by `python -m benchmarks.bench_plan_cpu --calibrate --idle` on an idle 2-core Intel Xeon VM, 2026-12-05
-# (docs/planning.md, "This CPU"): eager Python's and gloo's costs on a CPU, which no datasheet gives. RUNTIME_GB: one
-# process's Python, torch and warmed-up runtime (summary.json's baseline_memory_mb of that pass's one-process run).
-CPU_OVERHEADS = dict(step_overhead_s=0.0, micro_batch_overhead_s=0.040, message_us=393.0)
-CPU_RUNTIME_GB = 0.341
+# 16:58-17:08 UTC (docs/planning.md, "This CPU"): eager Python's and gloo's costs on a CPU, which no datasheet gives
+# (the message term fitted to zero once gloo's collectives got their measured rates). RUNTIME_GB: one process's
+# Python, torch and warmed-up runtime (summary.json's baseline_memory_mb of that pass's one-process run).
+CPU_OVERHEADS = dict(step_overhead_s=0.026, micro_batch_overhead_s=0.045, message_us=0.0)
+CPU_RUNTIME_GB = 0.344
 
 
 def calibrate_cpu(threads: int | None = None, dtype: str = "float32") -> Hardware:
     """This machine as a device for a run in `dtype`: the matmul peak of that dtype (peak.node_peak, cached a day),
-    eager elementwise and attention rates (`measure_rates`), each at one thread and at all `threads`, and the gloo
-    bandwidth between two local processes (a ~1 s micro-benchmark), used for links inside and between 'nodes';
+    eager elementwise and attention rates (`measure_rates`), each at one thread and at all `threads`, and gloo's
+    all-reduce bandwidth between two local processes (a ~1 s micro-benchmark, which also gives reduce-scatter's and
+    all-gather's rates beside it: `collective_speed`), used for links inside and between 'nodes';
     the fitted overheads above. A layout's ranks share it (`per_rank`)."""
     import os
 
@@ -166,13 +187,15 @@ def calibrate_cpu(threads: int | None = None, dtype: str = "float32") -> Hardwar
     from nanoexp.observe.peak import node_peak
 
     threads = threads or os.cpu_count() or 1
-    link = gloo_all_reduce_gbps()   # first: it forks, which a process that ran parallel ops cannot do safely
+    gloo = gloo_rates()   # first: it forks, which a process that ran parallel ops cannot do safely
+    link = gloo["all_reduce"]
     rates = tuple((t, node_peak(dtype, t).tflops, *best_rates(t, dtype)) for t in sorted({1, threads}))
     peak, elementwise, attention = rates[-1][1:]
     memory = psutil.virtual_memory().total / GB
     return Hardware("this CPU", peak, peak, memory, elementwise, link, link, intra_latency_us=50.0,
                     inter_latency_us=50.0, cuda_context_gb=CPU_RUNTIME_GB, cores=threads, gemm_efficiency=1.0, overlaps_comm=False,
-                    attention_efficiency=attention / peak, rates=rates, **CPU_OVERHEADS)
+                    attention_efficiency=attention / peak, rates=rates,
+                    collective_speed=tuple((kind, gloo[kind] / link) for kind in COLLECTIVES[1:]), **CPU_OVERHEADS)
 
 
 def best_rates(threads: int, dtype: str) -> tuple[float, float]:

@@ -34,17 +34,37 @@ def ring(n: int) -> float:
     return 2 * (n - 1) / n
 
 
-def zero_passes(cfg, m: int) -> int:
-    """Passes of the parameters' bytes over dp x cp per step, each a reduce-scatter or an all-gather ((n-1)/n of
-    them sent): stages 0 and 1 two (an all-reduce, or its two halves); stage 2 a reduce-scatter per micro-batch
-    and one all-gather; stage 3 per micro-batch a reduce-scatter and an all-gather before backward, and one
-    before each forward unless layers stay gathered (zero3_reshard_after_forward=false)."""
+def zero_collectives(cfg, m: int) -> dict[str, int]:
+    """ZeRO's passes of the parameters' bytes over dp x cp per step by collective (sharding.py), each pass
+    (n-1)/n of them sent: stage 0 one all-reduce (two passes); stage 1 a reduce-scatter and an all-gather; stage 2
+    a reduce-scatter per micro-batch and one all-gather; stage 3 per micro-batch a reduce-scatter and an
+    all-gather before backward, and one before each forward unless layers stay gathered
+    (zero3_reshard_after_forward=false)."""
     o = cfg.optimizer
-    if o.zero_stage <= 1:
-        return 2
+    if o.zero_stage == 0:
+        return {"all_reduce": 2}
+    if o.zero_stage == 1:
+        return {"reduce_scatter": 1, "all_gather": 1}
     if o.zero_stage == 2:
-        return m + 1
-    return m * (2 + o.zero3_reshard_after_forward)
+        return {"reduce_scatter": m, "all_gather": 1}
+    return {"reduce_scatter": m, "all_gather": m * (1 + o.zero3_reshard_after_forward)}
+
+
+def zero_passes(cfg, m: int) -> int:
+    """All of ZeRO's passes a step (zero_collectives)."""
+    return sum(zero_collectives(cfg, m).values())
+
+
+def collective_shares(cfg, layout: Layout, m: int) -> dict[str, dict[str, float]]:
+    """Each group's bytes by the collective that sends them, as shares (a group not named: all-reduces and
+    sends). One gloo collective moves a byte at another rate than the next (hardware.Hardware.collective_speed)."""
+    zero = zero_collectives(cfg, m)
+    total = sum(zero.values())
+    shares = {group: {kind: passes / total for kind, passes in zero.items()}
+              for group in ("dp", "dp_cp", "edp", "shard", "expert_shard")}
+    if layout.sequence_parallel:   # a gather before each tp block, a reduce-scatter after it; backward swaps them
+        shares["tp"] = {"all_gather": 0.5, "reduce_scatter": 0.5}
+    return shares
 
 
 def hybrid_sent_bytes(cfg, layout: Layout, held: float, m: int, experts: float = 0) -> dict[str, float]:
