@@ -95,10 +95,13 @@ def expand(jobs: list[list[str]], top: int, compose: Callable[[list[str]], objec
     for overrides in jobs:
         cfg = compose(overrides)
         normalize(cfg)
-        predictions = rank(cfg, gpus, gpus_per_node, hw, top).predictions
+        ranking = rank(cfg, gpus, gpus_per_node, hw, top)
+        predictions = ranking.predictions
         if len(predictions) < top:
+            why = max(ranking.reasons.items(), key=lambda item: item[1], default=("", 0))[0]
             raise ConfigError(f"plan=top{top}: only {len(predictions)} layouts of {gpus} processes fit this model "
-                              f"on {hw.name} ({' '.join(overrides) or 'no overrides'}): ask for fewer")
+                              f"on {hw.name} ({' '.join(overrides) or 'no overrides'}): ask for fewer"
+                              + (f"; the most common reason the others are out: {why}" if why else ""))
         ranked.append((cfg, predictions))
     out_jobs, records = [], []
     for place in range(top):
