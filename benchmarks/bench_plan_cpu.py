@@ -133,7 +133,7 @@ def predict_layout(name: str, model: str, steps: int, batch: int, hw):
     return predict(cfg, hw, gpus_per_node=Layout.from_config(cfg).world_size)   # its ranks share hw (per_rank)
 
 
-def fit_overheads(hw, names, measured, model, steps, batch):
+def fit_overheads(hw, names, measured, model, steps, batch, idle):
     """Non-negative least squares of the relative error (each layout's residual over its measured step) on the three
     CPU overhead terms; a term's column is the prediction with it at 1 unit minus the one without (they add)."""
     import numpy as np
@@ -143,7 +143,7 @@ def fit_overheads(hw, names, measured, model, steps, batch):
     zero = np.array([predict_layout(n, model, steps, batch, base).step_time_s for n in names])
     columns = [np.array([predict_layout(n, model, steps, batch, dataclasses.replace(base, **{t: 1.0})).step_time_s
                          for n in names]) - zero for t in terms]
-    step = np.array([free_step(measured[n]) for n in names])
+    step = np.array([free_step(measured[n], idle) for n in names])
     solution = nnls(np.stack(columns, 1) / step[:, None], (step - zero) / step)[0]
     return dataclasses.replace(hw, **dict(zip(terms, solution.tolist())))
 
@@ -172,28 +172,25 @@ def table(rows, title) -> None:
               f"{max(abs(r['mem_err']) for r in rows):.0%})")
 
 
-def rows_of(names, measured, hw, model, steps, batch):
+def rows_of(names, measured, hw, model, steps, batch, idle):
     from nanoexp.launch.planner import GIB
     from nanoexp.observe.memory import MB
     rows = []
     for n in names:
         p, m = predict_layout(n, model, steps, batch, hw), measured[n]
         pred_mb = p.memory_gb * GIB / MB   # with the device's runtime a process (Hardware.cuda_context_gb)
-        rows.append({"name": n, **m, "pred_s": p.step_time_s, "free_s": free_step(m),
-                     "time_err": p.step_time_s / free_step(m) - 1,
+        rows.append({"name": n, **m, "pred_s": p.step_time_s, "free_s": free_step(m, idle),
+                     "time_err": p.step_time_s / free_step(m, idle) - 1,
                      "pred_mb": pred_mb, "mem_err": pred_mb / m["memory_mb"] - 1, "breakdown": p.breakdown})
     return rows
 
 
-IDLE = False   # --idle: the machine ran nothing else, the steps as measured are load-free
-
-
-def free_step(m: dict) -> float:
+def free_step(m: dict, idle: bool) -> float:
     """The step as if no other load had run: the measured one less the share its ranks waited for a core beyond
     what more ranks than cores wait for each other anyway (1 - cpus / ranks, which cpu_share already models).
-    With --idle, the step as measured (the wait estimate only adds its own noise then: a 2-thread rank descheduled
+    With `idle` (--idle: the machine ran nothing else), the step as measured (the wait estimate only adds its own noise then: a 2-thread rank descheduled
     once stalls at OpenMP's barriers for longer than it waited)."""
-    if IDLE:
+    if idle:
         return m["step_s"]
     own = max(0.0, 1 - (os.cpu_count() or 1) / m["world"])
     return m["step_s"] * (1 - max(0.0, m.get("waited", 0.0) - own))
@@ -214,7 +211,7 @@ def measure_all(names: list[str], args) -> dict:
         for n in names:
             new = measure(n, args.model, args.steps, args.batch, folder)
             runs = measured.get(n, {}).get("runs", 1 if n in measured else 0) + 1
-            if n not in measured or free_step(new) < free_step(measured[n]):
+            if n not in measured or free_step(new, args.idle) < free_step(measured[n], args.idle):
                 measured[n] = new
             measured[n]["runs"] = runs
             if args.json:
@@ -242,8 +239,6 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="measure again into the --json file's runs, keeping "
                         "each layout's run with the shorter load-free step (a second pass in another order)")
     args = parser.parse_args()
-    global IDLE
-    IDLE = args.idle
     from nanoexp.launch.planner import GIB
     from nanoexp.observe.memory import MB
     from nanoexp.plan.hardware import calibrate_cpu
@@ -261,10 +256,10 @@ def main() -> None:
         measured = measure_all(names, args)
         names = [n for n in LAYOUTS if n in measured]
     print(f"stored: {', '.join(f'{k} {getattr(hw, k):g}' for k in TERMS)}, runtime {hw.cuda_context_gb:.3f} GB")
-    table(rows_of(names, measured, hw, args.model, args.steps, args.batch), "with the stored terms (hardware.py)")
+    table(rows_of(names, measured, hw, args.model, args.steps, args.batch, args.idle), "with the stored terms (hardware.py)")
     if args.calibrate:
         fit = [n for n in FIT if n in measured]
-        hw = fit_overheads(hw, fit, measured, args.model, args.steps, args.batch)
+        hw = fit_overheads(hw, fit, measured, args.model, args.steps, args.batch, args.idle)
         baseline = measured["dp1"]["baseline_mb"] if "dp1" in measured else statistics.mean(
             m["baseline_mb"] for m in measured.values())
         hw = dataclasses.replace(hw, cuda_context_gb=baseline * MB / GIB)
@@ -272,7 +267,7 @@ def main() -> None:
               f"step_overhead_s={hw.step_overhead_s:.3f}, micro_batch_overhead_s={hw.micro_batch_overhead_s:.4f}, "
               f"message_us={hw.message_us:.0f}), CPU_RUNTIME_GB = {hw.cuda_context_gb:.3f} (the 1-process run's "
               f"baseline, {baseline:.0f} MB)")
-        rows = rows_of(names, measured, hw, args.model, args.steps, args.batch)
+        rows = rows_of(names, measured, hw, args.model, args.steps, args.batch, args.idle)
         table([r for r in rows if r["name"] in fit], "calibrated: the fitted layouts")
         table([r for r in rows if r["name"] not in fit], "calibrated: held out")
         table(rows, "calibrated: all")

@@ -138,8 +138,7 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
     matmul = sum(2 * tokens * layer_matmul_params(shape, n) / tp for n in layers)
     redo = sum(2 * tokens * (layer_matmul_params(shape, n) - down_projection_params(shape, n)) / tp for n in layers)
-    attention = len(layers) * 2 * tokens * s * shape.num_attention_heads * shape.head_dim / tp   # causal half
-    attention_time = attention / (hw.bf16_tflops * 1e12 * attention_efficiency(fw, hw))
+    attention_time = attention_seconds(cfg, layout, shape, len(layers), hw, fw)
     moved = tokens * len(layers) * h * fw.elementwise / tp
     if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
@@ -153,6 +152,15 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     if cfg.parallelism.recompute_layer:
         backward += redo / linear_rate + attention_time + elementwise / 3
     return forward, backward
+
+
+def attention_seconds(cfg, layout: Layout, shape, layers: int, hw: Hardware, fw: Framework) -> float:
+    """One micro-batch's causal attention forward through `layers` layers: its FLOPs (half the s x s square)
+    at the attention rate."""
+    s = cfg.tokens.sequence_length
+    tokens = cfg.tokens.micro_batch_size * s / layout.cp
+    flops = layers * 2 * tokens * s * shape.num_attention_heads * shape.head_dim / layout.tp
+    return flops / (hw.bf16_tflops * 1e12 * attention_efficiency(fw, hw))
 
 
 def attention_efficiency(fw: Framework, hw: Hardware) -> float:
@@ -245,8 +253,7 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
                             crosses_nodes(layout, g, gpus_per_node), hw) for g, b in sent.items()}
     hop = comm["pp"] / (2 * m) if m else 0.0
     window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
-    attention = m * layers * 3.5 * 2 * cfg.tokens.micro_batch_size * cfg.tokens.sequence_length ** 2 / layout.cp \
-        * shape.num_attention_heads * shape.head_dim / layout.tp / (hw.bf16_tflops * 1e12 * attention_efficiency(fw, hw))
+    attention = m * 3.5 * attention_seconds(cfg, layout, shape, layers, hw, fw)   # forward and backward: the ring's window
     tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
     # the replicas' all-reduce runs once a step after the backward (Sharding.finish): nothing to hide it behind
     exposed_comm = (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
