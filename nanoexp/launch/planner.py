@@ -28,6 +28,7 @@ from nanoexp.config import ConfigError, batch_accumulation
 from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.observe.memory_estimate import busiest_rank_estimate, held_parameters, total
 from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.units import Stage
 from nanoexp.model.shape import model_shape
 from nanoexp.validation import validate
 
@@ -67,13 +68,9 @@ def dp_traffic_bytes(cfg) -> float:
     one = 4 * held * (n - 1) / n
     # the replicas all-reduce each rank's shard once a step (nanoexp/plan/traffic.py's hybrid_sent_bytes)
     across = 2 * (replicas - 1) / replicas * 4 * held / n
-    micro_batches, stage = batch_accumulation(cfg), int(cfg.optimizer.zero_stage)
-    if stage <= 1:
-        return 2 * one + across
-    if stage == 2:
-        return (micro_batches + 1) * one + across
-    gathers = 2 if cfg.optimizer.zero3_reshard_after_forward else 1
-    return micro_batches * (gathers + 1) * one + across
+    passes = Stage(int(cfg.optimizer.zero_stage)).collectives(batch_accumulation(cfg),
+                                                              cfg.optimizer.zero3_reshard_after_forward)
+    return sum(passes.values()) * one + across
 
 
 def with_stage(cfg, stage: int):

@@ -96,6 +96,15 @@ class Stage:
     def shards_parameters(self) -> bool:
         return self.number == 3
 
+    def collectives(self, micro_batches: int, reshard_after_forward: bool = True) -> dict[str, int]:
+        """The passes of the parameters' bytes a step moves over the group, by collective (each pass sends
+        (n-1)/n of them): stage 0 one all-reduce (two passes); stage 1 a reduce-scatter and an all-gather; stage 2 a
+        reduce-scatter per micro-batch and one all-gather; stage 3 per micro-batch a reduce-scatter and an
+        all-gather before backward, and one before each forward unless units stay gathered."""
+        m = micro_batches
+        return [{"all_reduce": 2}, {"reduce_scatter": 1, "all_gather": 1}, {"reduce_scatter": m, "all_gather": 1},
+                {"reduce_scatter": m, "all_gather": m * (1 + reshard_after_forward)}][self.number]
+
 
 class GatherFormat(Protocol):
     """How ZeRO-3 gathers the parameters a number format `takes` (model.fp8.gather_in_fp8: numerics/fp8_gather.py):

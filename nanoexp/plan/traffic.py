@@ -24,6 +24,7 @@ from __future__ import annotations
 from nanoexp.observe.memory_estimate import held_modules, held_parameters, rank_attention
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.units import Stage
 
 GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding", "shard", "replica",
           "expert_shard")
@@ -35,19 +36,8 @@ def ring(n: int) -> float:
 
 
 def zero_collectives(cfg, m: int) -> dict[str, int]:
-    """ZeRO's passes of the parameters' bytes over dp x cp per step by collective (sharding.py), each pass
-    (n-1)/n of them sent: stage 0 one all-reduce (two passes); stage 1 a reduce-scatter and an all-gather; stage 2
-    a reduce-scatter per micro-batch and one all-gather; stage 3 per micro-batch a reduce-scatter and an
-    all-gather before backward, and one before each forward unless layers stay gathered
-    (zero3_reshard_after_forward=false)."""
-    o = cfg.optimizer
-    if o.zero_stage == 0:
-        return {"all_reduce": 2}
-    if o.zero_stage == 1:
-        return {"reduce_scatter": 1, "all_gather": 1}
-    if o.zero_stage == 2:
-        return {"reduce_scatter": m, "all_gather": 1}
-    return {"reduce_scatter": m, "all_gather": m * (1 + o.zero3_reshard_after_forward)}
+    """ZeRO's passes over dp x cp per step by collective: the engine's own count (units.Stage.collectives)."""
+    return Stage(cfg.optimizer.zero_stage).collectives(m, cfg.optimizer.zero3_reshard_after_forward)
 
 
 def zero_passes(cfg, m: int) -> int:
