@@ -242,7 +242,7 @@ class WandbConfig:
 
 @dataclass
 class ProfilerConfig:
-    """torch.profiler trace of a few steps into <run>/profiler/ (nanoexp/observe/profiling.py)."""
+    """torch.profiler trace of a few steps into <run>/profiler/ (nanoexp/instruments/profiling.py)."""
     enabled: bool = False
     wait: int = 1          # steps skipped first
     warmup: int = 1        # steps traced but dropped (the profiler's own start-up)

@@ -28,7 +28,7 @@ from nanoexp.parallel.parallelize import parallelize
 from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
-from nanoexp.observe.trace import NO_TRACE
+from nanoexp.instruments.trace import NO_TRACE
 from nanoexp.runtime.step import StepRunner
 
 
