@@ -53,7 +53,8 @@ from nanoexp.instruments.timing import synchronize
 from nanoexp.observe.metrics import flops_per_token
 from nanoexp.runtime.build import build_model
 from nanoexp.model.shape import model_shape
-from nanoexp.runtime.optim import build_optimizer, lr_at, set_lr
+from nanoexp.optim.schedule import lr_at, set_lr
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.runtime.trainer import Trainer

@@ -356,7 +356,7 @@ def optimizer_name(cfg: Any) -> str:
 
 
 def uses_muon(cfg: Any) -> bool:
-    """Whether the hidden matrices are Muon's (runtime/muon.py) and the rest AdamW's."""
+    """Whether the hidden matrices are Muon's (optim/muon.py) and the rest AdamW's."""
     return optimizer_name(cfg) == "muon"
 
 

@@ -16,7 +16,7 @@ from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func
 from nanoexp.numerics.converters import format_problems
-from nanoexp.runtime.optim import OPTIMIZERS
+from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES

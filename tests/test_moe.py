@@ -300,7 +300,8 @@ def test_mup_treats_the_router_as_an_output_layer_and_the_experts_as_hidden():
     """m = 2: the router keeps the init std and the rate (the "matrices" group, as the LM head) and its logits
     are multiplied by 1/m; the experts are hidden matrices (std / sqrt(m), lr / m)."""
     from nanoexp.runtime.build import build_model
-    from nanoexp.runtime.optim import build_optimizer, set_lr
+    from nanoexp.optim.schedule import set_lr
+    from nanoexp.runtime.optim import build_optimizer
     cfg = compose_config(FAST + MOE + MUP + ["model.model_config.hidden_size=256", "model.mup.base_width=64",
                                              "model.moe.moe_intermediate_size=256"])   # m = 4, enough draws
     model = build_model(cfg, ParallelContext())

@@ -198,7 +198,7 @@ def test_benchmarks_take_their_shared_pieces_from_the_harness():
 # verification and planning tools above them. A module named apart from its package ("runtime.trainer") has its own
 # layer.
 LAYERS = [("instruments",), ("failures", "config", "config_domains"), ("model",), ("parallel", "data"),
-          ("numerics",), ("config_effects", "validation"), ("checkpoint",), ("runtime",),
+          ("numerics", "optim"), ("config_effects", "validation"), ("checkpoint",), ("runtime",),
           ("observe", "evaluation", "interop", "launch", "checks"), ("runtime.trainer", "launch.fault_injection", "run"),
           ("verify", "plan")]
 # Imports that still run up, each with what keeps it (issue 54 item 4: the target is none).
@@ -206,7 +206,6 @@ RUNS_UP = {
     ("nanoexp.checkpoint.load", "nanoexp.runtime.build"): "reading a checkpoint of any layout builds the model "
                                                           "(build_model: parallel dimensions and number formats)",
     ("nanoexp.runtime.build", "nanoexp.interop.hf"): "a Hugging Face folder as the initial weights",
-    ("nanoexp.validation", "nanoexp.runtime.optim"): "the optimizers' registry (names, problems) lives in runtime",
 }
 
 

@@ -32,7 +32,8 @@ from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flo
 from nanoexp.runtime.build import build_runtime
 from nanoexp.model.shape import model_shape
 from nanoexp.model.llama import count_parameters
-from nanoexp.runtime.optim import clip_gradients, lr_at, set_lr
+from nanoexp.runtime.optim import clip_gradients
+from nanoexp.optim.schedule import lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.instruments.trace import NO_TRACE, PipelineTrace
