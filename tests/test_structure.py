@@ -203,8 +203,6 @@ LAYERS = [("instruments",), ("failures", "config", "config_domains"), ("model",)
           ("verify", "plan")]
 # Imports that still run up, each with what keeps it (issue 54 item 4: the target is none).
 RUNS_UP = {
-    ("nanoexp.checkpoint.load", "nanoexp.runtime.build"): "reading a checkpoint of any layout builds the model "
-                                                          "(build_model: parallel dimensions and number formats)",
     ("nanoexp.runtime.build", "nanoexp.interop.hf"): "a Hugging Face folder as the initial weights",
 }
 
