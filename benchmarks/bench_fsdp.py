@@ -22,9 +22,9 @@ the repeats:
                 CPU the node's 2048x2048 float32 matmul with all cores, measured before every case and at the end, the
                 best (load lowers it); on CUDA one GPU's float32 datasheet figure, x dp;
   CPU s/step    process CPU time summed over the ranks: what other load on the machine disturbs least;
-  peak MB/rank  the largest rank's peak above its baseline (nanoexp.instruments.memory: CPU peak RSS since `start_measuring`,
-                taken before the model is built, with glibc returning freed memory as logging.exact_cpu_memory
-                does, unless --no-exact-memory; CUDA max_memory_allocated);
+  peak MB/rank  the largest rank's peak above its baseline (nanoexp.instruments.memory: CPU peak RSS since
+                `start_measuring`, taken before the model is built, with glibc returning freed memory as
+                logging.exact_cpu_memory does, unless --no-exact-memory; CUDA max_memory_allocated);
   losses        of the first and of the last step, and nanoexp's difference to FSDP2 (same init and data).
 A failing side is reported in its rows (the exception and the line of this script it passed) and the rest runs.
 """

@@ -41,10 +41,10 @@ def divisors(n: int) -> list[int]:
 
 
 def estimate(cfg) -> dict[str, float]:
-    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.observe.memory_estimate's estimate of the busiest
-    pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies of the weights
-    autocast keeps during a step, and the CUDA context. `transient` is the largest of what a step's moments add
-    (memory.total): activations with ZeRO-2/3's units in flight, or AdamW's temporaries at the update."""
+    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.observe.memory_estimate's estimate of
+    the busiest pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies of the
+    weights autocast keeps during a step, and the CUDA context. `transient` is the largest of what a step's moments
+    add (memory.total): activations with ZeRO-2/3's units in flight, or AdamW's temporaries at the update."""
     shape = model_shape(cfg)
     pp_rank, parts = busiest_rank_estimate(cfg, shape, "cuda")
     held, _ = held_parameters(shape, Layout.from_config(cfg), pp_rank)

@@ -17,8 +17,8 @@ from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
     """Weight decay on matrices only: norms (and biases, if any) are 1-D and are not decayed. Each group
-    has its `lr_scale` (the µP multiplier on the scheduled rate, see optim/schedule.py's set_lr); standard has two groups,
-    matrices and vectors, µP splits the hidden matrices off the matrices."""
+    has its `lr_scale` (the µP multiplier on the scheduled rate, see optim/schedule.py's set_lr); standard has two
+    groups, matrices and vectors, µP splits the hidden matrices off the matrices."""
     members: dict[str, list] = {group: [] for group in GROUPS}
     for name, param in model.named_parameters():
         members[parametrization.group(value_name(name, param), param.ndim)].append(param)
