@@ -61,7 +61,7 @@ import torch
 
 from nanoexp.config import global_batch_size
 from nanoexp.interop.hf import hf_mismatch, hf_tensors
-from nanoexp.observe.memory import saved_activation_bytes
+from nanoexp.instruments.memory import saved_activation_bytes
 from nanoexp.observe.metrics import flops_per_token
 from nanoexp.model.shape import model_shape
 from nanoexp.model.llama import count_active_parameters, count_parameters

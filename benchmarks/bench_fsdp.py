@@ -22,9 +22,9 @@ the repeats:
                 CPU the node's 2048x2048 float32 matmul with all cores, measured before every case and at the end, the
                 best (load lowers it); on CUDA one GPU's float32 datasheet figure, x dp;
   CPU s/step    process CPU time summed over the ranks: what other load on the machine disturbs least;
-  peak MB/rank  the largest rank's peak above its baseline (nanoexp.observe.memory: CPU peak RSS since `start_measuring`,
-                taken before the model is built, with glibc returning freed memory as logging.exact_cpu_memory
-                does, unless --no-exact-memory; CUDA max_memory_allocated);
+  peak MB/rank  the largest rank's peak above its baseline (nanoexp.instruments.memory: CPU peak RSS since
+                `start_measuring`, taken before the model is built, with glibc returning freed memory as
+                logging.exact_cpu_memory does, unless --no-exact-memory; CUDA max_memory_allocated);
   losses        of the first and of the last step, and nanoexp's difference to FSDP2 (same init and data).
 A failing side is reported in its rows (the exception and the line of this script it passed) and the rest runs.
 """
@@ -47,13 +47,14 @@ from nanoexp.config import global_batch_size
 from nanoexp.data.loader import IGNORE_INDEX
 from nanoexp.data.stages import StagedBatches
 from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
-from nanoexp.observe.memory import peak_memory_mb, return_freed_memory, start_measuring
+from nanoexp.instruments.memory import peak_memory_mb, return_freed_memory, start_measuring
 from nanoexp.observe.peak import peak_dtype
-from nanoexp.observe.timing import synchronize
+from nanoexp.instruments.timing import synchronize
 from nanoexp.observe.metrics import flops_per_token
 from nanoexp.runtime.build import build_model
 from nanoexp.model.shape import model_shape
-from nanoexp.runtime.optim import build_optimizer, lr_at, set_lr
+from nanoexp.optim.schedule import lr_at, set_lr
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.runtime.trainer import Trainer

@@ -48,7 +48,7 @@ def worker(overrides: list[str], steps: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from benchmarks.harness import compose
-    from nanoexp.observe.memory import peak_memory_mb, return_freed_memory
+    from nanoexp.instruments.memory import peak_memory_mb, return_freed_memory
     from nanoexp.observe.memory_estimate import MB, estimate, total
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.parallel.layout import Layout

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from nanoexp.config import compose  # noqa: E402
 from nanoexp.launch.workers import free_port  # noqa: E402
-from nanoexp.observe.memory import MB, peak_memory_mb, start_measuring  # noqa: E402
+from nanoexp.instruments.memory import MB, peak_memory_mb, start_measuring  # noqa: E402
 
 
 def build(cfg):

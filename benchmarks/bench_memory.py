@@ -8,7 +8,7 @@
 Each case is `python train.py model=small <case overrides>` for a few steps (its own run folder
 in a temporary directory); per rank it prints the measured peak above the rank's runtime baseline
 (summary.json: peak_memory_mb_per_rank - baseline_memory_mb), the estimate for that rank
-(nanoexp/observe/memory.py, the same as scripts/estimate_memory.py), the model state the estimate counts
+(nanoexp/observe/memory_estimate.py, the same as scripts/estimate_memory.py), the model state the estimate counts
 (parameters + gradients + AdamW moments), the analytic model state of the ZeRO stage (N parameters held,
 d = dp x cp: 16N without ZeRO, 8N + 8N/d with ZeRO-1, 4N + 12N/d with ZeRO-2, 16N/d with ZeRO-3 plus its
 gathered units, the layer computing and zero3_prefetch layers ahead) and the estimated activations and

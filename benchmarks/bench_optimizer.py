@@ -26,7 +26,8 @@ import torch.distributed as dist
 from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.runtime.optim import clip_gradients, lr_at, set_lr
+from nanoexp.optim.schedule import lr_at, set_lr
+from nanoexp.runtime.optim import clip_gradients
 from nanoexp.runtime.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root

@@ -13,7 +13,7 @@ with cp > 1 cp and dp_cp).
 
 Reported per group: calls and bytes SENT per rank per optimizer step (ring algorithms; mean
 over the ranks), next to the analytic minimum for the layout, derived from the model's shape and
-the layout alone (nanoexp.observe.memory.held_parameters counts what a rank holds), each rank's own count
+the layout alone (nanoexp.observe.memory_estimate.held_parameters counts what a rank holds), each rank's own count
 averaged the same way (m micro-batches per step, s' = seq / cp the tokens of a sample a rank holds,
 A = micro_batch x s' x hidden activation bytes, N = the parameters this rank holds):
   dp  averaging this rank's float32 gradients: 2(dp-1)/dp x 4N, whether as one all-reduce

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.harness import compose  # noqa: E402
-from nanoexp.observe.memory import MB  # noqa: E402
+from nanoexp.instruments.memory import MB  # noqa: E402
 from nanoexp.observe.memory_estimate import estimate, total  # noqa: E402
 from nanoexp.model.shape import model_shape  # noqa: E402
 from nanoexp.verify.trace_analysis import measured_bubble, predicted_bubble, read_trace, stage_times  # noqa: E402

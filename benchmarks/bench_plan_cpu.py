@@ -5,7 +5,7 @@
     python -m benchmarks.bench_plan_cpu --calibrate --measured runs.json       # predict again, run nothing
 
 Each layout runs `python train.py model=small <layout> ...` (checkpoints off, one held-out batch at the end,
-logging.exact_cpu_memory=true so that the peak RSS tracks the live tensors: nanoexp/observe/memory.py). Its step
+logging.exact_cpu_memory=true so that the peak RSS tracks the live tensors: nanoexp/instruments/memory.py). Its step
 time is the shortest `step_time_sec` of metrics.jsonl after step 1 (warm-up; the shortest, as load only adds);
 its load-free step that less the share of the ranks' lifetime their busiest thread sat runnable waiting for a
 core (/proc schedstat, sampled during the run): the machine is shared. Its memory is the largest
@@ -174,7 +174,7 @@ def table(rows, title) -> None:
 
 def rows_of(names, measured, hw, model, steps, batch, idle):
     from nanoexp.launch.planner import GIB
-    from nanoexp.observe.memory import MB
+    from nanoexp.instruments.memory import MB
     rows = []
     for n in names:
         p, m = predict_layout(n, model, steps, batch, hw), measured[n]
@@ -240,7 +240,7 @@ def main() -> None:
                         "each layout's run with the shorter load-free step (a second pass in another order)")
     args = parser.parse_args()
     from nanoexp.launch.planner import GIB
-    from nanoexp.observe.memory import MB
+    from nanoexp.instruments.memory import MB
     from nanoexp.plan.hardware import calibrate_cpu
     names = args.only.split(",") if args.only else list(LAYOUTS)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: python -m benchmarks.bench_plan_cpu "

@@ -27,7 +27,8 @@ from nanoexp.config import compose
 from nanoexp.data import build_datasets
 from nanoexp.data.loader import TrainBatches
 from nanoexp.runtime.build import build_model
-from nanoexp.runtime.optim import build_optimizer, set_lr
+from nanoexp.optim.schedule import set_lr
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 
 ACTIVATIONS = ("embedding", "attention", "mlp", "logits")

@@ -242,7 +242,7 @@ class WandbConfig:
 
 @dataclass
 class ProfilerConfig:
-    """torch.profiler trace of a few steps into <run>/profiler/ (nanoexp/observe/profiling.py)."""
+    """torch.profiler trace of a few steps into <run>/profiler/ (nanoexp/instruments/profiling.py)."""
     enabled: bool = False
     wait: int = 1          # steps skipped first
     warmup: int = 1        # steps traced but dropped (the profiler's own start-up)
@@ -356,7 +356,7 @@ def optimizer_name(cfg: Any) -> str:
 
 
 def uses_muon(cfg: Any) -> bool:
-    """Whether the hidden matrices are Muon's (runtime/muon.py) and the rest AdamW's."""
+    """Whether the hidden matrices are Muon's (optim/muon.py) and the rest AdamW's."""
     return optimizer_name(cfg) == "muon"
 
 

@@ -25,8 +25,8 @@ from nanoexp.failures import is_known
 from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
                             lost_peer, setup_device, spawn_local)
 from nanoexp.numerics.precision import denormals_flushed, set_tf32
-from nanoexp.observe.flight_recorder import recorder_env
-from nanoexp.observe.memory import return_freed_memory
+from nanoexp.instruments.flight_recorder import recorder_env
+from nanoexp.instruments.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders

@@ -16,7 +16,7 @@ from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS, balance_rules, routes_with_bias
 from nanoexp.model.attention import ATTENTION_KERNELS, kernel_problems
 from nanoexp.numerics.converters import format_problems
-from nanoexp.runtime.optim import OPTIMIZERS
+from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES

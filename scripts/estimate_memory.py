@@ -6,7 +6,7 @@
 
 Prints, for every pipeline stage and for the busiest rank, parameters, gradients, optimizer state,
 activations, ZeRO-2/3's units in flight (gathered parameters, gradients being reduce-scattered) and gloo's
-communication copies above the runtime baseline (nanoexp/observe/memory.py says how each is counted), and the
+communication copies above the runtime baseline (nanoexp/observe/memory_estimate.py says how each is counted), and the
 baseline itself (this process: Python and torch imported, plus a nominal CUDA context with
 --device cuda). --zero-stages prints the busiest rank under each of ZeRO-0..3 instead of the config's stage.
 With --json only this JSON goes to stdout, for the busiest rank:
@@ -24,7 +24,7 @@ import json
 import sys
 
 from nanoexp.config import compose, normalize
-from nanoexp.observe.memory import MB, runtime_baseline_mb
+from nanoexp.instruments.memory import MB, runtime_baseline_mb
 from nanoexp.observe.memory_estimate import busiest_rank_estimate, estimate, total
 from nanoexp.model.shape import model_shape
 from nanoexp.parallel.layout import Layout

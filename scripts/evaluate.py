@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from nanoexp.checkpoint.load import load_single_process
+from nanoexp.runtime.build import load_single_process
 from nanoexp.data.tokenizer import build_tokenizer
 
 

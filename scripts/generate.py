@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from nanoexp.checkpoint.load import load_single_process
+from nanoexp.runtime.build import load_single_process
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.model.generation import generate
 

@@ -31,7 +31,7 @@ counted from what autograd saves; see scripts/estimate_memory.py; ZeRO-2/3's gat
 included), plus what a GPU adds: under bf16 autocast the bf16 copies of the weights it keeps during a step (2 B per
 parameter held, whatever the stage: each matmul saves its weight's cast for backward, even where ZeRO-3 frees the
 float32 unit), and the CUDA context (memory.CUDA_CONTEXT_MB, a nominal allowance). It leaves out allocator
-fragmentation and NCCL's buffers: hence the 10% margin. --show-lrs prints nanoexp/observe/lr_table.py's table.
+fragmentation and NCCL's buffers: hence the 10% margin. --show-lrs prints nanoexp/optim/lr_table.py's table.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from omegaconf import OmegaConf
 
 from nanoexp.config import CONF_DIR, ConfigError, compose, normalize, num_kv_heads, padded_vocab_size
 from nanoexp.launch.planner import HEADROOM, choose, explain
-from nanoexp.observe.lr_table import lr_table
+from nanoexp.optim.lr_table import lr_table
 from nanoexp.validation import validate
 
 BYTE_VOCAB = 257

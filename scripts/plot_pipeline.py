@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 
-from nanoexp.observe.trace import TRACE_DIR
+from nanoexp.instruments.trace import TRACE_DIR
 from nanoexp.verify.trace_analysis import (COMPUTE, bucket_overlap, measured_bubble, predicted_bubble, read_trace,
                                            theoretical_bubble)
 

@@ -66,8 +66,8 @@ def test_any_element_wise_optimizer_is_sharded_and_resumed_on_another_layout(tmp
     """An optimizer registered beside AdamW (SGD with momentum: a state key AdamW lacks) runs under ZeRO-3 on dp2
     and its checkpoint, saved by state key, resumes on one process without ZeRO, as one process's run."""
     import torch
-    from nanoexp.runtime import optim
-    monkeypatch.setitem(optim.OPTIMIZERS, "adamw", optim.OPTIMIZERS["adamw"]._replace(
+    from nanoexp.optim.registry import OPTIMIZERS
+    monkeypatch.setitem(OPTIMIZERS, "adamw", OPTIMIZERS["adamw"]._replace(
         build=lambda cfg: (torch.optim.SGD, dict(lr=0.1, momentum=0.9))))
     reference = train(tmp_path / "ref", CONSTANT_LR + ["tokens.train_steps=6"])
     a = train(tmp_path / "a", CONSTANT_LR + ["tokens.train_steps=3", "parallelism=dp2tp1pp1", "optimizer.zero_stage=3"])

@@ -55,7 +55,7 @@ def forward_loss(model, x, y):
 
 
 class LaunchRecorder:
-    """A pipeline trace (nanoexp.observe.trace's interface) that keeps the bucket launches in memory."""
+    """A pipeline trace (nanoexp.instruments.trace's interface) that keeps the bucket launches in memory."""
 
     def __init__(self):
         self.launches = []   # (bucket, in_backward) in launch order

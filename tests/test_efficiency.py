@@ -14,7 +14,7 @@ import torch._inductor.config
 from nanoexp.observe.metrics import flops_per_token, hardware_flops_per_token
 from nanoexp.model.attention import SDPA, Causal
 from nanoexp.parallel.context import ParallelContext
-from nanoexp.observe.memory import saved_activation_bytes
+from nanoexp.instruments.memory import saved_activation_bytes
 from nanoexp.runtime.build import build_model
 from nanoexp.model.shape import model_shape
 from tests.helpers import FAST, SLOW, compose_config, train, train_losses

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoexp.checkpoint.load import load_single_process
+from nanoexp.runtime.build import load_single_process
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import flatten
 from nanoexp.evaluation.offline import evaluate_checkpoint

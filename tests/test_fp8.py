@@ -375,7 +375,7 @@ def test_fp8_composes_with_bf16_recomputation_evaluation_resume_and_export(tmp_p
     inputs, so the same scales and the same numbers (bit for bit); in-loop evaluation runs through them; a resume
     continues bit for bit; the checkpoint (float32 masters) exports to Hugging Face with the logits it gives."""
     from transformers import LlamaForCausalLM as HFLlama
-    from nanoexp.checkpoint.load import load_single_process
+    from nanoexp.runtime.build import load_single_process
     from nanoexp.interop.hf_checkpoint import convert_to_hf
     from tests.test_hf_conversion import LOGITS_ATOL
 

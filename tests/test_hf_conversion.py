@@ -13,13 +13,12 @@ from transformers import AutoTokenizer
 from transformers import LlamaForCausalLM as HFLlama
 
 from nanoexp.model.placement import placement
-from nanoexp.checkpoint.load import load_single_process
 from nanoexp.data.tokenizer import ByteTokenizer
 from nanoexp.interop.hf import load_hf_weights
 from nanoexp.model.generation import KVCache, forward_with_cache, generate
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.runtime.build import build_model
+from nanoexp.runtime.build import build_model, load_single_process
 from nanoexp.interop.hf_checkpoint import convert_to_hf
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, train

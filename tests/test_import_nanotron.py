@@ -145,7 +145,7 @@ def test_decay_length_of_a_schedule_with_a_late_decay_start(conf):
     """nanotron's null lr_decay_steps with lr_decay_starting_step set is train_steps - warm-up - the start
     (its lr_scheduler_builder): warm-up 10, the peak until 40, decay over 50 steps; the last step's rate is
     min_decay_lr (the importer once wrote train_steps - warm-up, 90, and the run ended above it)."""
-    from nanoexp.runtime.optim import lr_at
+    from nanoexp.optim.schedule import lr_at
 
     def late_decay(text):
         return (text.replace("    lr_warmup_steps: 2\n", "    lr_warmup_steps: 10\n    lr_decay_starting_step: 40\n"

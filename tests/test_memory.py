@@ -15,7 +15,7 @@ from nanoexp.runtime.build import build_model
 from nanoexp.model.shape import model_shape
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.observe.memory import saved_activation_bytes
+from nanoexp.instruments.memory import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.helpers import SLOW, compose_config
 

@@ -267,7 +267,7 @@ def assert_mixtral_export_gives_our_logits(ckpt, folder):
     (within the Llama export's bound). Returns the checkpoint's one-process model."""
     from transformers import MixtralForCausalLM
 
-    from nanoexp.checkpoint.load import load_single_process
+    from nanoexp.runtime.build import load_single_process
     from tests.test_hf_conversion import LOGITS_ATOL
     convert_to_hf(str(ckpt), str(folder))
     ours, _ = load_single_process(str(ckpt))
@@ -282,7 +282,7 @@ def test_mixtral_round_trip(tmp_path):
     """Trained on ep2 x pp2, exported: transformers' MixtralForCausalLM gives nanoexp's logits; imported back
     (convert_from_hf, then a resume on dp2), the weights are the same."""
     from nanoexp.interop.hf_checkpoint import convert_from_hf
-    from nanoexp.checkpoint.load import load_single_process
+    from nanoexp.runtime.build import load_single_process
     train(tmp_path / "run", FAST + MOE + MIXTRAL + ["tokens.train_steps=2", "tokens.val_check_interval=0",
                                                     "parallelism=dp2tp1pp2"] + EP2)
     ours = assert_mixtral_export_gives_our_logits(tmp_path / "run" / "checkpoints" / "2", tmp_path / "hf")
@@ -300,7 +300,8 @@ def test_mup_treats_the_router_as_an_output_layer_and_the_experts_as_hidden():
     """m = 2: the router keeps the init std and the rate (the "matrices" group, as the LM head) and its logits
     are multiplied by 1/m; the experts are hidden matrices (std / sqrt(m), lr / m)."""
     from nanoexp.runtime.build import build_model
-    from nanoexp.runtime.optim import build_optimizer, set_lr
+    from nanoexp.optim.schedule import set_lr
+    from nanoexp.runtime.optim import build_optimizer
     cfg = compose_config(FAST + MOE + MUP + ["model.model_config.hidden_size=256", "model.mup.base_width=64",
                                              "model.moe.moe_intermediate_size=256"])   # m = 4, enough draws
     model = build_model(cfg, ParallelContext())

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from nanoexp.checkpoint import CheckpointReader
-from nanoexp.observe.lr_table import lr_table
+from nanoexp.optim.lr_table import lr_table
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.model.placement import value_name
 from nanoexp.runtime.build import build_model
-from nanoexp.runtime import muon
-from nanoexp.runtime.muon import TensorParallelMuon, takes_muon
-from nanoexp.runtime.optim import build_optimizer, set_lr
+from nanoexp.optim import muon
+from nanoexp.optim.muon import TensorParallelMuon, takes_muon
+from nanoexp.optim.schedule import set_lr
+from nanoexp.runtime.optim import build_optimizer
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, start_error, tiered, train, train_losses
 
@@ -300,7 +301,7 @@ def test_muon_sends_the_analytic_bytes(overrides):
 
 
 def test_coord_check_muon_under_mup_keeps_activations_steady_as_width_grows():
-    """Muon under µP (runtime/muon.py's hidden_lr_scale, through model/mup.py's lr_scale: no width multiplier on
+    """Muon under µP (optim/muon.py's hidden_lr_scale, through model/mup.py's lr_scale: no width multiplier on
     Muon's hidden matrices with the original adjustment, whose update has the same spectral norm at every width;
     µP's init, logit multiplier and AdamW rates for the rest). Widths 32, 64, 128 after 3 steps at lr 1e-2 (2026-12-03): under µP the attention, MLP and logit
     RMS stay within 1.28x across the 4x width range (lr 3e-2: 1.40x; match_rms_adamw with its 1/sqrt(m): 1.41x),
@@ -368,7 +369,7 @@ def test_the_optimizer_bench_times_both_optimizers(tmp_path):
     ("parallelism.dp_shard=1", "parallelism.dp_shard=1: Muon gathers its matrices over all of dp x cp and has no "
      "hybrid sharding; use AdamW or parallelism.dp_shard=null")])
 def test_muons_own_settings_are_checked_by_its_registry_entry(override, message):
-    """Muon's OPTIMIZERS entry says what of its settings cannot run (runtime/muon.py problems), one line naming the
+    """Muon's OPTIMIZERS entry says what of its settings cannot run (optim/muon.py problems), one line naming the
     key."""
     assert message in start_error(compose_config(FAST + MUON + [override]))
     assert muon.problems(compose_config(FAST + MUON)) == []

@@ -13,9 +13,10 @@ import torch
 
 from benchmarks.mup_coord_check import coord_check, width_overrides
 from nanoexp.config import normalize
-from nanoexp.observe.lr_table import lr_table
+from nanoexp.optim.lr_table import lr_table
 from nanoexp.runtime.build import build_model
-from nanoexp.runtime.optim import build_optimizer, set_lr
+from nanoexp.optim.schedule import set_lr
+from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.validation import validate
 from tests.helpers import FAST, compose_config, train, train_losses

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from nanoexp.runtime.optim import clip_gradients, lr_at, parameter_groups
+from nanoexp.optim.schedule import lr_at
+from nanoexp.runtime.optim import clip_gradients, parameter_groups
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from tests.helpers import compose_config

@@ -1,4 +1,4 @@
-"""The pipeline timeline (recorded by nanoexp/observe/trace.py, read by nanoexp/verify/trace_analysis.py) and
+"""The pipeline timeline (recorded by nanoexp/instruments/trace.py, read by nanoexp/verify/trace_analysis.py) and
 scripts/plot_pipeline.py.
 
 The bubble arithmetic is checked against an independent model of the schedule (the
@@ -20,7 +20,7 @@ import torch.nn as nn
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline import PipelineEngine
-from nanoexp.observe.trace import PipelineTrace
+from nanoexp.instruments.trace import PipelineTrace
 from nanoexp.verify.trace_analysis import bucket_overlap, measured_bubble, read_trace, theoretical_bubble
 from tests.distributed import run_distributed
 from tests.helpers import FAST, train

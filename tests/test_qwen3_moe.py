@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanoexp.checkpoint.load import load_single_process
 from nanoexp.interop.hf import load_hf_weights
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.runtime.build import build_model
+from nanoexp.runtime.build import build_model, load_single_process
 from tests.distributed import run_distributed
 from tests.helpers import FAST, compose_config, tiered, train
 from tests.test_checkpoint import ROOT

@@ -21,8 +21,8 @@ def python_sources():
 
 
 # torch's flight recorder hands its records over as pickle bytes made in the same process: decoded there, and
-# written for torch's analyzer; nanoexp reads the JSON copies (nanoexp/observe/flight_recorder.py).
-FLIGHT_RECORDER = ROOT / "nanoexp" / "observe" / "flight_recorder.py"
+# written for torch's analyzer; nanoexp reads the JSON copies (nanoexp/instruments/flight_recorder.py).
+FLIGHT_RECORDER = ROOT / "nanoexp" / "instruments" / "flight_recorder.py"
 # torch.distributed.checkpoint's readers unpickle a DCP folder's .metadata (DCP's own format). nanoexp reads a DCP
 # folder in one function, for scripts/convert_from_dcp.py, from the folder a person names on its command line.
 DCP_READER, DCP_READER_FUNCTION = ROOT / "nanoexp" / "interop" / "dcp.py", "read_dcp"

@@ -20,12 +20,12 @@ MICRO = ["model.model_config.hidden_size=32", "model.model_config.intermediate_s
          "logging.tensorboard=false", "logging.iteration_step_info_interval=50",
          "optimizer.learning_rate_scheduler.lr_warmup_steps=10", "checkpoint.save_final_state=false"]
 # A leak is memory that grows with every step and never stops; what the allocator caches and the runtime warms up
-# grows for a while and stops. peak_memory_mb on CPU is the high-water RSS (VmHWM, nanoexp/observe/memory.py): as every step
-# reaches the same transient peak on top of what is live, it rises with a leak at the leak's rate (once the freed
-# holes of the heap are full). So the bound is on its growth per step after the warm-up, the least-squares slope over
-# the logged steps. Measured on 2 cores: 0.07-0.09 KB/step (3 runs) over steps 300-3000 of one process, 0.13-0.31
-# (5 runs) over steps 550-1000 of dp2's rank 0; a leak of 1 KB a step (a bytearray(1024) kept every step) makes them
-# 1.11 and 1.29. 0.6 KB/step: twice the most measured without a leak, half the least with one.
+# grows for a while and stops. peak_memory_mb on CPU is the high-water RSS (VmHWM, nanoexp/instruments/memory.py): as
+# every step reaches the same transient peak on top of what is live, it rises with a leak at the leak's rate (once the
+# freed holes of the heap are full). So the bound is on its growth per step after the warm-up, the least-squares slope
+# over the logged steps. Measured on 2 cores: 0.07-0.09 KB/step (3 runs) over steps 300-3000 of one process,
+# 0.13-0.31 (5 runs) over steps 550-1000 of dp2's rank 0; a leak of 1 KB a step (a bytearray(1024) kept every step)
+# makes them 1.11 and 1.29. 0.6 KB/step: twice the most measured without a leak, half the least with one.
 LEAK_BOUND_KB_PER_STEP = 0.6
 
 

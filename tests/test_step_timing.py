@@ -3,7 +3,7 @@
 the test stands in a device whose synchronisation takes 0.3 s and checks that every step's time includes it."""
 import time
 
-from nanoexp.observe import timing
+from nanoexp.instruments import timing
 from tests.helpers import FAST, train
 
 SLOW_SYNC_S = 0.3   # far above a FAST step on one process (tens of milliseconds), so it shows in every step's time

@@ -192,43 +192,47 @@ def test_benchmarks_take_their_shared_pieces_from_the_harness():
     assert {os.path.join("benchmarks", name) for name in ("bench.py", "bench_parallel.py", "bench_fsdp.py")} <= users
 
 
-# The layers, lowest first: a module imports only from its own layer and those below. Instruments (observe/'s
-# modules that import nothing of nanoexp) serve parallel/ and runtime/; reports (the rest of observe/) sit above
-# runtime/, beside launch, evaluation and interop; the training loop (runtime.trainer) and run.py sit on top, and the
-# verification and planning tools above them.
-INSTRUMENTS = {"heartbeat", "memory", "moe_metrics", "profiling", "stall_diagnosis", "timing", "trace",
-               "flight_recorder"}
-LAYERS = [("instruments",), ("failures", "config", "config_domains"), ("model",), ("parallel", "data"),
-          ("numerics",), ("config_effects", "validation"), ("checkpoint",), ("runtime",),
+# The layers, lowest first: a module imports only from its own layer and those below. The instruments
+# (nanoexp/instruments/: nothing of nanoexp) serve parallel/ and runtime/; the optimizers (nanoexp/optim/) sit below
+# validation, which asks their registry; the reports (nanoexp/observe/) sit above runtime/, beside launch, evaluation
+# and interop; the training loop and run.py sit on top, and the verification and planning tools above them. A module
+# named apart from its package has its own layer: the loop (runtime.trainer) above the reports it writes, and
+# Hugging Face's names, configs and weights (interop.hf, which knows only the model) below the runtime that starts
+# from them, while interop's converters (hf_checkpoint, dcp, nanotron) build whole runs and sit above it.
+LAYERS = [("instruments",), ("failures", "config", "config_domains"), ("model",), ("parallel", "data", "interop.hf"),
+          ("numerics", "optim"), ("config_effects", "validation"), ("checkpoint",), ("runtime",),
           ("observe", "evaluation", "interop", "launch", "checks"), ("runtime.trainer", "launch.fault_injection", "run"),
           ("verify", "plan")]
-# Imports that still run up, each with what keeps it (issue 54 item 4: the target is none).
-RUNS_UP = {
-    ("nanoexp.checkpoint.load", "nanoexp.runtime.build"): "reading a checkpoint of any layout builds the model "
-                                                          "(build_model: parallel dimensions and number formats)",
-    ("nanoexp.runtime.build", "nanoexp.interop.hf"): "a Hugging Face folder as the initial weights",
-    ("nanoexp.validation", "nanoexp.runtime.optim"): "the optimizers' registry (names, problems) lives in runtime",
-}
 
 
 def layer_of(module: str) -> int:
     parts = module.split(".")[1:]
-    if not parts or (parts[0] == "observe" and (len(parts) == 1 or parts[1] in INSTRUMENTS)):
+    if not parts:   # nanoexp/__init__.py
         return 0
-    for index, names in reversed(list(enumerate(LAYERS))):   # the longest name first: runtime.trainer, then runtime
-        if ".".join(parts[:2]) in names or parts[0] in names:
-            return index
+    for key in (".".join(parts[:2]), parts[0]):   # a module with a layer of its own first, then its package's
+        for index, names in enumerate(LAYERS):
+            if key in names:
+                return index
     raise KeyError(f"{module} has no layer in tests/test_structure.py's LAYERS")
 
 
 def test_imports_point_down():
     graph = import_graph()
     up = {(a, b) for a, names in graph.items() for b in names if layer_of(b) > layer_of(a)}
-    assert up <= set(RUNS_UP), sorted(up - set(RUNS_UP))
-    assert set(RUNS_UP) <= up, f"no longer runs up, remove from RUNS_UP: {sorted(set(RUNS_UP) - up)}"
+    assert up == set(), sorted(up)
+
+
+def test_a_module_apart_from_its_package_has_its_own_layer():
+    assert layer_of("nanoexp.runtime.trainer") > layer_of("nanoexp.runtime.build") == layer_of("nanoexp.runtime")
+    assert layer_of("nanoexp.interop.hf") < layer_of("nanoexp.runtime") < layer_of("nanoexp.interop.dcp")
+    assert layer_of("nanoexp.instruments.trace") == 0
 
 
 def test_instruments_import_nothing_of_nanoexp():
+    """The instruments are what parallel/ and runtime/ measure and report with: they import only each other (the
+    flight recorder names a stall with the heartbeat's record)."""
     graph = import_graph()
-    for name in INSTRUMENTS:
-        assert graph[f"nanoexp.observe.{name}"] <= {"nanoexp.observe.heartbeat"}, name   # the recorder names a stall
+    instruments = {name for name in graph if name.startswith("nanoexp.instruments")}
+    assert {"nanoexp.instruments.heartbeat", "nanoexp.instruments.trace"} <= instruments
+    for name in instruments:
+        assert graph[name] <= instruments, (name, graph[name] - instruments)

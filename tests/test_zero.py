@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from nanoexp.checkpoint.load import load_single_process
+from nanoexp.runtime.build import load_single_process
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.layout import Layout

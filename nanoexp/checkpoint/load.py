@@ -19,9 +19,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from nanoexp.checkpoint.save import FORMAT_VERSION, CheckpointError, rank_file
-from nanoexp.runtime.build import build_model
 from nanoexp.model.llama import buffer_shapes, parameter_shapes
-from nanoexp.parallel.context import ParallelContext
 from nanoexp.checkpoint.save import persistent_buffers
 from nanoexp.model.placement import expert_values, local_slice, stored_names
 from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
@@ -331,16 +329,3 @@ def single_process_config(config: dict):
     cfg.optimizer.zero_stage = 0
     cfg.model.init_method.path = None
     return cfg
-
-
-def load_single_process(folder: str, device: torch.device | None = None):
-    """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode, on `device`
-    (default: the GPU when there is one)."""
-    reader = CheckpointReader(folder)
-    cfg = single_process_config(reader.meta["config"])
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = ParallelContext(device=device)   # one process: the whole model in one chunk
-    model = build_model(cfg, ctx)
-    check_compatible(reader, model.shape)
-    load_model(reader, model, ctx)
-    return model.eval(), cfg

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoexp.config import ConfigError, batch_accumulation
-from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
+from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.observe.memory_estimate import busiest_rank_estimate, held_parameters, total
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.units import Stage
@@ -42,10 +42,10 @@ def divisors(n: int) -> list[int]:
 
 
 def estimate(cfg) -> dict[str, float]:
-    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.observe.memory's estimate of the busiest
-    pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies of the weights
-    autocast keeps during a step, and the CUDA context. `transient` is the largest of what a step's moments add
-    (memory.total): activations with ZeRO-2/3's units in flight, or AdamW's temporaries at the update."""
+    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.observe.memory_estimate's estimate of
+    the busiest pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies of the
+    weights autocast keeps during a step, and the CUDA context. `transient` is the largest of what a step's moments
+    add (memory.total): activations with ZeRO-2/3's units in flight, or AdamW's temporaries at the update."""
     shape = model_shape(cfg)
     pp_rank, parts = busiest_rank_estimate(cfg, shape, "cuda")
     held, _ = held_parameters(shape, Layout.from_config(cfg), pp_rank)

@@ -1,10 +1,10 @@
 """The stall watchdog: when no rank has progressed for `debug.stall_s`, every rank dumps its flight recorder into
-`<run>/debug/fr/`, rank 0 diagnoses the dumps (nanoexp/observe/stall_diagnosis.py) and the run ends with a few
+`<run>/debug/fr/`, rank 0 diagnoses the dumps (nanoexp/instruments/stall_diagnosis.py) and the run ends with a few
 lines naming who waits where and who is missing — in seconds, where the collective timeout would take
 `parallelism.collective_timeout_s` (600 s) to say only that a peer never came, and gloo never ends a collective
 whose ranks posted different shapes.
 
-Each rank's watchdog thread publishes its heartbeat (nanoexp/observe/heartbeat.py) in the process group's store
+Each rank's watchdog thread publishes its heartbeat (nanoexp/instruments/heartbeat.py) in the process group's store
 every poll; rank 0 reads them all and times the progress by its own clock (hosts' clocks may differ). When rank
 0's watchdog itself falls silent (its Python cannot run: a call holding the interpreter lock), rank 1 takes its
 place. A rank in a long phase (start-up, first step, checkpoint save) holds the alarm back. A dead peer is not a
@@ -31,9 +31,9 @@ from typing import Callable
 import torch.distributed as dist
 
 from nanoexp.launch.workers import end_worker
-from nanoexp.observe.flight_recorder import read_dumps, read_trace, torch_analysis, write_trace
-from nanoexp.observe.heartbeat import HEARTBEAT
-from nanoexp.observe.stall_diagnosis import diagnose
+from nanoexp.instruments.flight_recorder import read_dumps, read_trace, torch_analysis, write_trace
+from nanoexp.instruments.heartbeat import HEARTBEAT
+from nanoexp.instruments.stall_diagnosis import diagnose
 from nanoexp.observe.summary import record_failure
 
 log = logging.getLogger("nanoexp")

@@ -36,7 +36,7 @@ class Parametrization:
     def lr_scale(self, group: str) -> float:
         """The group's learning rate over the scheduled one. Hidden matrices: AdamW's update moves every entry by
         about lr, its spectral norm grows as m: 1/m; another optimizer's update grows as it says (its OPTIMIZERS
-        entry's hidden_lr_scale, runtime/optim.py: Muon's, runtime/muon.py)."""
+        entry's hidden_lr_scale, optim/registry.py: Muon's, optim/muon.py)."""
         if group != "hidden":
             return 1.0
         return 1.0 / self.width_multiplier if self.hidden_lr_scale is None else self.hidden_lr_scale
@@ -69,7 +69,7 @@ STANDARD = Parametrization()
 
 def parametrization_of(cfg: Any) -> Parametrization:
     """The config's parametrization (a checkpoint written before µP existed has no key: standard), with AdamW's
-    rate on the hidden matrices: runtime/optim.py's optimizer_parametrization gives the configured optimizer's."""
+    rate on the hidden matrices: optim/registry.py's optimizer_parametrization gives the configured optimizer's."""
     model = cfg.model
     if model.get("parametrization", "standard") != "mup":
         return STANDARD

@@ -16,7 +16,7 @@ from collections import deque
 from nanoexp.model.llama import count_active_parameters
 from nanoexp.model.mup import describe, parametrization_of
 from nanoexp.numerics.converters import console_lines
-from nanoexp.observe.moe_metrics import LOAD_IMBALANCE
+from nanoexp.instruments.moe_metrics import LOAD_IMBALANCE
 
 
 def duration(seconds: float) -> str:

@@ -13,7 +13,7 @@ from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
-from nanoexp.runtime.optim import OPTIMIZERS
+from nanoexp.optim.registry import OPTIMIZERS
 
 MB = 2**20
 

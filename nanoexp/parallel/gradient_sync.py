@@ -15,7 +15,7 @@ from torch import nn
 from nanoexp.model.placement import counted_here, placement
 from nanoexp.parallel.sharding import Sharding
 from nanoexp.parallel.units import ShardPiece
-from nanoexp.observe.trace import NO_TRACE
+from nanoexp.instruments.trace import NO_TRACE
 
 
 class GradientSync:

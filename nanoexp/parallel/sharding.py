@@ -13,7 +13,7 @@ from torch import nn
 from nanoexp.parallel.buckets import bucket_full, size_buckets
 from nanoexp.parallel.collectives import all_gather_into, all_reduce_each, reduce_scatter_into
 from nanoexp.parallel.units import GatherFormat, ShardPiece, Stage, Unit
-from nanoexp.observe.trace import NO_TRACE
+from nanoexp.instruments.trace import NO_TRACE
 
 
 class Sharding:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from nanoexp.config import batch_accumulation
 from nanoexp.launch.planner import GIB, HEADROOM, estimate
-from nanoexp.observe.memory import CUDA_CONTEXT_MB, MB
+from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.observe.memory_estimate import held_parameters
 from nanoexp.observe.metrics import (
     down_projection_params,

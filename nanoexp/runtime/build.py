@@ -1,7 +1,7 @@
 """Putting a run together on one rank: the model's shape from the config, this rank's shard of the model (the
 plain model, the layout's parallel dimensions applied to it, initial weights), and with it the gradient
 synchronisation, the optimizer, the pipeline engine and the precision (`build_runtime`), the same for training
-and for evaluating a checkpoint.
+and for evaluating a checkpoint; and a checkpoint of any layout as one process's whole model (`load_single_process`).
 
 The modules are built and transformed on the meta device (no memory), then only this rank's shards are
 materialised on its device and filled: no rank ever allocates or draws a full tensor it does not keep
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoexp.checkpoint.load import CheckpointReader, check_compatible, load_model, single_process_config
 from nanoexp.config import batch_accumulation
 from nanoexp.interop.hf import load_hf_weights
 from nanoexp.model.init import init_weights
@@ -28,7 +29,7 @@ from nanoexp.parallel.parallelize import parallelize
 from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
-from nanoexp.observe.trace import NO_TRACE
+from nanoexp.instruments.trace import NO_TRACE
 from nanoexp.runtime.step import StepRunner
 
 
@@ -65,6 +66,19 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
                 made[id(param)].__dict__.update(param.__dict__)   # its placement
             setattr(module, name, made[id(param)])
+
+
+def load_single_process(folder: str, device: torch.device | None = None):
+    """(model, config) from a checkpoint of any layout, as one process's whole model in eval mode, on `device`
+    (default: the GPU when there is one)."""
+    reader = CheckpointReader(folder)
+    cfg = single_process_config(reader.meta["config"])
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = ParallelContext(device=device)   # one process: the whole model in one chunk
+    model = build_model(cfg, ctx)
+    check_compatible(reader, model.shape)
+    load_model(reader, model, ctx)
+    return model.eval(), cfg
 
 
 @dataclass

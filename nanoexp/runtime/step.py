@@ -13,8 +13,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanoexp.observe.heartbeat import HEARTBEAT
-from nanoexp.observe.memory import saved_activation_bytes
+from nanoexp.instruments.heartbeat import HEARTBEAT
+from nanoexp.instruments.memory import saved_activation_bytes
 from nanoexp.model.llama import IGNORE_INDEX
 from nanoexp.parallel.context_parallel.zigzag import zigzag_indices, zigzag_split
 

@@ -25,20 +25,21 @@ from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import task_lines
 from nanoexp.failures import KnownFailure
 from nanoexp.numerics.precision import flushes_denormals, tf32_enabled
-from nanoexp.observe import timing
-from nanoexp.observe.heartbeat import HEARTBEAT
-from nanoexp.observe.memory import peak_memory_mb, start_measuring
+from nanoexp.instruments import timing
+from nanoexp.instruments.heartbeat import HEARTBEAT
+from nanoexp.instruments.memory import peak_memory_mb, start_measuring
 from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.runtime.build import build_runtime
 from nanoexp.model.shape import model_shape
 from nanoexp.model.llama import count_parameters
-from nanoexp.runtime.optim import clip_gradients, lr_at, set_lr
+from nanoexp.runtime.optim import clip_gradients
+from nanoexp.optim.schedule import lr_at, set_lr
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
-from nanoexp.observe.trace import NO_TRACE, PipelineTrace
+from nanoexp.instruments.trace import NO_TRACE, PipelineTrace
 from nanoexp.observe.peak import Peak
-from nanoexp.observe.profiling import StepProfiler
-from nanoexp.observe.moe_metrics import moe_step_values
+from nanoexp.instruments.profiling import StepProfiler
+from nanoexp.instruments.moe_metrics import moe_step_values
 from nanoexp.model.moe import update_expert_biases
 from nanoexp.runtime.step import TokenLossSum
 from nanoexp.launch.signals import received_signal_name, stop_flag, training_started

@@ -1,4 +1,4 @@
-"""Reading a run's pipeline timeline (`logging.pipeline_trace=true`, recorded by nanoexp.observe.trace):
+"""Reading a run's pipeline timeline (`logging.pipeline_trace=true`, recorded by nanoexp.instruments.trace):
 the measured and the theoretical pipeline bubble, and when each gradient bucket's reduction started and was
 waited for. scripts/plot_pipeline.py draws them; tests/test_pipeline_trace.py checks them."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from nanoexp.observe.trace import TRACE_DIR
+from nanoexp.instruments.trace import TRACE_DIR
 
 COMPUTE = ("forward", "backward", "weight")   # the event kinds that are work (weight: W); the rest is waiting
 

@@ -16,8 +16,8 @@ import torch
 
 from nanoexp.parallel.pipeline.mailbox import Mailbox
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, check_shape, schedule, stage_map
-from nanoexp.observe.heartbeat import HEARTBEAT
-from nanoexp.observe.trace import NO_TRACE
+from nanoexp.instruments.heartbeat import HEARTBEAT
+from nanoexp.instruments.trace import NO_TRACE
 
 ACTION_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}   # what the heartbeat says a step does
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nanoexp.observe.heartbeat import HEARTBEAT
-from nanoexp.observe.trace import NO_TRACE
+from nanoexp.instruments.heartbeat import HEARTBEAT
+from nanoexp.instruments.trace import NO_TRACE
 
 
 class Mailbox:

@@ -10,7 +10,8 @@ from nanoexp.model.llama import parameter_shapes
 from nanoexp.model.mup import GROUPS, describe
 from nanoexp.config import optimizer_name
 from nanoexp.model.shape import model_shape
-from nanoexp.runtime.optim import OPTIMIZERS, min_decay_lr, optimizer_parametrization
+from nanoexp.optim.registry import OPTIMIZERS, optimizer_parametrization
+from nanoexp.optim.schedule import min_decay_lr
 
 
 def lr_table(cfg) -> str:

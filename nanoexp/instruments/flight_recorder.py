@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from nanoexp.observe.heartbeat import Heartbeat
+from nanoexp.instruments.heartbeat import Heartbeat
 
 PREFIX = "rank_"   # torchfrtrace <folder> -p rank_
 
