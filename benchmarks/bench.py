@@ -93,7 +93,8 @@ def nanoexp_activation_bytes(trainer, mb) -> int:
     """The step runner measures what its first forward saves for backward itself (`saved_bytes`, with the same
     counter as plain_activation_bytes); a counter around it would see nothing, as the innermost hooks win."""
     trainer.runner.saved_bytes = None
-    trainer.compute_gradients([mb])
+    trainer.forward_backward([trainer.runner.prepare(mb)])   # the first phases of a step
+    trainer.sync_gradients()
     trainer.grad_sync.zero_grad()
     return trainer.runner.saved_bytes
 

@@ -27,7 +27,6 @@ from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.optim.schedule import lr_at, set_lr
-from nanoexp.runtime.optim import clip_gradients
 from nanoexp.runtime.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
@@ -59,9 +58,11 @@ def worker(rank, world_size, device, cfg, args, results) -> None:
                 set_lr(trainer.optimizer, lr_at(i, cfg))
                 dist.barrier()
 
-                def gradients(micro_batches=micro_batches):
-                    trainer.compute_gradients(micro_batches)
-                    clip_gradients(trainer.grad_sync.norm_inputs(trainer.params), cfg.optimizer.clip_grad, device)
+                def gradients(micro_batches=micro_batches):   # the trainer's phases before its optimizer step
+                    losses = trainer.forward_backward([trainer.runner.prepare(mb) for mb in micro_batches])
+                    trainer.sync_gradients()
+                    trainer.step_loss(losses).item()
+                    trainer.clip_gradients()
                 g, u = timed(device, gradients), timed(device, trainer.optimizer.step)
                 trainer.grad_sync.zero_grad()
                 if i > args.warmup:

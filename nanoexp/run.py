@@ -81,7 +81,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak
 
 
 def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None) -> dict:
-    """This rank's context and peak, then its trainer under the stall watchdog."""
+    """This rank's context and peak, then its trainer under the stall watchdog (and the faults asked for)."""
     from nanoexp.launch.fault_injection import FaultInjection
     from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
@@ -93,9 +93,12 @@ def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: 
     if device.type == "cuda" and cfg.debug.cuda_sync != "off":
         torch.cuda.set_sync_debug_mode(cfg.debug.cuda_sync)   # every host wait for the GPU warns (or raises)
     peak = job_peak(device, peak_dtype(cfg, device), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
-    faults = FaultInjection(cfg.fault_injection, rank)   # the robustness tests' faults, off by default
-    with StallWatchdog(cfg, ctx, run_dir):
-        return Trainer(cfg, ctx, run_dir, peak, hooks=faults).train()
+    with StallWatchdog(cfg, ctx, run_dir) as watchdog:
+        trainer = Trainer(cfg, ctx, run_dir, peak)
+        # Each wraps the trainer's phases only when on: by default the loop runs with nothing of them.
+        watchdog.watch(trainer)   # heartbeat marks
+        FaultInjection(cfg.fault_injection, rank).install(trainer)   # the robustness tests' faults
+        return trainer.train()
 
 
 def fill_wandb_identity(cfg, job: HydraJob) -> None:

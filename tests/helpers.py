@@ -39,6 +39,14 @@ def train_losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+def compute_gradients(trainer, micro_batches: list[dict]) -> float:
+    """The first phases of the trainer's step (nanoexp/runtime/trainer.py): forward and backward of one global
+    batch and the gradient sync, leaving the final gradients in .grad (unclipped); returns the step loss."""
+    losses = trainer.forward_backward([trainer.runner.prepare(mb) for mb in micro_batches])
+    trainer.sync_gradients()
+    return trainer.step_loss(losses).item()
+
+
 def start_error(cfg) -> str:
     """The message of the ConfigError that the start-up checks raise for `cfg` (fails if none)."""
     from nanoexp.checks import check_config   # imports data, checkpoints and lm-eval: only when asked

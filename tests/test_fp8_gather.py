@@ -17,7 +17,7 @@ from nanoexp.numerics.fp8_gather import Fp8Gather
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, start_error, train
+from tests.helpers import FAST, compose_config, compute_gradients, start_error, train
 
 FP8_ZERO3 = ["model.fp8.enabled=true", "optimizer.zero_stage=3", "tokens.train_steps=4", "tokens.val_check_interval=0",
              "checkpoint.checkpoint_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
@@ -67,7 +67,7 @@ def _gathered(rank, world, overrides):
     ctx = ParallelContext(Layout.from_config(cfg))
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
     with CommCounter({"dp_cp": ctx.dp_cp_group}) as comm:
-        trainer.compute_gradients(trainer.batches.next_step())
+        compute_gradients(trainer, trainer.batches.next_step())
     trainer.batches.close()
     units = [u for engine in trainer.grad_sync.engines for u in engine.scattered]
     gathers = [payload for group, op, payload, _ in comm.records if group == "dp_cp" and "gather" in op]

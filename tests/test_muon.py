@@ -22,7 +22,7 @@ from nanoexp.optim.muon import TensorParallelMuon, takes_muon
 from nanoexp.optim.schedule import set_lr
 from nanoexp.runtime.optim import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, start_error, tiered, train, train_losses
+from tests.helpers import FAST, compose_config, compute_gradients, start_error, tiered, train, train_losses
 
 MUON = ["optimizer.optimizer_factory.name=muon"]
 STEPS = ["tokens.train_steps=8", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
@@ -277,7 +277,7 @@ def _muon_bytes(rank, world, overrides):
     check_config(cfg, world)
     ctx = ParallelContext(Layout.from_config(cfg))
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
-    trainer.compute_gradients(trainer.batches.next_step())
+    compute_gradients(trainer, trainer.batches.next_step())
     trainer.batches.close()
     optimizer = getattr(trainer.optimizer, "inner", trainer.optimizer)   # ZeRO's ShardedOptimizer wraps it
     with CommCounter({"tp": ctx.tp_group, "dp_cp": ctx.dp_cp_group}) as comm:

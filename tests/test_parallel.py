@@ -21,7 +21,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.helpers import FAST, compose_config, tiered, train, train_losses
+from tests.helpers import FAST, compose_config, compute_gradients, tiered, train, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["tokens.train_steps=10", "tokens.val_check_interval=0", "optimizer.learning_rate_scheduler.learning_rate=1e-3",
@@ -200,7 +200,7 @@ def _first_step(rank, world_size, overrides):
     check_config(cfg, world_size)
     ctx = ParallelContext(Layout.from_config(cfg))
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
-    loss = trainer.compute_gradients(trainer.batches.next_step())
+    loss = compute_gradients(trainer, trainer.batches.next_step())
     trainer.batches.close()
     sync = trainer.grad_sync
     pieces: dict = {}   # ZeRO: this rank holds its shard of the averaged gradient, as (start, end) pieces

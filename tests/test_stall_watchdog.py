@@ -14,7 +14,7 @@ import pytest
 
 from nanoexp.launch.watchdog import stall_limit
 from nanoexp.launch.workers import WorkerFailed
-from tests.helpers import FAST, read_metrics, train
+from tests.helpers import FAST, compose_config, read_metrics, train
 
 STALL_S = 3   # the watchdog's limit in these runs: every healthy step of FAST takes well under a second
 RUN = FAST + ["tokens.train_steps=5", "tokens.val_check_interval=0", f"debug.stall_s={STALL_S}"]
@@ -176,3 +176,39 @@ def test_groups_are_named_by_the_layout():
     assert ctx.describe_group("dp_group", [0, 2]) == "dp group of pp stage 0, tp rank 0"
     assert ctx.describe_group("pp_group", [1, 5]) == "pp group of dp rank 0, tp rank 1"
     assert ctx.describe_group("model_parallel_group", [0, 1, 4, 5]) == "model-parallel group of dp rank 0"
+
+
+def test_the_heartbeat_marks_each_phase_of_a_step(tmp_path):
+    """The watchdog's marks wrap the trainer's phases from outside (nanoexp/launch/seams.py): a step beats them in
+    the loop's order, and the first step is a long phase, which ends the start-up's."""
+    from nanoexp.checks import check_config
+    from nanoexp.launch.seams import mark_phases
+    from nanoexp.instruments.heartbeat import HEARTBEAT
+    from nanoexp.parallel.context import ParallelContext
+    from nanoexp.runtime.trainer import Trainer
+    cfg = compose_config(FAST + ["tokens.train_steps=2", "tokens.val_check_interval=0",
+                                 "checkpoint.save_final_state=false"])
+    check_config(cfg, world_size=1)
+    HEARTBEAT.reset()
+    trainer = Trainer(cfg, ParallelContext(), str(tmp_path))
+    mark_phases(trainer)
+    trainer.train()
+    beats = {step: [where for _, beat_step, where in HEARTBEAT._beats if beat_step == step] for step in (1, 2)}
+    phases = ["forward and backward", "gradient sync", "loss all-reduce", "gradient norm", "stop-signal check",
+              "optimizer step"]
+    assert beats[1][:3 + len(phases)] == ["reading the batch", "first step", *phases, "after first step"]
+    assert beats[2][:1 + len(phases)] == ["reading the batch", *phases]
+    assert beats[2][-1] == "end of training" and HEARTBEAT.phase is None and HEARTBEAT.slowest_step_s > 0
+
+
+def test_nothing_wraps_the_loop_when_the_watchdog_and_faults_are_off():
+    from types import SimpleNamespace
+
+    from nanoexp.config import FaultInjectionConfig
+    from nanoexp.launch.fault_injection import FaultInjection
+    from nanoexp.launch.watchdog import StallWatchdog
+    trainer = SimpleNamespace()
+    one_rank = SimpleNamespace(rank=0, world_size=1)
+    StallWatchdog(SimpleNamespace(debug=SimpleNamespace(stall_s=None)), one_rank, "unused").watch(trainer)
+    FaultInjection(FaultInjectionConfig(), rank=0).install(trainer)
+    assert vars(trainer) == {}   # a wrapper would have been set on the instance

@@ -21,8 +21,7 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.model.llama import LlamaForCausalLM, LlamaShape
 from nanoexp.model.moe import MoeShape
 from nanoexp.parallel.tensor_parallel import (
-    ColumnInput, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-    gather_from_sequence_parallel, reduce_from_tp, scatter_to_sequence_parallel,
+    ColumnInput, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_input,
     vocab_parallel_cross_entropy)
 from nanoexp.parallel.tensor_parallel_plan import PLAN, apply_tensor_parallel
 from tests.distributed import run_distributed
@@ -126,16 +125,6 @@ def _check_all(axis):
     _close(loss, ref_loss, "cross-entropy loss")
     _close(local.grad, last(logits.grad), "cross-entropy logits grad")
 
-    # scatter then gather is the identity, forward and backward.
-    full = torch.randn(B, S, H, requires_grad=True)
-    chunk = scatter_to_sequence_parallel(full, axis)
-    _close(chunk, seq(full.detach()), "scatter_to_sequence_parallel")
-    back = gather_from_sequence_parallel(chunk, axis)
-    g = torch.randn(B, S, H)
-    (back * g).sum().backward()
-    _close(back, full.detach(), "gather_from_sequence_parallel")
-    _close(full.grad, g, "scatter/gather grad")
-
     # bf16 autocast: runs, communicates bf16, stays near float32 (bf16 has ~3 significant digits).
     mlp = _MLP(ColumnParallelLinear(H, FF, axis, sequence_parallel=True),
                RowParallelLinear(FF, H, axis, sequence_parallel=True))
@@ -179,8 +168,8 @@ def test_tp1_is_plain_pytorch():
     logits, targets = torch.randn(B, S, V), torch.randint(0, V, (B, S))
     expected = F.cross_entropy(logits.view(-1, V), targets.view(-1), reduction="none").view(B, S)
     assert torch.equal(vocab_parallel_cross_entropy(logits, targets, axis), expected)
-    for fn in (copy_to_tp, reduce_from_tp, gather_from_sequence_parallel, scatter_to_sequence_parallel):
-        assert fn(x, axis) is x  # no communication, no copy
+    for sequence_parallel in (False, True):
+        assert column_input(x, axis, sequence_parallel) is x  # no communication, no copy
     assert local_slice(x, col.weight) is x
     assert placement(col.weight).split_dim == 0 and placement(row.weight).split_dim == 1
     assert placement(row.bias).split_dim is None and placement(emb.weight).split_dim == 0

@@ -8,7 +8,7 @@ import torch
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.checks import check_config
 from nanoexp.runtime.trainer import Trainer
-from tests.helpers import FAST, compose_config, train, train_losses
+from tests.helpers import FAST, compose_config, compute_gradients, train, train_losses
 
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "consumed_tokens", "peak_memory_mb",
                "model_tflops_per_sec", "mfu", "data_wait_sec"}
@@ -60,7 +60,7 @@ def first_step_gradients(overrides):
     cfg = compose_config(FAST + overrides)
     check_config(cfg, world_size=1)
     trainer = Trainer(cfg, ParallelContext(), run_dir=os.devnull)
-    loss = trainer.compute_gradients(trainer.batches.next_step())
+    loss = compute_gradients(trainer, trainer.batches.next_step())
     trainer.batches.close()
     return loss, {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
 
@@ -120,7 +120,7 @@ def test_training_loss_averages_over_real_target_tokens_only():
     trainer.batches.close()
     micro_batches[0]["labels"][:, 5:] = IGNORE_INDEX        # micro-batch 0 keeps 2 x 5 targets,
     micro_batches[1]["labels"][0, :] = IGNORE_INDEX         # micro-batch 1 keeps 32 of its 64
-    loss = trainer.compute_gradients(micro_batches)
+    loss = compute_gradients(trainer, micro_batches)
     got = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
     trainer.optimizer.zero_grad(set_to_none=True)
     ids = torch.cat([mb["input_ids"] for mb in micro_batches])

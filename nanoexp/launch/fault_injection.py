@@ -1,5 +1,6 @@
-"""Deliberate faults for the robustness tests (`fault_injection.*`, all off by default), entering through the
-trainer's hooks (TrainerHooks), so that the trainer reads as the training loop alone."""
+"""Deliberate faults for the robustness tests (`fault_injection.*`, all off by default). Each wraps the trainer's
+phase it strikes in (nanoexp/launch/seams.py), installed at start-up only when it is set, so that the trainer reads
+as the training loop alone."""
 from __future__ import annotations
 
 import ctypes
@@ -12,7 +13,7 @@ import time
 import torch
 
 from nanoexp.checkpoint.async_save import in_background_writer
-from nanoexp.runtime.trainer import TrainerHooks
+from nanoexp.launch.seams import wrap_method
 
 log = logging.getLogger("nanoexp")
 
@@ -20,7 +21,7 @@ FAULT_STEP = 3   # the step at which the one-off desync faults strike (after two
 HOLD_LIMIT_S = 120.0   # the longest hold_checkpoint_write keeps a write back
 
 
-class FaultInjection(TrainerHooks):
+class FaultInjection:
     """`slow_step_s`: every step starts that much later, as on a slow host (a signal sent after a step then arrives
     well before the end of training, however fast the machine). `slow_start_up_s`: every rank's start-up ends that
     much later (a signal sent a few seconds in then lands in the start-up, however fast the machine). `hang_at_step`: rank `hang_rank` stops answering
@@ -40,11 +41,26 @@ class FaultInjection(TrainerHooks):
         self.faults, self.rank = faults, rank
         self.step_begun, self.current_step = threading.Condition(), 0
 
-    def end_of_start_up(self) -> None:
-        if self.faults.slow_start_up_s > 0:
-            time.sleep(self.faults.slow_start_up_s)
+    def install(self, trainer) -> None:
+        """Wrap the phases of `trainer` that the faults set strike in; none when every fault is off."""
+        f, self.trainer = self.faults, trainer
+        wanted = {"train": f.slow_start_up_s > 0,
+                  "run_step": f.hang_at_step is not None or f.slow_step_s > 0 or f.hold_checkpoint_write,
+                  "forward_backward": any(rank is not None for rank in (f.stall_rank, f.sigstop_rank, f.raise_rank,
+                                                                         f.short_pipeline_rank)),
+                  "all_reduce_loss": f.skip_collective_rank is not None or f.wrong_shape_rank is not None}
+        for name in [name for name, on in wanted.items() if on]:
+            wrap_method(trainer, name, getattr(self, name))
+        if f.slow_checkpoint_s > 0 or f.hold_checkpoint_write:   # inside the write, in the writer's thread if any
+            wrap_method(trainer.checkpoints, "save", self.save)
+        if f.nonfinite_loss_at_step is not None:   # the loss stage's denominator: its losses and gradients
+            wrap_method(trainer.runner, "loss_denominator", self.loss_denominator)
 
-    def before_step(self, step: int) -> None:
+    def train(self, original):
+        time.sleep(self.faults.slow_start_up_s)   # before the run's first step, as a slow start-up
+        return original()
+
+    def run_step(self, original, step: int) -> bool:
         with self.step_begun:
             self.current_step = step
             self.step_begun.notify_all()
@@ -53,9 +69,10 @@ class FaultInjection(TrainerHooks):
             time.sleep(3600)
         if self.faults.slow_step_s > 0:
             time.sleep(self.faults.slow_step_s)
+        return original(step)
 
-    def before_compute(self, step: int, micro_batches: list[dict]) -> list[dict]:
-        f = self.faults
+    def forward_backward(self, original, micro_batches: list[dict]) -> list[torch.Tensor]:
+        f, step = self.faults, self.trainer.step
         if self.rank == f.stall_rank and step == f.stall_at_step:
             log.warning("fault injection: rank %d sleeps %g s in its compute at step %d", self.rank, f.stall_s, step)
             if f.stall_holds_interpreter:   # as a C call that never releases the lock: the rank's threads stop too
@@ -65,23 +82,25 @@ class FaultInjection(TrainerHooks):
         if self.rank == f.sigstop_rank and step == f.stall_at_step:
             log.warning("fault injection: rank %d stops itself (SIGSTOP) in its compute at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
-        if step != FAULT_STEP:
-            return micro_batches
-        if self.rank == f.raise_rank:
+        if step == FAULT_STEP and self.rank == f.raise_rank:
             raise RuntimeError(f"fault injection: rank {self.rank} raises at step {step}")
-        if self.rank == f.short_pipeline_rank:
+        if step == FAULT_STEP and self.rank == f.short_pipeline_rank:
             log.warning("fault injection: rank %d runs step %d with one micro-batch too few", self.rank, step)
-            return micro_batches[:-1]
-        return micro_batches
+            micro_batches = micro_batches[:-1]
+        return original(micro_batches)
 
-    def loss_to_reduce(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+    def all_reduce_loss(self, original, loss: torch.Tensor) -> torch.Tensor:
+        step = self.trainer.step
         if step == FAULT_STEP and self.rank == self.faults.skip_collective_rank:
             log.warning("fault injection: rank %d skips the loss all-reduce of step %d", self.rank, step)
-            return None
+            return loss
         if step == FAULT_STEP and self.rank == self.faults.wrong_shape_rank:
             log.warning("fault injection: rank %d posts the loss all-reduce of step %d with shape [2]", self.rank, step)
-            return torch.stack([loss, torch.zeros_like(loss)])
-        return loss
+            return original(torch.stack([loss, torch.zeros_like(loss)]))
+        return original(loss)
+
+    def save(self, original, step: int, *args, **kwargs) -> None:
+        return original(step, *args, before_write=lambda: self.during_checkpoint(step), **kwargs)
 
     def during_checkpoint(self, step: int) -> None:
         if self.rank == 0 and self.faults.slow_checkpoint_s > 0:
@@ -92,5 +111,6 @@ class FaultInjection(TrainerHooks):
                 if not self.step_begun.wait_for(lambda: self.current_step >= step + hold, timeout=HOLD_LIMIT_S):
                     log.warning("fault injection: step %d never began; checkpoint %d is written", step + hold, step)
 
-    def training_loss(self, step: int, loss):
-        return loss * float("nan") if step == self.faults.nonfinite_loss_at_step else loss
+    def loss_denominator(self, original, micro_batches: list[dict]) -> torch.Tensor:
+        denominator = original(micro_batches)
+        return denominator * float("nan") if self.trainer.step == self.faults.nonfinite_loss_at_step else denominator

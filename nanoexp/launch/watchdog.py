@@ -31,6 +31,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from nanoexp.launch.workers import end_worker
+from nanoexp.launch.seams import mark_phases
 from nanoexp.instruments.flight_recorder import read_dumps, read_trace, torch_analysis, write_trace
 from nanoexp.instruments.heartbeat import HEARTBEAT
 from nanoexp.instruments.stall_diagnosis import diagnose
@@ -94,6 +95,7 @@ class StallWatchdog:
         self._stop, self._thread, self.limit = threading.Event(), None, None
 
     def __enter__(self) -> "StallWatchdog":
+        HEARTBEAT.reset()   # a new run (tests run several in one process): in start-up, a long phase until step 1
         if self.enabled:
             self.store, self.polls = dist.distributed_c10d._get_default_store(), 0
             self.publish()
@@ -107,6 +109,11 @@ class StallWatchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.poll_s)
+
+    def watch(self, trainer) -> None:
+        """Mark the trainer's phases in the heartbeat when the watchdog is on (nothing is wrapped when it is off)."""
+        if self.enabled:
+            mark_phases(trainer)
 
     def publish(self) -> None:
         """This rank's heartbeat, and the count of its watchdog's polls (which shows the watchdog itself is alive)."""

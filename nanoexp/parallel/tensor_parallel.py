@@ -11,7 +11,7 @@ Two activation layouts between layers:
     ``[b, s // tp, h]`` (rank r holds positions r*s/tp .. (r+1)*s/tp).
 
 Every communication is one of the small autograd functions below, each paired with its conjugate in backward
-(identity <-> all-reduce, all-gather <-> reduce-scatter, split <-> all-gather). Collectives run on the tp group
+(identity <-> all-reduce, all-gather <-> reduce-scatter). Collectives run on the tp group
 (`axis`: group, size, this rank), in the dtype they receive (bf16 under autocast), and always on contiguous
 tensors: gloo silently mis-reduces non-contiguous views.
 """
@@ -57,11 +57,6 @@ def _reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     dist.reduce_scatter(out, chunks, group=axis.group)
     return out
 
-
-def _split_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """[b, s, ...] replicated -> this rank's [b, s/tp, ...] chunk (no communication)."""
-    _check_seq(x, axis)
-    return x.chunk(axis.size, dim=1)[axis.rank].contiguous()
 
 
 # -- autograd functions: a forward collective and its conjugate in backward -------------------
@@ -112,52 +107,6 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather_seq(grad, ctx.axis), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """Gather the sequence for a computation replicated on every rank: backward keeps the chunk."""
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _all_gather_seq(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_seq(grad, ctx.axis), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """Enter SP from a replicated tensor: keep this rank's chunk; backward gathers the chunks."""
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _split_seq(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.axis), None
-
-
-def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """Identity forward, all-reduce of the gradient in backward (returns x itself if tp == 1)."""
-    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
-
-
-def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """All-reduce (sum) forward, identity backward (returns x itself if tp == 1)."""
-    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """[b, s/tp, ...] -> [b, s, ...]; backward keeps this rank's chunk of the gradient.
-    Use it before a computation that every tp rank repeats identically."""
-    return x if axis.size == 1 else _GatherSeq.apply(x, axis)
-
-
-def scatter_to_sequence_parallel(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """[b, s, ...] replicated -> this rank's [b, s/tp, ...]; backward all-gathers the gradient.
-    Raises ValueError if s is not divisible by tp."""
-    return x if axis.size == 1 else _ScatterSeq.apply(x, axis)
 
 
 def column_input(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:

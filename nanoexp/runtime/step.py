@@ -13,7 +13,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanoexp.instruments.heartbeat import HEARTBEAT
 from nanoexp.instruments.memory import saved_activation_bytes
 from nanoexp.model.llama import IGNORE_INDEX
 from nanoexp.parallel.context_parallel.zigzag import zigzag_indices, zigzag_split
@@ -67,27 +66,24 @@ class StepRunner:
         # target tokens a step, to 6e-8 relative beyond).
         count = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum().float()
         if ctx.dp_cp > 1:
-            HEARTBEAT.at("token-count all-reduce")
             dist.all_reduce(count, group=ctx.dp_cp_group)
         return count.clamp_min(1.0) / ctx.dp_cp
 
-    def train(self, micro_batches: list[dict], grad_sync, loss_hook=None) -> list[torch.Tensor]:
+    def train(self, micro_batches: list[dict], grad_sync) -> list[torch.Tensor]:
         """Forward and backward of prepared micro-batches (one optimizer step's on this rank), gradients left to
-        `grad_sync`; returns the detached per-micro-batch losses on the loss stage, [] elsewhere. `loss_hook(loss)`
-        sees each micro-batch's loss before its backward. Without a pipeline the step is plain gradient
-        accumulation, written out below; with one, the engine runs the schedule."""
-        head = TrainingLoss(self.loss_denominator(micro_batches), loss_hook)
+        `grad_sync`; returns the detached per-micro-batch losses on the loss stage, [] elsewhere. Without a pipeline
+        the step is plain gradient accumulation, written out below; with one, the engine runs the schedule (and
+        marks each action in the heartbeat: the stall diagnosis' evidence of where a pipeline rank waits)."""
+        head = TrainingLoss(self.loss_denominator(micro_batches))
         if self.pipelined:
             return self.engine.run(lambda mb, hidden, chunk: self.measured_forward(mb, hidden, chunk, head),
                                    micro_batches, self.activation_shape, torch.float32, grad_sync=grad_sync)
         losses, trace = [], self.engine.trace
         for i, micro_batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1   # the gradients are final after its backward
-            HEARTBEAT.at(f"forward of micro-batch {i}")
             with trace.span("forward", mb=i, chunk=0):
                 loss = self.measured_forward(micro_batch, None, 0, head)
             losses.append(loss.detach())
-            HEARTBEAT.at(f"backward of micro-batch {i}")
             grad_sync.before_backward(0, last)
             with trace.span("backward", mb=i, chunk=0):
                 loss.backward()
@@ -139,12 +135,11 @@ class TrainingLoss:
     """A training micro-batch's share of the step loss: its token-loss sum over the step's denominator."""
     labels = True
 
-    def __init__(self, denominator: torch.Tensor, hook=None):
-        self.denominator, self.hook = denominator, hook
+    def __init__(self, denominator: torch.Tensor):
+        self.denominator = denominator
 
     def __call__(self, losses, micro_batch):
-        loss = losses.sum() / self.denominator
-        return self.hook(loss) if self.hook else loss
+        return losses.sum() / self.denominator
 
 
 class TokenLossSum:

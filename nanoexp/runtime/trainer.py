@@ -1,8 +1,11 @@
-"""The training loop: batch -> pipeline step -> gradient sync -> clip -> optimizer -> metrics -> checkpoint.
+"""The training loop: batch -> forward and backward -> gradient sync -> clip -> optimizer -> metrics -> checkpoint.
 
 The trainer does not know which engine, data source or logger it drives; it asks for a batch, runs a step,
 and records what happened. It runs on every rank; only global rank 0 writes the run folder's shared files.
-Test-only faults (and, later, other extensions) enter through `TrainerHooks`, never by patching methods.
+Each phase of a step is a short method (train_step reads as the list of them), and the phases are the loop's seams:
+what watches or disturbs the loop wraps them on the instance from outside, installed once at start-up by the entry
+point (nanoexp/run.py) and only when it is on — the stall watchdog's heartbeat marks (nanoexp/launch/seams.py) and
+the robustness tests' faults (nanoexp/launch/fault_injection.py). With both off the loop runs as written here.
 """
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import os
 import math
 import socket
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,6 @@ from nanoexp.evaluation.downstream import task_lines
 from nanoexp.failures import KnownFailure
 from nanoexp.numerics.precision import flushes_denormals, tf32_enabled
 from nanoexp.instruments import timing
-from nanoexp.instruments.heartbeat import HEARTBEAT
 from nanoexp.instruments.memory import peak_memory_mb, start_measuring
 from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.runtime.build import build_runtime
@@ -48,42 +49,13 @@ from nanoexp.observe.summary import memory_fields, write_summary
 log = logging.getLogger("nanoexp")
 
 
-class TrainerHooks:
-    """The loop's extension points; these do nothing. Subclass to act at them (nanoexp.launch.fault_injection)."""
-
-    def end_of_start_up(self) -> None:
-        """Called on every rank once its model, optimizer and data are ready, before its first step."""
-
-    def before_step(self, step: int) -> None:
-        """Called on every rank before optimizer step `step` reads its batch."""
-
-    def before_compute(self, step: int, micro_batches: list[dict]) -> list[dict]:
-        """Called on every rank as step `step`'s forward and backward begin; returns the micro-batches it runs."""
-        return micro_batches
-
-    def loss_to_reduce(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
-        """This rank's part of the step's loss, as the loss all-reduce gets it; None: the rank skips that
-        all-reduce."""
-        return loss
-
-    def during_checkpoint(self, step: int) -> None:
-        """Called on every rank inside the save of step `step`'s checkpoint, before it writes its shard (in the
-        background writer's thread under checkpoint.async_save)."""
-
-    def training_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """A training micro-batch's loss on the loss stage, as backward will see it."""
-        return loss
-
-
 class Trainer:
-    def __init__(self, cfg, ctx: ParallelContext, run_dir: str, peak: Peak | None = None,
-                 hooks: TrainerHooks | None = None):
+    def __init__(self, cfg, ctx: ParallelContext, run_dir: str, peak: Peak | None = None):
         if ctx.layout != Layout.from_config(cfg):
             raise ValueError(f"the context's layout {ctx.layout} is not the config's {Layout.from_config(cfg)}")
-        self.cfg, self.ctx, self.run_dir, self.hooks = cfg, ctx, run_dir, hooks or TrainerHooks()
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.is_writer = ctx.rank == 0
         self.step = 0   # the optimizer step being run
-        HEARTBEAT.reset()
         torch.manual_seed(cfg.general.seed)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
@@ -124,64 +96,74 @@ class Trainer:
                                                                    runtime.optimizer)
         self.params = list(self.model.parameters())
         self.checkpoints.restore(self.model, self.optimizer)
-        self.moe_metrics, self.stop_after_step, self.checkpoint_writing = {}, False, False
+        self.moe_metrics, self.moe_loads, self.stop_after_step, self.checkpoint_writing = {}, None, False, False
 
-    # -- one optimizer step -------------------------------------------------------------
-    def step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Mean token loss of the global batch, identical on every rank (on the device)."""
-        loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
-        HEARTBEAT.at("loss all-reduce")
-        reduced = self.hooks.loss_to_reduce(self.step, loss)
-        reduced = loss if reduced is None else self.runner.replica_sum(reduced)
-        return reduced.sum() / self.ctx.dp_cp
-
-    def gradients(self, micro_batches: list[dict]) -> torch.Tensor:
-        """Forward and backward of one global batch; leaves the final gradients in .grad, returns the step loss
-        on the device."""
-        micro_batches = self.hooks.before_compute(self.step, [self.runner.prepare(mb) for mb in micro_batches])
-        losses = self.runner.train(micro_batches, self.grad_sync, lambda loss: self.hooks.training_loss(self.step, loss))
-        self.grad_sync.finish()
-        self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
-        return self.step_loss(losses)
-
-    def compute_gradients(self, micro_batches: list[dict]) -> float:
-        return self.gradients(micro_batches).item()
-
+    # -- one optimizer step, phase by phase --------------------------------------------------
     def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
         """One optimizer step; returns the loss and the gradient norm. The step's scalars (loss, norm, MoE metrics,
         the stop-signal flag) reach the host in one read, the step's only one outside its layers."""
         set_lr(self.optimizer, lr)
-        loss = self.gradients(micro_batches)
-        moe = self.model.moe_losses
-        names, moe_values, moe_loads = (moe_step_values(moe, self.ctx, self.ctx.dp * self.accumulation) if moe
-                                        else ([], loss.new_zeros(0), None))
-        HEARTBEAT.at("gradient norm")
-        grad_norm = clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad,
-                                   self.ctx.device)
-        HEARTBEAT.at("stop-signal check")
-        # A collective: every rank stops after the same step, and publishes a background checkpoint write at the
-        # same step (once no rank is writing).
-        flags = stop_flag(self.ctx, self.checkpoints.writing())
-        values = torch.cat([torch.stack([loss, grad_norm.float()]).float(), flags, moe_values.float()]).tolist()
-        loss, grad_norm, self.stop_after_step, self.checkpoint_writing = (values[0], values[1], bool(values[2]),
-                                                                         bool(values[3]))
-        self.moe_metrics = dict(zip(names, values[4:]))
-        # Loss and norm are identical on every rank, so every rank takes the same branch.
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.grad_sync.zero_grad()
-            if not self.cfg.optimizer.skip_nonfinite_steps:
-                raise self.raised_together(FloatingPointError(
-                    f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
-                    "(set optimizer.skip_nonfinite_steps=true to skip such steps)"))
-            self.progress.skipped_steps += 1
-            log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
-            return loss, grad_norm
-        HEARTBEAT.at("optimizer step")
-        self.optimizer.step()
-        if moe_loads is not None:   # balance=bias: every replica moves its routing bias by the same global loads
-            update_expert_biases(self.model, moe_loads)
-        self.grad_sync.zero_grad()
+        losses = self.forward_backward([self.runner.prepare(mb) for mb in micro_batches])
+        self.sync_gradients()
+        loss = self.step_loss(losses)
+        grad_norm = self.clip_gradients()
+        loss, grad_norm = self.read_scalars(loss, grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):   # identical on every rank: all take this branch
+            return self.skip_step(loss, grad_norm)
+        self.optimizer_step()
         return loss, grad_norm
+
+    def forward_backward(self, micro_batches: list[dict]) -> list[torch.Tensor]:
+        """Forward and backward of this rank's prepared micro-batches; the loss stage's detached losses."""
+        return self.runner.train(micro_batches, self.grad_sync)
+
+    def sync_gradients(self) -> None:
+        """Wait for the gradient reductions the backward started: the gradients are final."""
+        self.grad_sync.finish()
+        self.trace.end_step()   # writes this step's pipeline timeline (logging.pipeline_trace)
+
+    def step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean token loss of the global batch, identical on every rank (on the device)."""
+        loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.ctx.device)
+        return self.all_reduce_loss(loss).sum() / self.ctx.dp_cp
+
+    def all_reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the step loss summed over the pipeline and dp x cp (in place)."""
+        return self.runner.replica_sum(loss)
+
+    def clip_gradients(self) -> torch.Tensor:
+        """The global gradient norm before clipping, on the device; the gradients scaled to optimizer.clip_grad."""
+        return clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad, self.ctx.device)
+
+    def read_scalars(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+        """The step's loss and norm on the host, in one read with the MoE metrics and the flags every rank agrees
+        on: a stop signal (every rank stops after the same step) and a background checkpoint write to publish
+        (once no rank is writing)."""
+        moe = self.model.moe_losses
+        names, moe_values, self.moe_loads = (moe_step_values(moe, self.ctx, self.ctx.dp * self.accumulation) if moe
+                                             else ([], loss.new_zeros(0), None))
+        flags = stop_flag(self.ctx, self.checkpoints.writing())   # a collective
+        values = torch.cat([torch.stack([loss, grad_norm.float()]).float(), flags, moe_values.float()]).tolist()
+        self.stop_after_step, self.checkpoint_writing = bool(values[2]), bool(values[3])
+        self.moe_metrics = dict(zip(names, values[4:]))
+        return values[0], values[1]
+
+    def skip_step(self, loss: float, grad_norm: float) -> tuple[float, float]:
+        """A non-finite loss or gradient norm: no update; the run stops unless optimizer.skip_nonfinite_steps."""
+        self.grad_sync.zero_grad()
+        if not self.cfg.optimizer.skip_nonfinite_steps:
+            raise self.raised_together(FloatingPointError(
+                f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
+                "(set optimizer.skip_nonfinite_steps=true to skip such steps)"))
+        self.progress.skipped_steps += 1
+        log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
+        return loss, grad_norm
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.moe_loads is not None:   # balance=bias: every replica moves its routing bias by the same global loads
+            update_expert_biases(self.model, self.moe_loads)
+        self.grad_sync.zero_grad()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -193,7 +175,10 @@ class Trainer:
         batches = [self.runner.prepare(mb) for mb in batches]
         sums = self.runner.forward_only(batches, TokenLossSum())
         count = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batches) if sums else 0
-        HEARTBEAT.at("evaluation loss all-reduce")
+        return self.all_reduce_eval_loss(sums, count)
+
+    def all_reduce_eval_loss(self, sums: list[torch.Tensor], count: int) -> float:
+        """The held-out loss from this rank's token-loss sums and real target tokens, summed over the replicas."""
         totals = torch.tensor([float(sum(s.item() for s in sums)), float(count)], dtype=torch.float64,
                               device=self.ctx.device)
         total, tokens = self.runner.replica_sum(totals).tolist()
@@ -209,7 +194,6 @@ class Trainer:
                    "global_batch_size": self.global_batch, "num_parameters": count_parameters(self.shape)}
         self.announce(summary["num_parameters"])
         self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
-        self.hooks.end_of_start_up()
         training_started()   # a stop signal from here on ends the run after a step, with its checkpoint
         try:
             stopped = False
@@ -219,7 +203,6 @@ class Trainer:
                     break
             self.finish_checkpoint_write("the run ends")   # checkpoint.async_save: the last write
             summary["status"] = "stopped" if stopped else "completed"
-            HEARTBEAT.at("end of training")
             summary.update(self.memory_of_every_rank())
         except Exception as error:
             summary["error"] = f"{type(error).__name__}: {error}"
@@ -231,17 +214,25 @@ class Trainer:
         return summary
 
     def run_step(self, step: int) -> bool:
-        """Step `step`: train, log, evaluate and checkpoint when due. True: a stop signal came."""
-        self.hooks.before_step(step)
-        cfg, total = self.cfg, self.cfg.tokens.train_steps
+        """Step `step`: train, record, checkpoint and evaluate when due. True: a stop signal came."""
         start = time.perf_counter()
-        HEARTBEAT.at("reading the batch", step=step)
         micro_batches = self.batches.next_step()
-        lr = lr_at(step - self.resume.lr_step_offset, cfg)
-        self.step = step
-        # The first step warms up (allocations, compilation): the watchdog waits for it.
-        with HEARTBEAT.long_phase("first step") if step == self.resume.step + 1 else nullcontext():
-            loss, grad_norm = self.train_step(micro_batches, lr)
+        self.step, lr = step, lr_at(step - self.resume.lr_step_offset, self.cfg)
+        loss, grad_norm = self.train_step(micro_batches, lr)
+        stage = self.record_step(step, loss, lr, grad_norm, start)
+        # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
+        stop = self.stop_after_step   # agreed by every rank in train_step
+        self.checkpoint_step(step, stop)
+        if stop and step != self.cfg.tokens.train_steps:   # each rank's log says whether the signal reached it
+            name = received_signal_name()
+            log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
+                     f"{name} reached this rank" if name else "it reached another rank")
+            return True
+        self.evaluate_when_due(step, stage)
+        return False
+
+    def record_step(self, step: int, loss: float, lr: float, grad_norm: float, start: float) -> dict:
+        """The step's progress, time and metrics record (logged when due); returns its data stage ({} without)."""
         self.profiler.step()
         if not self.memory:
             self.memory = self.memory_breakdown()
@@ -252,23 +243,13 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.clock.record(step_time)
         self.step_times.append(step_time)
-        if step > self.resume.step + 1:
-            HEARTBEAT.step_took(step_time)   # the stall watchdog's automatic limit follows the slowest step
         self.last_record = self.step_record(step, loss, lr, grad_norm, step_time, self.batches.last_wait_sec)
         stage = {"stage": self.batches.stage.name} if self.batches.named else {}
         self.last_record.update(**stage, **self.moe_metrics)
-        if step == self.resume.step + 1 or step % cfg.logging.iteration_step_info_interval == 0 or step == total:
+        total = self.cfg.tokens.train_steps
+        if step == self.resume.step + 1 or step % self.cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
-        # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
-        stop = self.stop_after_step   # agreed by every rank in train_step
-        self.checkpoint_step(step, stop)
-        if stop and step != total:   # each rank's log says whether the signal reached it (every node, on SLURM)
-            name = received_signal_name()
-            log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
-                     f"{name} reached this rank" if name else "it reached another rank")
-            return True
-        self.evaluate_when_due(step, stage)
-        return False
+        return stage
 
     def checkpoint_step(self, step: int, stop: bool) -> None:
         """Publish the background write every rank has finished (checkpoint.async_save), then save this step when
@@ -277,15 +258,16 @@ class Trainer:
             self.finish_checkpoint_write()
         last = step == self.cfg.tokens.train_steps
         if self.checkpoints.due(step, last, stop):
-            with HEARTBEAT.long_phase("checkpoint save"):   # the disk may be slow: the watchdog waits for it
-                self.checkpoints.save(step, self.model, self.optimizer, self.progress,
-                                      before_write=lambda: self.hooks.during_checkpoint(step), wait=last or stop)
+            self.save_checkpoint(step, wait=last or stop)
         self.log_checkpoints()
+
+    def save_checkpoint(self, step: int, wait: bool) -> None:
+        """Save step `step` (a collective): in the background under checkpoint.async_save, unless `wait`."""
+        self.checkpoints.save(step, self.model, self.optimizer, self.progress, wait=wait)
 
     def finish_checkpoint_write(self, reason: str | None = None) -> None:
         """A collective: wait for the background write in flight (if any) on every rank, publish and log it."""
-        with HEARTBEAT.long_phase("checkpoint write"):
-            self.checkpoints.finish_write(reason)
+        self.checkpoints.finish_write(reason)
         self.log_checkpoints()
 
     def log_checkpoints(self) -> None:
@@ -305,21 +287,23 @@ class Trainer:
         """The held-out loss and the downstream tasks, when their intervals (or the end of training) say so."""
         interval, total = self.cfg.tokens.val_check_interval, self.cfg.tokens.train_steps
         if (interval and step % interval == 0) or step == total:
-            HEARTBEAT.at("evaluation")
             self.eval_loss = self.evaluate()
             self.log_record({"step": step, "eval_loss": self.eval_loss, **stage})
         if self.downstream and self.downstream.due(step, total):
-            start = time.perf_counter()
-            with HEARTBEAT.long_phase("downstream evaluation"):   # the harness prepares its tasks without progress
-                scores, _, errors = self.downstream.run()
-            self.downstream_scores.update(scores)
-            self.log_record({"step": step, **scores, "eval/seconds": time.perf_counter() - start})
-            for task, error in errors.items():
+            for task, error in self.run_downstream(step).items():
                 message = f"step {step}: downstream task {task} failed: {error}"
                 if self.cfg.eval.on_error == "stop":   # the same on every rank
                     raise self.raised_together(
                         KnownFailure(f"{message} (eval.on_error=stop; the step's checkpoint is written)"))
                 log.error("%s; training goes on (eval.on_error=stop ends the run instead)", message)
+
+    def run_downstream(self, step: int) -> dict[str, str]:
+        """The eval.tasks harness tasks on this model, their scores logged; returns the failed tasks' errors."""
+        start = time.perf_counter()
+        scores, _, errors = self.downstream.run()
+        self.downstream_scores.update(scores)
+        self.log_record({"step": step, **scores, "eval/seconds": time.perf_counter() - start})
+        return errors
 
     def step_record(self, step, loss, lr, grad_norm, step_time, data_wait) -> dict:
         tflops = self.flops_per_step / step_time / 1e12

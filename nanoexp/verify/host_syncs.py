@@ -59,22 +59,26 @@ class HostSyncCounter(TorchFunctionMode):
 
 
 class _CountOneStep:
-    """Trainer hooks that count the host waits of optimizer step `step`, from its start to the next one's."""
+    """Counts the host waits of optimizer step `step`, from its start to the next one's (around the trainer's
+    run_step phase)."""
 
     def __init__(self, step: int):
         self.step, self.counter = step, HostSyncCounter()
 
-    def before_step(self, step: int) -> None:
+    def run_step(self, original, step: int) -> bool:
         if step == self.step:
             self.counter.__enter__()
         elif step == self.step + 1:
             self.counter.__exit__(None, None, None)
+        return original(step)
 
 
 def host_waits_of_a_step(cfg, ctx, run_dir: str, step: int = 3) -> HostSyncCounter:
     """The host waits of training step `step` (its batch, forward, backward, gradient sync, norm, scalars, update,
     logging) in a run of cfg.tokens.train_steps > `step` steps without evaluation or checkpoints due then."""
-    from nanoexp.runtime.trainer import Trainer, TrainerHooks
-    hooks = type("CountOneStep", (_CountOneStep, TrainerHooks), {})(step)
-    Trainer(cfg, ctx, run_dir, hooks=hooks).train()
-    return hooks.counter
+    from nanoexp.launch.seams import wrap_method
+    from nanoexp.runtime.trainer import Trainer
+    trainer, counting = Trainer(cfg, ctx, run_dir), _CountOneStep(step)
+    wrap_method(trainer, "run_step", counting.run_step)
+    trainer.train()
+    return counting.counter

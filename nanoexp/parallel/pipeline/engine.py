@@ -104,6 +104,8 @@ class PipelineEngine:
                     mail.hand_over((kind, receiver, mb), outbox.pop((kind, chunk, mb)).detach())
                     continue
                 kind, chunk, mb = step
+                # Marked here, not wrapped from outside as the trainer's phases are: each action is the stall diagnosis'
+                # evidence of where a pipeline rank waits (the step and action that posted a collective).
                 HEARTBEAT.at(f"{ACTION_NAMES[kind]} of micro-batch {mb}"
                              + (f" (chunk {chunk})" if self.num_chunks > 1 else ""))
                 if kind == "F":

@@ -59,6 +59,7 @@ class Mailbox:
         number, buffer, sender = self.arriving.pop(op)
         if self.in_flight and self.in_flight[0][0] <= number:
             what = "activation" if op[0] == "F" else "gradient"
+            # The stall diagnosis names the sender a rank waits for from this mark (gloo records no p2p message).
             HEARTBEAT.at(f"receive of micro-batch {op[2]}'s {what} (chunk {op[1]})", waiting_on=sender)
             with self.trace.span(f"wait recv_{'forward' if op[0] == 'F' else 'backward'}", mb=op[2], chunk=op[1]):
                 self._wait(up_to=number)
