@@ -154,18 +154,36 @@ def test_estimate_predicts_the_measured_peak(layout, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", [["parallelism.dp_shard=2"], []], ids=["hybrid-2x2", "full"])
-def test_estimate_predicts_the_measured_peak_of_zero3_dp4(sharding, tmp_path):
+@pytest.mark.parametrize("overrides", [["parallelism.dp_shard=2", "tokens.micro_batch_size=1"],
+                                       ["tokens.micro_batch_size=2"]], ids=["hybrid-2x2-two-micro-batches",
+                                                                           "full-one-micro-batch"])
+def test_estimate_predicts_the_measured_peak_of_zero3_dp4(overrides, tmp_path):
     """ZeRO-3 on dp4, hybrid (2 replicas of shard groups of 2: the state sharded over 2 ranks, 16N/2) and full
     (over 4), under test_estimate_predicts_the_measured_peak's bar: the estimate within 0.8-1.2 of every rank's
     measured peak. Two micro-batches of 1 a rank (SMALL's 8 samples over dp4): the sharded gradients of the first
-    are held at the second's peak, as the estimate counts them. Measured (2026-12-05): 1.001-1.006 of the peak
-    hybrid, 1.003-1.034 full; the estimate of full sharding's d = 4 put on the hybrid run reads 0.68. (With one
-    micro-batch of 2 the estimate reads 1.14-1.19 hybrid, 1.11-1.13 full: at ZeRO-3 no gradient shard exists
-    yet at the first micro-batch's peak, and the estimate counts them: 4N/n too many.)"""
-    layout = ["parallelism=dp4tp1pp1", "optimizer.zero_stage=3", "tokens.micro_batch_size=1", *sharding]
+    are held at the second's peak. One micro-batch of 2: no gradient shard has landed at its backward's peak, and
+    the estimate leaves them out of that moment ("unlanded_gradients"). Measured (2026-12-05): hybrid with two
+    micro-batches 1.001-1.006 of the peak, full 1.003-1.034 (the estimate of full sharding's d = 4 put on the hybrid
+    run reads 0.68); with one micro-batch, hybrid 1.003-1.017, full 1.007-1.026, where counting the unlanded shards
+    read 1.11-1.17."""
+    layout = ["parallelism=dp4tp1pp1", "optimizer.zero_stage=3", *overrides]
     for measured, estimated in measured_and_estimated(tmp_path, layout):
         assert 0.8 <= estimated / measured <= 1.2, (measured, estimated)
+
+
+def test_one_micro_batch_leaves_the_gradient_shards_out_of_the_backward_peak():
+    """ZeRO-2/3 with one micro-batch a step: the backward's moment lacks exactly the rank's gradient shards
+    (4 bytes a float of its scattered units); with two micro-batches, or at ZeRO-1, nothing is left out."""
+    one = zero_estimate(3, ["parallelism.dp=4", "tokens.global_batch_size=8", "tokens.micro_batch_size=2"])
+    assert one["unlanded_gradients"] > 0
+    assert one["unlanded_gradients"] <= one["gradients"]   # the whole (kept) gradients are there from the start
+    assert zero_estimate(3, ["parallelism.dp=4", "tokens.global_batch_size=8",
+                             "tokens.micro_batch_size=1"])["unlanded_gradients"] == 0
+    assert zero_estimate(1, ["parallelism.dp=4", "tokens.global_batch_size=8",
+                             "tokens.micro_batch_size=2"])["unlanded_gradients"] == 0
+    backward = one["activations"] + one["in_flight"] - one["unlanded_gradients"]
+    state = one["parameters"] + one["gradients"] + one["optimizer"]
+    assert total(one) == state + max(backward, one["update_workspace"], one["communication"])
 
 
 @SLOW

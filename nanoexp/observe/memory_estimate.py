@@ -181,14 +181,18 @@ def model_state(stage: int, held: list[HeldModule], d: int, edp: int | None = No
     edp, experts = edp or d, sum(u.experts for u in held)
     full = sum(u.sharded + u.whole for u in held) + experts
     kept = sum(u.whole for u in held) + (experts if sequence_parallel else 0)
-    scattered = sum(-(-u.sharded // d) for u in held) + (0 if sequence_parallel else
-                                                          sum(-(-u.experts // edp) for u in held))
+    scattered = scattered_floats(held, d, edp, sequence_parallel)
     shard = scattered + kept   # what ZeRO-2/3 keep of the gradients (ZeRO-3: and of the parameters)
     updated = {0: full, 1: (full - experts) / d + experts / edp}.get(   # what the optimizer steps
         stage, scattered + sum(u.whole for u in held) / d + (experts / edp if sequence_parallel else 0))
     hidden_share = sum(u.hidden_matrices for u in held) / full if full else 0.0
     return {"parameters": 4 * (shard if stage == 3 else full), "gradients": 4 * (shard if stage >= 2 else full),
             "optimizer": state_bytes(hidden_share) * updated, "update_workspace": 4 * updated}
+
+
+def scattered_floats(held: list[HeldModule], d: int, edp: int, sequence_parallel: bool) -> int:
+    """A rank's shard of the units ZeRO-2/3 reduce-scatter (each padded to a multiple of its group), in floats."""
+    return sum(-(-u.sharded // d) for u in held) + (0 if sequence_parallel else sum(-(-u.experts // edp) for u in held))
 
 
 def most_consecutive(sizes: list[int], count: int) -> int:
@@ -249,7 +253,13 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     # ZeRO shards over the shard group (all of dp x cp without hybrid sharding), the experts over its edp ranks;
     # a group of one holds its part whole (16 bytes a parameter with AdamW), as stage 0 does
     shard_size = layout.shard_size
-    return {**model_state(stage, held, shard_size, shard_size // layout.ep, layout.sequence_parallel, state_bytes),
+    edp = shard_size // layout.ep
+    # With one micro-batch a step the backward's peak (its first unit: every activation held) comes before any
+    # gradient shard has landed (sharding.py allocates each at its first landing): they count after it only
+    unlanded = 4 * scattered_floats(held, shard_size, edp, layout.sequence_parallel) if (
+        stage >= 2 and batch_accumulation(cfg) == 1) else 0
+    return {**model_state(stage, held, shard_size, edp, layout.sequence_parallel, state_bytes),
+            "unlanded_gradients": unlanded,
             "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}
@@ -258,10 +268,11 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
 def total(parts: dict[str, float]) -> float:
     """The peak: the model state plus the largest of what three moments of a step add: forward and backward
     (the activations, and ZeRO-2/3's units in flight beside them), the update (AdamW's sqrt of the second
-    moment) and gloo's copies outside backward (ZeRO-1's buckets as it ends, ZeRO-2's gathers after the step)."""
+    moment) and gloo's copies outside backward (ZeRO-1's buckets as it ends, ZeRO-2's gathers after the step).
+    Gradient shards not landed yet at the backward's peak (one micro-batch a step) are absent from that moment."""
+    backward = parts["activations"] + parts.get("in_flight", 0) - parts.get("unlanded_gradients", 0)
     return (parts["parameters"] + parts["gradients"] + parts["optimizer"]
-            + max(parts["activations"] + parts.get("in_flight", 0), parts["update_workspace"],
-                  parts.get("communication", 0)))
+            + max(backward, parts["update_workspace"], parts.get("communication", 0)))
 
 
 def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> tuple[int, dict[str, float]]:
