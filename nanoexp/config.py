@@ -293,6 +293,27 @@ class FaultInjectionConfig:
     raise_rank: Optional[int] = None               # this rank raises at step 3
     slow_checkpoint_s: float = 0.0                 # rank 0 sleeps this long inside each checkpoint write
     hold_checkpoint_write: int = 0                 # async_save: rank 0's write of step S waits for step S + this
+    kill_group: Optional[int] = None               # fault_tolerance: this replica group's rank 0 is SIGKILLed
+    kill_at_step: int = 3                          # in its compute at this step (a restarted group heals past it)
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Replica groups that train on through a failure, with torchft (docs/fault-tolerance.md; pip install -e
+    '.[ft]'). Each group is a world of the parallelism group's layout; gradients are averaged across the live groups,
+    and a group that comes back copies a live peer's state."""
+    method: str = "none"             # none | torchft
+    replica_groups: int = 1          # R groups: the data-parallel degree is R x parallelism.dp
+    min_replicas: int = 1            # fewer live groups than this: no step is committed
+    lighthouse: Optional[str] = None   # http://host:port of a running lighthouse (null: nanoexp starts one here)
+    group: Optional[int] = None      # which group this process (world) is (null: start every group on this machine)
+    quorum_timeout_s: float = 60.0   # the longest wait for a quorum (and to reach the lighthouse)
+    timeout_s: float = 30.0          # a cross-group collective, commit vote or state copy (then the step is retried)
+    max_restarts: int = 3            # local launch: restarts of each group before the run gives it up
+    semi_sync: str = "none"          # none (every step synchronous) | diloco (groups apart, synced every sync_every)
+    sync_every: int = 20             # diloco: inner steps between syncs (H)
+    outer_lr: float = 0.7            # diloco: the outer Nesterov SGD's learning rate (DiLoCo's paper)
+    outer_momentum: float = 0.9      # diloco: its momentum
 
 
 @dataclass
@@ -318,6 +339,7 @@ class NanoexpConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
@@ -370,16 +392,23 @@ def num_kv_heads(cfg: Any) -> int:
     return m.num_key_value_heads or m.num_attention_heads
 
 
+def replica_groups(cfg: Any) -> int:
+    """Replica groups that share the global batch (fault_tolerance.replica_groups under torchft, else 1)."""
+    ft = cfg.get("fault_tolerance") or {}
+    return int(ft.get("replica_groups", 1)) if ft.get("method", "none") != "none" else 1
+
+
 def batch_accumulation(cfg: Any) -> int:
     """Micro-batches per optimizer step and dp replica (nanotron's batch_accumulation_per_replica)."""
-    t, dp = cfg.tokens, cfg.parallelism.dp
+    t, dp = cfg.tokens, cfg.parallelism.dp * replica_groups(cfg)
     if t.batch_accumulation_per_replica is not None:
         return t.batch_accumulation_per_replica
     return t.global_batch_size // (dp * t.micro_batch_size)
 
 
 def global_batch_size(cfg: Any) -> int:
-    return cfg.parallelism.dp * cfg.tokens.micro_batch_size * batch_accumulation(cfg)
+    """Samples a step over every replica group (dp x replica groups x micro-batch x accumulation)."""
+    return cfg.parallelism.dp * replica_groups(cfg) * cfg.tokens.micro_batch_size * batch_accumulation(cfg)
 
 
 # A stage that names its own datasets does not inherit the group's weights or HF config name for them.

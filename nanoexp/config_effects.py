@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import NanoexpConfig, uses_muon
+from nanoexp.config import NanoexpConfig, replica_groups, uses_muon
 from nanoexp.config_domains import Rule
 
 
@@ -35,6 +35,14 @@ EFFECTS = (
            "parallelism.cp=1 (with cp > 1 attention runs parallelism.cp_mode's kernel)"),
     Effect("parallelism.cp_mode", lambda cfg: cfg.parallelism.cp > 1, "parallelism.cp > 1"),
     Effect("parallelism.tp_mode", lambda cfg: cfg.parallelism.tp > 1, "parallelism.tp > 1"),
+    Effect("fault_injection.kill_at_step", lambda cfg: cfg.fault_injection.kill_group is not None,
+           "fault_injection.kill_group set"),
+    Effect("fault_tolerance.*", lambda cfg: cfg.fault_tolerance.method != "none", "fault_tolerance=torchft",
+           besides=("method", "sync_every", "outer_lr", "outer_momentum")),
+    Effect("fault_tolerance.sync_every", lambda cfg: cfg.fault_tolerance.semi_sync == "diloco",
+           "fault_tolerance.semi_sync=diloco"),
+    Effect("fault_tolerance.outer_*", lambda cfg: cfg.fault_tolerance.semi_sync == "diloco",
+           "fault_tolerance.semi_sync=diloco"),
 )
 
 
@@ -56,13 +64,14 @@ def effect_rules(cfg: Any) -> list[Rule]:
 def batch_size_rule(cfg: Any, defaults: Any) -> Rule:
     """tokens.batch_accumulation_per_replica sets the batch (dp x micro_batch_size x it): a global_batch_size
     changed beside it must agree."""
-    t, dp = cfg.tokens, cfg.parallelism.dp
+    t, dp, groups = cfg.tokens, cfg.parallelism.dp, replica_groups(cfg)
     if t.batch_accumulation_per_replica is None or t.global_batch_size == defaults.tokens.global_batch_size:
         return True, ""
-    product = dp * t.micro_batch_size * t.batch_accumulation_per_replica
+    product = dp * groups * t.micro_batch_size * t.batch_accumulation_per_replica
     return (t.global_batch_size == product, f"tokens.global_batch_size={t.global_batch_size} has no effect beside "
             f"tokens.batch_accumulation_per_replica={t.batch_accumulation_per_replica}, which makes the batch "
-            f"parallelism.dp x micro_batch_size x it = {product}: set one of the two")
+            f"parallelism.dp{' x fault_tolerance.replica_groups' if groups > 1 else ''} x micro_batch_size x it = "
+            f"{product}: set one of the two")
 
 
 def keys_of(effect: Effect, defaults: Any) -> list[str]:

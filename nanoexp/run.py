@@ -29,6 +29,7 @@ from nanoexp.instruments.flight_recorder import recorder_env
 from nanoexp.instruments.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.launch.replica_groups import checkpoints_folder, group_folder, launch_replica_groups
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
 from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
 from nanoexp.launch.sweep import place_job_checkpoints
@@ -54,13 +55,14 @@ class HydraJob:
 LOG_FORMAT = "[%(asctime)s][rank {rank} on {host}][%(levelname)s] %(message)s"
 
 
-def setup_rank_logging(run_dir: str, rank: int) -> None:
+def setup_rank_logging(run_dir: str, rank: int, talks: bool = True) -> None:
+    """This rank's log file; the console and train.log stay with rank 0 (`talks`: of replica group 0)."""
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     root = logging.getLogger()
     for handler in list(root.handlers):
         # Forked workers inherit rank 0's console and train.log handlers; a process that runs
         # several trainings in turn must not keep writing into the earlier runs' files.
-        if rank != 0 or handler.get_name() == "nanoexp_rank":
+        if rank != 0 or not talks or handler.get_name() == "nanoexp_rank":
             root.removeHandler(handler)
             if handler.get_name() == "nanoexp_rank":
                 handler.close()
@@ -73,7 +75,7 @@ def setup_rank_logging(run_dir: str, rank: int) -> None:
 
 def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None = None) -> dict:
     """What every rank runs: its context, its model shard, the loop."""
-    setup_rank_logging(run_dir, rank)
+    setup_rank_logging(run_dir, rank, talks=cfg.fault_tolerance.group in (None, 0))
     if device.type == "cpu" and cfg.logging.exact_cpu_memory:
         return_freed_memory()
     with denormals_flushed(cfg, device):   # model.flush_denormals; before the groups, whose threads copy the mode
@@ -85,6 +87,7 @@ def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: 
     from nanoexp.launch.fault_injection import FaultInjection
     from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
+    from nanoexp.runtime.replica_trainer import ReplicaTrainer
     from nanoexp.runtime.trainer import Trainer
 
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
@@ -94,7 +97,7 @@ def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: 
         torch.cuda.set_sync_debug_mode(cfg.debug.cuda_sync)   # every host wait for the GPU warns (or raises)
     peak = job_peak(device, peak_dtype(cfg, device), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
     with StallWatchdog(cfg, ctx, run_dir) as watchdog:
-        trainer = Trainer(cfg, ctx, run_dir, peak)
+        trainer = (Trainer if cfg.fault_tolerance.method == "none" else ReplicaTrainer)(cfg, ctx, run_dir, peak)
         # Each wraps the trainer's phases only when on: by default the loop runs with nothing of them.
         watchdog.watch(trainer)   # heartbeat marks
         FaultInjection(cfg.fault_injection, rank).install(trainer)   # the robustness tests' faults
@@ -131,10 +134,11 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
     place_job_checkpoints(cfg, run_dir, job.sweep_dir)   # a sweep's jobs never share a checkpoints folder
     check_config(cfg, world_size=env["world_size"] if env else None, run_dir=run_dir if owner else None)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))   # plain, picklable, resolved
+    cfg, run_dir, folders = place_replica_group(cfg, run_dir, env)
     world = Layout.from_config(cfg).world_size
     fill_wandb_identity(cfg, job)
     os.makedirs(run_dir, exist_ok=True)
-    with own_folders([run_dir, checkpoints_root(cfg, run_dir)] if owner else []):
+    with own_folders(folders if owner else []):
         complete = None   # the line saying the run is complete already (rank 0 knows)
         if owner:
             log.info("run folder: %s", os.path.abspath(run_dir))
@@ -149,6 +153,26 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
         return
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env else world
     record_machine_load(run_dir, load, os.getloadavg()[0], local_processes)
+
+
+def place_replica_group(cfg, run_dir: str, env: dict | None) -> tuple:
+    """(config, run folder, folders the run owns). One replica group of several (fault_tolerance.group set: on
+    another host, a SLURM job) trains in <run>/group_<g> and owns only that: the checkpoints are shared."""
+    ft = cfg.fault_tolerance
+    if ft.method == "none" or ft.group is None:
+        if ft.method != "none" and env is not None:
+            raise ConfigError("fault_tolerance.group=null under torchrun or SLURM: each of their worlds is one "
+                              "replica group: set fault_tolerance.group and fault_tolerance.lighthouse")
+        return cfg, run_dir, [run_dir, checkpoints_root(cfg, run_dir)]
+    cfg.checkpoint.checkpoints_path = checkpoints_folder(cfg, run_dir)
+    return cfg, group_folder(run_dir, ft.group), [group_folder(run_dir, ft.group)]
+
+
+def train_group(cfg, run_dir: str) -> None:
+    """One replica group started by launch_replica_groups, in <run>/group_<g> (the launcher owns the run)."""
+    os.makedirs(run_dir, exist_ok=True)
+    world = Layout.from_config(cfg).world_size
+    start_workers(cfg, run_dir, None, world, processes_here=world * cfg.fault_tolerance.replica_groups)
 
 
 def check_resume_point(cfg, run_dir: str) -> str | None:
@@ -175,14 +199,20 @@ def launch_and_train(cfg, run_dir: str, env: dict | None, world: int, complete: 
         start_workers(cfg, run_dir, env, world, complete)
 
 
-def start_workers(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None) -> None:
+def start_workers(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None,
+                  processes_here: int | None = None) -> None:
+    """Train in this process, in the launcher's world, in local workers, or in replica groups on this machine;
+    `processes_here`: the processes that share this machine's cores (default: this run's)."""
     if env is not None:   # torchrun or SLURM started us: join their world
         join_launcher_world(cfg, run_dir, env, complete)
+    elif cfg.fault_tolerance.method != "none" and cfg.fault_tolerance.group is None:
+        launch_replica_groups(cfg, run_dir, train_group)
     elif world == 1:
-        worker(0, 1, setup_device(0, 1), cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)]))
+        worker(0, 1, setup_device(0, processes_here or 1), cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)]))
     else:
         spawn_local(world, worker, (cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)])),
-                    timeout_s=cfg.parallelism.collective_timeout_s, method=cfg.parallelism.start_method)
+                    timeout_s=cfg.parallelism.collective_timeout_s, method=cfg.parallelism.start_method,
+                    processes_here=processes_here)
 
 
 def join_launcher_world(cfg, run_dir: str, env: dict, complete: str | None = None) -> None:

@@ -9,7 +9,8 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from nanoexp.config import ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size, stage_data
+from nanoexp.config import (ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size,
+                            replica_groups, stage_data)
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.config_effects import effect_rules
 from nanoexp.model.experts import EXPERT_KERNELS
@@ -20,6 +21,7 @@ from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.parallel.replicas import replica_rules
 
 # Key prefixes, so that the rules below fit on a line.
 MODEL_CONFIG = "model.model_config."
@@ -34,7 +36,7 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
     if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
                  + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
-                 + fault_rules(cfg) + debug_rules(cfg))
+                 + fault_rules(cfg) + replica_rules(cfg) + debug_rules(cfg))
     problems = [message for ok, message in rules if not ok]
     if not problems and unread_keys:   # every value is valid: is each one read? (a wrong value is said once)
         problems = [message for ok, message in effect_rules(cfg) if not ok]
@@ -115,7 +117,7 @@ def parametrization_rules(cfg: Any) -> list[Rule]:
 
 
 def batch_rules(cfg: Any) -> list[Rule]:
-    t, m, dp = cfg.tokens, cfg.model.model_config, cfg.parallelism.dp
+    t, m, dp, groups = cfg.tokens, cfg.model.model_config, cfg.parallelism.dp, replica_groups(cfg)
     return [
         (t.sequence_length <= m.max_position_embeddings, f"tokens.sequence_length={t.sequence_length} exceeds "
          f"{MODEL_CONFIG}max_position_embeddings={m.max_position_embeddings}: shorten the sequence or raise "
@@ -123,6 +125,10 @@ def batch_rules(cfg: Any) -> list[Rule]:
         (t.batch_accumulation_per_replica is not None or t.global_batch_size % (dp * t.micro_batch_size) == 0,
          f"tokens.global_batch_size={t.global_batch_size} is not divisible by parallelism.dp * tokens.micro_batch_size "
          f"= {dp * t.micro_batch_size}: change one, or set tokens.batch_accumulation_per_replica explicitly"),
+        (t.batch_accumulation_per_replica is not None or t.global_batch_size % (dp * groups * t.micro_batch_size) == 0
+         or t.global_batch_size % (dp * t.micro_batch_size), f"fault_tolerance.replica_groups={groups} does not divide "
+         f"the global batch: tokens.global_batch_size={t.global_batch_size} is not divisible by replica_groups x "
+         f"parallelism.dp x tokens.micro_batch_size = {groups * dp * t.micro_batch_size}"),
     ]
 
 

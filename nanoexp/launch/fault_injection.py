@@ -31,7 +31,8 @@ class FaultInjection:
     interpreter lock, so that none of its threads runs either); `sigstop_rank` stops itself there (SIGSTOP: the whole
     process, the store that rank 0 hosts included, as a debugger or `kill -STOP` would); at step 3,
     `skip_collective_rank` skips the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one,
-    `short_pipeline_rank` runs one micro-batch too few, `raise_rank` raises. `slow_checkpoint_s`: rank 0 sleeps
+    `short_pipeline_rank` runs one micro-batch too few, `raise_rank` raises. `kill_group`: that replica group's
+    rank 0 is killed (SIGKILL, as a lost host) in its compute at `kill_at_step` (fault_tolerance). `slow_checkpoint_s`: rank 0 sleeps
     inside each checkpoint write (in the background writer under checkpoint.async_save). `hold_checkpoint_write`:
     rank 0's background write of step S's checkpoint waits until step S + that many has begun, so that it is in
     flight while those steps train however fast the machine (at most HOLD_LIMIT_S: a run that ends sooner
@@ -47,7 +48,7 @@ class FaultInjection:
         wanted = {"train": f.slow_start_up_s > 0,
                   "run_step": f.hang_at_step is not None or f.slow_step_s > 0 or f.hold_checkpoint_write,
                   "forward_backward": any(rank is not None for rank in (f.stall_rank, f.sigstop_rank, f.raise_rank,
-                                                                         f.short_pipeline_rank)),
+                                                                         f.short_pipeline_rank, f.kill_group)),
                   "all_reduce_loss": f.skip_collective_rank is not None or f.wrong_shape_rank is not None}
         for name in [name for name, on in wanted.items() if on]:
             wrap_method(trainer, name, getattr(self, name))
@@ -82,6 +83,10 @@ class FaultInjection:
         if self.rank == f.sigstop_rank and step == f.stall_at_step:
             log.warning("fault injection: rank %d stops itself (SIGSTOP) in its compute at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if f.kill_group == trainer_group(self.trainer) and self.rank == 0 and step == f.kill_at_step:
+            log.warning("fault injection: replica group %d's rank 0 is killed (SIGKILL) at step %d", f.kill_group, step)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == FAULT_STEP and self.rank == f.raise_rank:
             raise RuntimeError(f"fault injection: rank {self.rank} raises at step {step}")
         if step == FAULT_STEP and self.rank == f.short_pipeline_rank:
@@ -114,3 +119,8 @@ class FaultInjection:
     def loss_denominator(self, original, micro_batches: list[dict]) -> torch.Tensor:
         denominator = original(micro_batches)
         return denominator * float("nan") if self.trainer.step == self.faults.nonfinite_loss_at_step else denominator
+
+
+def trainer_group(trainer) -> int | None:
+    """The replica group a trainer trains in (fault_tolerance.group), or None."""
+    return trainer.cfg.fault_tolerance.get("group")

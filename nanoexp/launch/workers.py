@@ -212,7 +212,8 @@ def end_worker(message: str) -> None:
 
 
 def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
-                  timeout_s: float, handle_signals: bool, log_handlers: list | None, launcher_pid: int) -> None:
+                  timeout_s: float, handle_signals: bool, log_handlers: list | None, launcher_pid: int,
+                  processes_here: int) -> None:
     die_with_parent(launcher_pid)
     _failure_channel.update(rank=rank, errors=errors)
     code = 0
@@ -222,7 +223,7 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
             _rebuild_log_handlers(*log_handlers)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        device = setup_device(rank, world_size)
+        device = setup_device(rank, processes_here)
         init_distributed(rank, world_size, device, timeout_s)
         fn(rank, world_size, device, *args)
         dist.destroy_process_group()
@@ -249,9 +250,10 @@ def _leave(code: int, errors) -> None:
 
 
 def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 600.0, poll_s: float = 0.2,
-                method: str = "auto") -> None:
+                method: str = "auto", processes_here: int | None = None) -> None:
     """Run fn(rank, world_size, device, *args) in world_size local processes and watch them.
-    method: auto | fork | spawn (see start_method); under spawn, fn and args must be picklable."""
+    method: auto | fork | spawn (see start_method); under spawn, fn and args must be picklable. `processes_here`:
+    the processes of this machine that share its cores (default: these)."""
     method = start_method(method)
     context = mp.get_context(method)
     errors = context.Queue()
@@ -259,7 +261,7 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
     log_handlers = (_log_handlers(), logging.getLogger().level) if method == "spawn" else None
     procs = [context.Process(target=_local_worker, daemon=False,
                              args=(r, world_size, port, fn, args, errors, timeout_s, handling_stop_signals(),
-                                   log_handlers, os.getpid()))
+                                   log_handlers, os.getpid(), processes_here or world_size))
              for r in range(world_size)]
     with workers_starting():   # a stop signal now waits until every worker handles it
         for p in procs:

@@ -6,13 +6,17 @@ place in every ep group hold the same experts (`edp_group`). With hybrid shardin
 over `shard_group` (dp_shard x cp ranks) and all-reduces each shard over `replica_group` (the ranks at the same
 place in every shard group); the experts shard over `expert_shard_group` (the edp ranks inside one shard group)
 and share the replica group (`zero_axes`). A parallel layer holds only its dimension's `Axis`;
-nothing else creates groups, and with one process none is created."""
+nothing else creates groups, and with one process none is created. Under fault_tolerance=torchft this world is one
+of several replica groups: `join_replica_groups` makes torchft's Manager and its cross-group process group
+(`replica_groups`, nanoexp/parallel/replicas.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
 from itertools import product
 from typing import Any
+
+import socket
 
 import torch
 import torch.distributed as dist
@@ -59,6 +63,7 @@ class ParallelContext:
         # Every group this rank belongs to, by torch's group name: (its description, its global ranks). The flight
         # recorder's dumps carry the names; the stall diagnosis reads the rest here.
         self.group_table: dict[str, tuple[str, list[int]]] = {"0": ("world", list(range(self.world_size)))}
+        self.replica_groups = None   # fault_tolerance=torchft: a ReplicaGroups once joined
         if self.world_size > 1:
             self._build_groups()
 
@@ -119,6 +124,27 @@ class ParallelContext:
         if self.rank in ranks:
             setattr(self, name, group)
             self.group_table[group.group_name] = (description, ranks)
+
+    def join_replica_groups(self, ft, step: int) -> None:
+        """Become a rank of replica group `ft.group` (fault_tolerance): a TCP store of this group (on its rank 0,
+        reachable from the other groups), torchft's cross-group process group and its Manager at committed step
+        `step`. Called once the model is built, so that a restarted group is in no quorum before it can train."""
+        from nanoexp.parallel.replicas import ReplicaGroups, StateTransport, import_torchft
+        torchft = import_torchft()
+        store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False) if self.rank == 0 else None
+        address = [socket.gethostname(), store.port if store else 0]
+        if self.world_size > 1:
+            dist.broadcast_object_list(address, src=0)
+        timeout, quorum_timeout = timedelta(seconds=ft.timeout_s), timedelta(seconds=ft.quorum_timeout_s)
+        group = (torchft.ProcessGroupNCCL if self.device.type == "cuda" else torchft.ProcessGroupGloo)(timeout=timeout)
+        manager = torchft.Manager(group, None, None, min_replica_size=ft.min_replicas, use_async_quorum=False,
+                          timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=quorum_timeout,
+                          rank=self.rank, world_size=self.world_size, store_addr=address[0], store_port=address[1],
+                          lighthouse_addr=ft.lighthouse, replica_id=f"nanoexp_group_{ft.group:04d}",
+                          hostname=address[0], init_sync=False, checkpoint_transport=StateTransport(ft.timeout_s))
+        manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.replica_groups = ReplicaGroups(manager, ft.group, ft.replica_groups, ft.quorum_timeout_s)
+        self._replica_store = store   # the group's store lives as long as the context
 
     def describe_group(self, name: str, ranks: list[int]) -> str:
         """A group as the layout names it: "tp group of pp stage 1, dp rank 0" (the coordinates its ranks share)."""

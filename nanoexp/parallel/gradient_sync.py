@@ -104,7 +104,7 @@ class GradientSync:
 
     def finish(self) -> None:
         """Every gradient final: sequence-parallel sums over tp, every engine's average, then the tied copies'
-        sum over the embedding group (module docstring)."""
+        sum over the embedding group (module docstring), and with replica groups the average over the live ones."""
         ctx = self.ctx
         if ctx.tp > 1:
             all_reduce_grads(self.sequence_parallel, ctx.tp_group)
@@ -113,6 +113,8 @@ class GradientSync:
         for engine in self.all_engines:
             engine.finish_scattered()
         all_reduce_grads(self.tied, ctx.embedding_group)
+        if ctx.replica_groups is not None and ctx.replica_groups.every_step:   # fault_tolerance: across groups
+            ctx.replica_groups.average([grads for engine in self.all_engines for grads in engine.final_gradients()])
 
     @property
     def all_engines(self) -> list[Sharding]:

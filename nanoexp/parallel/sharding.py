@@ -249,6 +249,12 @@ class Sharding:
         for unit in self.scattered:
             unit.shard_grad.div_(self.average_over)
 
+    def final_gradients(self) -> list[torch.Tensor]:
+        """After `finish_*()`: the tensors holding this rank's averaged gradients (a unit reduced whole: its whole
+        buffer; else this rank's shard)."""
+        return [unit.grads if unit.alone else unit.shard_grad for unit in self.accumulated] + [
+            unit.shard_grad for unit in self.scattered]
+
     def zero_grad(self) -> None:
         """Zero every gradient: an accumulate unit's `.grad` views of its buffer in place (re-attached if
         replaced); a sharded unit's gradient shard is freed until its next reduce-scatter lands."""

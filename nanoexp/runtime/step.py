@@ -58,7 +58,8 @@ class StepRunner:
         """The real (not IGNORE_INDEX) target tokens of the global batch / (dp * cp), counted in this rank's (cp
         part of its) micro-batches, on the device. Each micro-batch's loss is its token-loss sum over this, so the
         dp x cp average of the ranks' losses (and gradients) is the mean over every real target token of the
-        global batch, whatever the layout. Only the loss stage needs it (one dp x cp all-reduce there)."""
+        global batch, whatever the layout (with replica groups: of the live groups' part of it). Only the loss stage needs
+        it (one dp x cp all-reduce there)."""
         ctx = self.ctx
         if not ctx.is_last_stage:
             return torch.ones((), device=ctx.device)
@@ -67,6 +68,10 @@ class StepRunner:
         count = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum().float()
         if ctx.dp_cp > 1:
             dist.all_reduce(count, group=ctx.dp_cp_group)
+        groups = ctx.replica_groups
+        if groups is not None and groups.every_step:   # the tokens of every live replica group, averaged over them
+            groups.sum([count])
+            return count.clamp_min(1.0) / (ctx.dp_cp * groups.live)
         return count.clamp_min(1.0) / ctx.dp_cp
 
     def train(self, micro_batches: list[dict], grad_sync) -> list[torch.Tensor]:

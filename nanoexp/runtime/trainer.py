@@ -61,7 +61,7 @@ class Trainer:
         self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
         self.global_batch, self.accumulation = global_batch_size(cfg), batch_accumulation(cfg)
         # The data of the stage being trained (data_stages; without them the data group), switched by step.
-        self.batches = StagedBatches(cfg, self.global_batch, ctx.dp_rank, ctx.dp, self.resume.step + 1,
+        self.batches = StagedBatches(cfg, self.global_batch, *self.data_position(), self.resume.step + 1,
                                      self.resume.consumed_samples, self.resume.stage_consumed_samples,
                                      on_stage_start=self.announce_stage)
         self.baseline_mb = start_measuring(ctx.device, cfg.model.dtype)   # the runtime and the data, before the model
@@ -85,6 +85,10 @@ class Trainer:
         from nanoexp.evaluation.scorer import ShardedScorer
         tokenizer = build_tokenizer(self.cfg.tokenizer.tokenizer_name_or_path)
         return DownstreamEval(self.cfg.eval, ShardedScorer(self.runner, tokenizer.eod_id), tokenizer)
+
+    def data_position(self) -> tuple[int, int]:
+        """Which share of each global batch this rank reads, of how many: its dp rank of dp."""
+        return self.ctx.dp_rank, self.ctx.dp
 
     def build_model_and_optimizer(self) -> None:
         """This rank's runtime (nanoexp/runtime/build.py), and the checkpoint's state if resuming."""
@@ -197,7 +201,7 @@ class Trainer:
         training_started()   # a stop signal from here on ends the run after a step, with its checkpoint
         try:
             stopped = False
-            for step in range(self.resume.step + 1, self.cfg.tokens.train_steps + 1):
+            for step in self.steps():
                 stopped = self.run_step(step)
                 if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
                     break
@@ -213,10 +217,18 @@ class Trainer:
             self.finish(summary)
         return summary
 
+    def steps(self):
+        """The steps to train, in order: from the resumed one to tokens.train_steps."""
+        return range(self.resume.step + 1, self.cfg.tokens.train_steps + 1)
+
+    def next_batches(self, step: int) -> list[dict]:
+        """This rank's micro-batches of step `step` (the next of the data)."""
+        return self.batches.next_step()
+
     def run_step(self, step: int) -> bool:
         """Step `step`: train, record, checkpoint and evaluate when due. True: a stop signal came."""
         start = time.perf_counter()
-        micro_batches = self.batches.next_step()
+        micro_batches = self.next_batches(step)
         self.step, lr = step, lr_at(step - self.resume.lr_step_offset, self.cfg)
         loss, grad_norm = self.train_step(micro_batches, lr)
         stage = self.record_step(step, loss, lr, grad_norm, start)
@@ -238,7 +250,7 @@ class Trainer:
             self.memory = self.memory_breakdown()
         self.progress.consumed_samples = self.batches.consumed_samples
         self.progress.stage_consumed_samples = dict(self.batches.stage_consumed_samples)
-        self.progress.consumed_tokens += self.tokens_per_step
+        self.progress.consumed_tokens += self.tokens_trained()
         timing.synchronize(self.ctx.device)   # the window ends when the device has run the step's last kernel
         step_time = time.perf_counter() - start
         self.clock.record(step_time)
@@ -250,6 +262,10 @@ class Trainer:
         if step == self.resume.step + 1 or step % self.cfg.logging.iteration_step_info_interval == 0 or step == total:
             self.log_record(self.last_record)
         return stage
+
+    def tokens_trained(self) -> int:
+        """Tokens the step just taken trained on: the global batch's."""
+        return self.tokens_per_step
 
     def checkpoint_step(self, step: int, stop: bool) -> None:
         """Publish the background write every rank has finished (checkpoint.async_save), then save this step when

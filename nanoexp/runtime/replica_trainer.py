@@ -1,0 +1,181 @@
+"""The trainer of one replica group (fault_tolerance=torchft): the loop of trainer.py, with each step started by a
+quorum of the live groups and committed only when torchft's Manager says so.
+
+What changes against one world (docs/fault-tolerance.md): this rank reads its share of the global batch among all
+R x dp readers, so the data of a step is the same whichever groups are live; the loss and the gradients are
+averaged over the live groups (the loss over the tokens they trained, runtime/step.py and parallel/gradient_sync.py);
+a step that is not committed (a group died in it) is trained again with the same data; a group that is behind
+takes a live peer's weights, optimizer state and progress before its next step (`peer_state`); the lowest live
+group writes the checkpoints. Every group keeps its own run folder (metrics.jsonl, logs, summary.json).
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from nanoexp.checkpoint.save import persistent_buffers
+from nanoexp.data.stages import StagedBatches
+from nanoexp.parallel.replicas import to_safetensors
+from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.runtime.trainer import Trainer
+
+log = logging.getLogger("nanoexp")
+
+
+class ReplicaTrainer(Trainer):
+    def __init__(self, cfg, ctx, run_dir: str, peak=None):
+        super().__init__(cfg, ctx, run_dir, peak)
+        ctx.join_replica_groups(cfg.fault_tolerance, self.resume.step)
+        self.groups = ctx.replica_groups
+        self.groups.on_heal(self.peer_state, self.load_peer_state)
+        self.pending: tuple[int, list] | None = None   # the data of a step not committed yet
+        self.committed, self.retried_steps, self.heals = False, 0, 0
+
+    def data_position(self) -> tuple[int, int]:
+        """Group g's dp rank r reads share g x dp + r of the R x dp shares of each global batch."""
+        ft = self.cfg.fault_tolerance
+        return ft.group * self.ctx.dp + self.ctx.dp_rank, ft.replica_groups * self.ctx.dp
+
+    def steps(self):
+        """The step after the last committed one, once its quorum is formed, until tokens.train_steps."""
+        while True:
+            if self.groups.start_step():
+                log.info("took a live group's state: going on at step %d", self.groups.step + 1)
+            if self.groups.step >= self.cfg.tokens.train_steps:
+                return
+            yield self.groups.step + 1
+
+    def next_batches(self, step: int) -> list[dict]:
+        """The data of `step`: again the same when the step is trained again."""
+        if self.pending is None or self.pending[0] != step:
+            if self.batches.step != step:
+                raise RuntimeError(f"the data is at step {self.batches.step}, the quorum at step {step}")
+            self.pending = (step, self.batches.next_step())
+        return self.pending[1]
+
+    def step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The group's loss, averaged over the live groups: the mean over every token they trained."""
+        loss = super().step_loss(losses)
+        if self.groups.every_step:
+            self.groups.average([loss])
+        return loss
+
+    def read_scalars(self, loss, grad_norm) -> tuple[float, float]:
+        values = super().read_scalars(loss, grad_norm)
+        self.committed = self.groups.commit()
+        if not self.committed:
+            self.retried_steps += 1
+            log.warning("step %d not committed (a replica group failed in it): training it again", self.step)
+        return values
+
+    def optimizer_step(self) -> None:
+        if self.committed:
+            super().optimizer_step()
+        else:
+            self.grad_sync.zero_grad()
+
+    def skip_step(self, loss: float, grad_norm: float) -> tuple[float, float]:
+        if self.committed:
+            return super().skip_step(loss, grad_norm)
+        self.grad_sync.zero_grad()
+        return loss, grad_norm
+
+    def tokens_trained(self) -> int:
+        return self.tokens_per_step * self.groups.live // self.groups.count
+
+    def record_step(self, step, loss, lr, grad_norm, start) -> dict:
+        return super().record_step(step, loss, lr, grad_norm, start) if self.committed else {}
+
+    def step_record(self, *args) -> dict:
+        return {**super().step_record(*args), "replica_groups_live": self.groups.live}
+
+    def checkpoint_step(self, step: int, stop: bool) -> None:
+        if self.committed:
+            super().checkpoint_step(step, stop)
+
+    def save_checkpoint(self, step: int, wait: bool) -> None:
+        """The lowest live group writes the checkpoints (the others go on at once)."""
+        if self.groups.lowest_live:
+            super().save_checkpoint(step, wait)
+
+    def evaluate_when_due(self, step: int, stage: dict) -> None:
+        if self.committed:
+            super().evaluate_when_due(step, stage)
+
+    # -- healing: this rank's state, for the rank at its place in a group that is behind ---------------------
+    def peer_state(self) -> dict:
+        """What makes a rank of another group this one: its parameters (ZeRO-3: its shards), buffers, optimizer
+        state, and the progress of training (data position, tokens, skipped steps)."""
+        held = self.grad_sync.held_as_shards()
+        p = self.progress
+        return {"parameters": {str(i): param for i, param in enumerate(self.params) if id(param) not in held},
+                "shards": {str(i): piece.value for i, piece in enumerate(self.grad_sync.shard_pieces())
+                           if id(piece.param) in held},
+                "buffers": dict(persistent_buffers(self.model)), "optimizer": optimizer_state(self.optimizer),
+                "progress": {"consumed_samples": p.consumed_samples, "consumed_tokens": p.consumed_tokens,
+                             "skipped_steps": p.skipped_steps, "stage_consumed_samples": p.stage_consumed_samples,
+                             "lr_step_offset": self.resume.lr_step_offset}}
+
+    @torch.no_grad()
+    def load_peer_state(self, state: dict) -> None:
+        """Take a live peer's `peer_state` (its step is the Manager's now), and read the data from there."""
+        for i, param in enumerate(self.params):
+            if str(i) in state["parameters"]:
+                param.copy_(state["parameters"][str(i)])
+        for i, piece in enumerate(self.grad_sync.shard_pieces()):
+            if str(i) in state["shards"]:
+                piece.value.copy_(state["shards"][str(i)])
+        for name, buffer in persistent_buffers(self.model):
+            buffer.copy_(state["buffers"][name])
+        load_optimizer_state(self.optimizer, state["optimizer"], self.ctx.device)
+        progress, step = state["progress"], self.groups.step
+        self.progress.consumed_samples, self.progress.consumed_tokens = (progress["consumed_samples"],
+                                                                         progress["consumed_tokens"])
+        self.progress.skipped_steps = progress["skipped_steps"]
+        self.progress.stage_consumed_samples = dict(progress.get("stage_consumed_samples", {}))
+        self.resume.lr_step_offset = progress["lr_step_offset"]
+        self.batches.close()
+        self.batches = StagedBatches(self.cfg, self.global_batch, *self.data_position(), step + 1,
+                                     self.progress.consumed_samples, self.progress.stage_consumed_samples,
+                                     on_stage_start=self.announce_stage)
+        self.pending, self.heals = None, self.heals + 1
+        self.checkpoints.last_saved, self.checkpoints.abandon_after = None, None   # the peers' checkpoints stay
+
+    def memory_of_every_rank(self) -> dict:
+        """With the memory fields (a collective at the end of training), each rank's state digest: CRC-32 of its
+        `peer_state`, equal in every group that ended in the same state."""
+        digests = [zlib.crc32(to_safetensors(self.peer_state()))] * self.ctx.world_size
+        if self.ctx.world_size > 1:
+            dist.all_gather_object(digests, digests[0])
+        return {**super().memory_of_every_rank(), "state_crc32": digests}
+
+    def finish(self, summary: dict) -> None:
+        summary["fault_tolerance"] = {"replica_group": self.groups.index, "replica_groups": self.groups.count,
+                                      "retried_steps": self.retried_steps, "heals": self.heals,
+                                      "trained_samples": self.progress.consumed_tokens // self.cfg.tokens.sequence_length}
+        try:
+            super().finish(summary)
+        finally:
+            self.groups.close()
+
+
+def optimizer_state(optimizer) -> dict:
+    """The torch optimizer's state by parameter index (ZeRO: of this rank's shard pieces), tensors and numbers."""
+    inner = optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    return {str(i): dict(inner.state[p]) for i, p in enumerate(params) if p in inner.state}
+
+
+def load_optimizer_state(optimizer, state: dict, device) -> None:
+    inner = optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        if str(i) in state:
+            inner.state[p] = {key: value.to(device) if torch.is_tensor(value) else value
+                              for key, value in state[str(i)].items()}
+        else:
+            inner.state.pop(p, None)
+
