@@ -28,6 +28,7 @@ from nanoexp.numerics.precision import denormals_flushed, set_tf32
 from nanoexp.instruments.flight_recorder import recorder_env
 from nanoexp.instruments.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.replicas import check_lighthouse
 from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
 from nanoexp.launch.replica_groups import checkpoints_folder, group_folder, launch_replica_groups
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
@@ -164,6 +165,7 @@ def place_replica_group(cfg, run_dir: str, env: dict | None) -> tuple:
             raise ConfigError("fault_tolerance.group=null under torchrun or SLURM: each of their worlds is one "
                               "replica group: set fault_tolerance.group and fault_tolerance.lighthouse")
         return cfg, run_dir, [run_dir, checkpoints_root(cfg, run_dir)]
+    check_lighthouse(ft.lighthouse, ft.quorum_timeout_s)
     cfg.checkpoint.checkpoints_path = checkpoints_folder(cfg, run_dir)
     return cfg, group_folder(run_dir, ft.group), [group_folder(run_dir, ft.group)]
 

@@ -32,7 +32,8 @@ class FaultInjection:
     process, the store that rank 0 hosts included, as a debugger or `kill -STOP` would); at step 3,
     `skip_collective_rank` skips the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one,
     `short_pipeline_rank` runs one micro-batch too few, `raise_rank` raises. `kill_group`: that replica group's
-    rank 0 is killed (SIGKILL, as a lost host) in its compute at `kill_at_step` (fault_tolerance). `slow_checkpoint_s`: rank 0 sleeps
+    rank 0 is killed (SIGKILL, as a lost host) in its compute at `kill_at_step` (fault_tolerance), once per run
+    folder. `slow_checkpoint_s`: rank 0 sleeps
     inside each checkpoint write (in the background writer under checkpoint.async_save). `hold_checkpoint_write`:
     rank 0's background write of step S's checkpoint waits until step S + that many has begun, so that it is in
     flight while those steps train however fast the machine (at most HOLD_LIMIT_S: a run that ends sooner
@@ -84,15 +85,24 @@ class FaultInjection:
             log.warning("fault injection: rank %d stops itself (SIGSTOP) in its compute at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
         if f.kill_group == trainer_group(self.trainer) and self.rank == 0 and step == f.kill_at_step:
-            log.warning("fault injection: replica group %d's rank 0 is killed (SIGKILL) at step %d", f.kill_group, step)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.kill_once(step)
         if step == FAULT_STEP and self.rank == f.raise_rank:
             raise RuntimeError(f"fault injection: rank {self.rank} raises at step {step}")
         if step == FAULT_STEP and self.rank == f.short_pipeline_rank:
             log.warning("fault injection: rank %d runs step %d with one micro-batch too few", self.rank, step)
             micro_batches = micro_batches[:-1]
         return original(micro_batches)
+
+    def kill_once(self, step: int) -> None:
+        """SIGKILL this process, once per run folder (a restarted group that reaches the step again trains on)."""
+        marker = os.path.join(self.trainer.run_dir, "fault_injection_killed")
+        if os.path.exists(marker):
+            return
+        open(marker, "w").close()
+        log.warning("fault injection: replica group %d's rank 0 is killed (SIGKILL) at step %d",
+                    self.faults.kill_group, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def all_reduce_loss(self, original, loss: torch.Tensor) -> torch.Tensor:
         step = self.trainer.step

@@ -177,28 +177,31 @@ class ReplicaGroups:
         ... backward; groups.average(final gradients); groups.sum(loss denominator) ...
         if groups.commit(): optimizer step
 
-    A fresh run (the quorum at step 0) waits for every group before its first step, so that no group starts
-    behind; afterwards a step goes on with the live groups (at least min_replicas)."""
+    A run waits for every group before its first step (while the quorum is at the step this process started from,
+    at most quorum_timeout_s), so that no group starts behind; afterwards a step goes on with the live groups (at
+    least min_replicas)."""
 
     def __init__(self, manager, index: int, count: int, quorum_timeout_s: float):
         self.manager, self.index, self.count = manager, index, count
         self.quorum_timeout_s = quorum_timeout_s
         self.live, self.lowest_live, self.last_step = count, True, manager.current_step()
+        self.first_step = self.last_step
         self.every_step = True   # gradients and loss averaged each step (False: DiLoCo syncs every H steps)
 
     def on_heal(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
         self.manager.register_state_dict_fn("nanoexp", load, state)
 
     def start_step(self) -> bool:
-        """Join this step's quorum (waiting at step 0 until every group is there); True when this rank took a live
+        """Join this step's quorum (at the first step, once every group is there); True when this rank took a live
         peer's state (its step jumped to the peer's)."""
         deadline = time.monotonic() + self.quorum_timeout_s
         while True:
             self.manager.start_quorum()
             self.live = self.manager.num_participants()
-            if self.manager.current_step() > 0 or self.live >= self.count or time.monotonic() > deadline:
+            if (self.manager.current_step() != self.first_step or self.live >= self.count
+                    or time.monotonic() > deadline):
                 break
-            self.manager.report_error(RuntimeError("the first step waits for every replica group"))
+            self.manager.report_error(RuntimeError("the first step waits for every replica group"))   # not committed
             self.manager.should_commit()
             time.sleep(0.05)
         self.lowest_live = self.manager.participating_rank() == 0
