@@ -108,3 +108,17 @@ def test_a_run_resumes_on_a_plain_layout_and_back(tmp_path, train_once):
     ours, theirs = final_weights(back, 6), final_weights(plain_dir, 6)
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_diloco_groups_train_apart_and_agree_at_each_sync(tmp_path):
+    """semi_sync=diloco, sync_every=4: the groups all-reduce nothing between syncs and their whole weights (as the
+    pseudo-gradient) at each, and end with the same weights; synchronous groups all-reduce the gradients (and two
+    scalars of the loss) every step."""
+    ft = train(tmp_path, BASE + ["tokens.train_steps=8", "fault_tolerance.semi_sync=diloco",
+                                 "fault_tolerance.sync_every=4"] + TORCHFT)
+    weights = 4 * sum(record["num_parameters"] for record in [json.load(open(tmp_path / "summary.json"))])
+    assert [record["cross_group_bytes"] for record in ft if "loss" in record] == [0, 0, 0, weights] * 2
+    first, second = group_summaries(tmp_path)
+    assert first["weights_crc32"] == second["weights_crc32"]
+    synchronous = train(tmp_path / "sync", BASE + ["tokens.train_steps=2"] + TORCHFT)
+    assert [record["cross_group_bytes"] for record in synchronous if "loss" in record] == [weights + 8] * 2

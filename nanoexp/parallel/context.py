@@ -143,7 +143,7 @@ class ParallelContext:
                           lighthouse_addr=ft.lighthouse, replica_id=f"nanoexp_group_{ft.group:04d}",
                           hostname=address[0], init_sync=False, checkpoint_transport=StateTransport(ft.timeout_s))
         manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.replica_groups = ReplicaGroups(manager, ft.group, ft.replica_groups, ft.quorum_timeout_s)
+        self.replica_groups = ReplicaGroups(manager, ft.group, ft.replica_groups, ft.quorum_timeout_s, group)
         self._replica_store = store   # the group's store lives as long as the context
 
     def describe_group(self, name: str, ranks: list[int]) -> str:

@@ -60,9 +60,15 @@ def replica_rules(cfg: Any) -> list[tuple[bool, str]]:
          " each group writes its own metrics.jsonl and TensorBoard folder; one W&B run for all is not there yet"),
     ]
     if f.semi_sync == "diloco":
-        rules.append((cfg.optimizer.zero_stage == 0 and cfg.parallelism.dp == 1, f"{FT}semi_sync=diloco "
-                      f"syncs whole parameters: needs optimizer.zero_stage=0 and parallelism.dp=1 in each group "
-                      f"(got {cfg.optimizer.zero_stage} and {cfg.parallelism.dp})"))
+        interval = cfg.checkpoint.checkpoint_interval
+        rules += [
+            (cfg.optimizer.zero_stage == 0, f"{FT}semi_sync=diloco wraps a torch optimizer's step: needs "
+             f"optimizer.zero_stage=0 (got {cfg.optimizer.zero_stage})"),
+            (cfg.tokens.train_steps % f.sync_every == 0, f"tokens.train_steps={cfg.tokens.train_steps} with {FT}"
+             f"sync_every={f.sync_every}: the run must end on a sync (a multiple of it), or the groups end apart"),
+            (interval % f.sync_every == 0, f"checkpoint.checkpoint_interval={interval} with {FT}sync_every="
+             f"{f.sync_every}: checkpoints must fall on syncs (a multiple of it), where the groups agree"),
+        ]
     return rules
 
 
@@ -102,8 +108,9 @@ def to_safetensors(state: dict) -> bytes:
 
     def walk(prefix: str, value) -> None:
         if isinstance(value, dict) and value:
-            for key, item in value.items():
-                walk(f"{prefix}/{key}" if prefix else str(key), item)
+            for key, item in value.items():   # an int key (a torch optimizer's state) as "#<int>"
+                name = f"#{key}" if isinstance(key, int) else str(key)
+                walk(f"{prefix}/{name}" if prefix else name, item)
         elif torch.is_tensor(value):
             tensors[prefix] = value.detach().to("cpu").contiguous()
         else:
@@ -113,12 +120,14 @@ def to_safetensors(state: dict) -> bytes:
 
 
 def from_safetensors(blob: bytes) -> dict:
-    """The nested dict `to_safetensors` wrote (safetensors and JSON only: nothing is unpickled)."""
+    """The nested dict `to_safetensors` wrote (safetensors and JSON only: nothing is unpickled); its keys are
+    strings, or ints where they were."""
     size = int.from_bytes(blob[:8], "little")
     values = json.loads(json.loads(blob[8:8 + size])["__metadata__"]["values"])
     state: dict = {}
     for path, value in [*load_tensors(blob).items(), *values.items()]:
         node, *parts = state, *path.split("/")
+        parts = [int(part[1:]) if part.startswith("#") else part for part in parts]
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
@@ -181,12 +190,53 @@ class ReplicaGroups:
     at most quorum_timeout_s), so that no group starts behind; afterwards a step goes on with the live groups (at
     least min_replicas)."""
 
-    def __init__(self, manager, index: int, count: int, quorum_timeout_s: float):
+    def __init__(self, manager, index: int, count: int, quorum_timeout_s: float, process_group=None):
         self.manager, self.index, self.count = manager, index, count
         self.quorum_timeout_s = quorum_timeout_s
-        self.live, self.lowest_live, self.last_step = count, True, manager.current_step()
+        self.last_step = manager.current_step()
         self.first_step = self.last_step
         self.every_step = True   # gradients and loss averaged each step (False: DiLoCo syncs every H steps)
+        self.bytes_reduced = 0   # payload this rank has all-reduced across the groups
+        if process_group is not None:
+            allreduce = process_group.allreduce
+
+            def counted(tensors, options):
+                self.bytes_reduced += sum(t.numel() * t.element_size() for t in tensors)
+                return allreduce(tensors, options)
+            process_group.allreduce = counted
+
+    @property
+    def live(self) -> int:
+        """The groups of the last quorum (before any, all of them)."""
+        return self.manager.num_participants() or self.count
+
+    @property
+    def lowest_live(self) -> bool:
+        """Whether this group is the lowest of the last quorum (before any, group 0): the one that checkpoints."""
+        rank = self.manager.participating_rank()   # None before the first quorum
+        return self.index == 0 if rank is None else rank == 0
+
+    def semi_synchronous(self, model, optimizer, ft):
+        """torchft's DiLoCo around `optimizer` (a torch optimizer: ZeRO-0): each group trains apart and every
+        ft.sync_every steps the groups average their pseudo-gradients (the change since the last sync) and take an
+        outer Nesterov SGD step (Douillard et al. 2023). The Manager's step counts syncs; the trainer keeps the
+        syncs on multiples of sync_every by setting torchft's counter of inner steps."""
+        from torchft.local_sgd import DiLoCo
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        outer = torch.optim.SGD(params, lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
+        diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=ft.sync_every, pin_memory=False)
+        diloco.__enter__()
+        self.every_step = False
+        return diloco
+
+    @staticmethod
+    def join_sync(diloco) -> None:
+        """A group that took a live one's state at that one's sync takes part in it with the same pseudo-gradient,
+        so that both leave it with the same weights (torchft's fragments: its DiLoCo has no public call for it)."""
+        for fragment in diloco._fragments:
+            fragment.prepare_sync()
+            fragment.perform_sync()
 
     def on_heal(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
         self.manager.register_state_dict_fn("nanoexp", load, state)
@@ -197,14 +247,12 @@ class ReplicaGroups:
         deadline = time.monotonic() + self.quorum_timeout_s
         while True:
             self.manager.start_quorum()
-            self.live = self.manager.num_participants()
             if (self.manager.current_step() != self.first_step or self.live >= self.count
                     or time.monotonic() > deadline):
                 break
             self.manager.report_error(RuntimeError("the first step waits for every replica group"))   # not committed
             self.manager.should_commit()
             time.sleep(0.05)
-        self.lowest_live = self.manager.participating_rank() == 0
         healed, self.last_step = self.manager.current_step() != self.last_step, self.manager.current_step()
         return healed
 

@@ -28,11 +28,16 @@ log = logging.getLogger("nanoexp")
 class ReplicaTrainer(Trainer):
     def __init__(self, cfg, ctx, run_dir: str, peak=None):
         super().__init__(cfg, ctx, run_dir, peak)
-        ctx.join_replica_groups(cfg.fault_tolerance, self.resume.step)
+        ft = cfg.fault_tolerance
+        ctx.join_replica_groups(ft, self.resume.step if ft.semi_sync == "none" else 0)   # DiLoCo: syncs, from here
         self.groups = ctx.replica_groups
         self.groups.on_heal(self.peer_state, self.load_peer_state)
+        self.diloco = (self.groups.semi_synchronous(self.model, self.optimizer, ft)
+                       if ft.semi_sync == "diloco" else None)
         self.pending: tuple[int, list] | None = None   # the data of a step not committed yet
-        self.committed, self.retried_steps, self.heals = False, 0, 0
+        self.done = self.resume.step   # the last step committed
+        self.checkpoints.abandon_after = None   # later checkpoints in the shared folder are other groups'
+        self.committed, self.retried_steps, self.heals, self.bytes_recorded = False, 0, 0, 0
 
     def data_position(self) -> tuple[int, int]:
         """Group g's dp rank r reads share g x dp + r of the R x dp shares of each global batch."""
@@ -40,13 +45,28 @@ class ReplicaTrainer(Trainer):
         return ft.group * self.ctx.dp + self.ctx.dp_rank, ft.replica_groups * self.ctx.dp
 
     def steps(self):
-        """The step after the last committed one, once its quorum is formed, until tokens.train_steps."""
+        """The step after the last committed one, until tokens.train_steps: each once its quorum is formed (under
+        DiLoCo the quorum comes at each sync, inside the optimizer's step, after one at the start that waits for
+        every group)."""
+        if self.diloco is not None:
+            self.start_semi_synchronous()
         while True:
-            if self.groups.start_step():
-                log.info("took a live group's state: going on at step %d", self.groups.step + 1)
-            if self.groups.step >= self.cfg.tokens.train_steps:
+            if self.diloco is None and self.groups.start_step():
+                log.info("took a live group's state: going on at step %d", self.done + 1)
+            if self.done >= self.cfg.tokens.train_steps:
                 return
-            yield self.groups.step + 1
+            yield self.done + 1
+
+    def start_semi_synchronous(self) -> None:
+        """DiLoCo's first quorum: the groups that start together commit it (it counts as a sync, so that a group
+        started later is always behind and takes a live one's state); a group that takes a live one's state does so
+        in that group's sync, and takes part in it."""
+        if self.groups.start_step():
+            log.info("took a live group's state: going on at step %d", self.done + 1)
+            self.groups.join_sync(self.diloco)
+        else:
+            self.groups.commit()
+        self.diloco._local_step = self.done % self.cfg.fault_tolerance.sync_every   # torchft's count of inner steps
 
     def next_batches(self, step: int) -> list[dict]:
         """The data of `step`: again the same when the step is trained again."""
@@ -65,8 +85,10 @@ class ReplicaTrainer(Trainer):
 
     def read_scalars(self, loss, grad_norm) -> tuple[float, float]:
         values = super().read_scalars(loss, grad_norm)
-        self.committed = self.groups.commit()
-        if not self.committed:
+        self.committed = self.diloco is not None or self.groups.commit()   # DiLoCo: each group's own step
+        if self.committed:
+            self.done = self.step
+        else:
             self.retried_steps += 1
             log.warning("step %d not committed (a replica group failed in it): training it again", self.step)
         return values
@@ -90,7 +112,10 @@ class ReplicaTrainer(Trainer):
         return super().record_step(step, loss, lr, grad_norm, start) if self.committed else {}
 
     def step_record(self, *args) -> dict:
-        return {**super().step_record(*args), "replica_groups_live": self.groups.live}
+        """With the live groups (under DiLoCo, at the last sync) and the payload this rank all-reduced across groups
+        since the last record."""
+        sent, self.bytes_recorded = self.groups.bytes_reduced - self.bytes_recorded, self.groups.bytes_reduced
+        return {**super().step_record(*args), "replica_groups_live": self.groups.live, "cross_group_bytes": sent}
 
     def checkpoint_step(self, step: int, stop: bool) -> None:
         if self.committed:
@@ -115,7 +140,7 @@ class ReplicaTrainer(Trainer):
                 "shards": {str(i): piece.value for i, piece in enumerate(self.grad_sync.shard_pieces())
                            if id(piece.param) in held},
                 "buffers": dict(persistent_buffers(self.model)), "optimizer": optimizer_state(self.optimizer),
-                "progress": {"consumed_samples": p.consumed_samples, "consumed_tokens": p.consumed_tokens,
+                "progress": {"step": self.done, "consumed_samples": p.consumed_samples, "consumed_tokens": p.consumed_tokens,
                              "skipped_steps": p.skipped_steps, "stage_consumed_samples": p.stage_consumed_samples,
                              "lr_step_offset": self.resume.lr_step_offset}}
 
@@ -131,7 +156,9 @@ class ReplicaTrainer(Trainer):
         for name, buffer in persistent_buffers(self.model):
             buffer.copy_(state["buffers"][name])
         load_optimizer_state(self.optimizer, state["optimizer"], self.ctx.device)
-        progress, step = state["progress"], self.groups.step
+        progress = state["progress"]
+        step = self.done = progress["step"]
+        self.committed = False   # under DiLoCo this comes inside a step: the peer's state supersedes it
         self.progress.consumed_samples, self.progress.consumed_tokens = (progress["consumed_samples"],
                                                                          progress["consumed_tokens"])
         self.progress.skipped_steps = progress["skipped_steps"]
@@ -145,12 +172,17 @@ class ReplicaTrainer(Trainer):
         self.checkpoints.last_saved, self.checkpoints.abandon_after = None, None   # the peers' checkpoints stay
 
     def memory_of_every_rank(self) -> dict:
-        """With the memory fields (a collective at the end of training), each rank's state digest: CRC-32 of its
-        `peer_state`, equal in every group that ended in the same state."""
-        digests = [zlib.crc32(to_safetensors(self.peer_state()))] * self.ctx.world_size
+        """With the memory fields (a collective at the end of training), each rank's digests: CRC-32 of its weights
+        and of its whole `peer_state` (with the optimizer state and progress), equal in every group that ended in
+        the same state (under DiLoCo each group keeps its own inner optimizer: only the weights agree)."""
+        state = self.peer_state()
+        weights = {key: state[key] for key in ("parameters", "shards", "buffers")}
+        mine = [zlib.crc32(to_safetensors(weights)), zlib.crc32(to_safetensors(state))]
+        ranks = [mine] * self.ctx.world_size
         if self.ctx.world_size > 1:
-            dist.all_gather_object(digests, digests[0])
-        return {**super().memory_of_every_rank(), "state_crc32": digests}
+            dist.all_gather_object(ranks, mine)
+        return {**super().memory_of_every_rank(), "weights_crc32": [r[0] for r in ranks],
+                "state_crc32": [r[1] for r in ranks]}
 
     def finish(self, summary: dict) -> None:
         summary["fault_tolerance"] = {"replica_group": self.groups.index, "replica_groups": self.groups.count,
