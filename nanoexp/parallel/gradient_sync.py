@@ -113,6 +113,8 @@ class GradientSync:
             self.engines.append(self._engine(other, False, options, trace.bind(chunk=c)))
             if ctx.ep > 1:   # routed experts: summed over the edp ranks that hold them, averaged over dp x cp
                 self.expert_engines.append(self._engine(expert, True, options, trace.bind(chunk=c, experts=True)))
+        self.by_chunk = [[engine, *self.expert_engines[c:c + 1]] for c, engine in enumerate(self.engines)]
+        self.all_engines = self.engines + self.expert_engines   # in the order every rank finishes them
 
     def _engine(self, units, expert: bool, options: ZeroOptions, trace) -> ZeroEngine:
         """The engine of `units` over ZeRO's groups (ParallelContext.zero_axes), averaging over dp x cp. A shard
@@ -122,27 +124,33 @@ class GradientSync:
             return ZeroEngine(units, replica, 0, self.categories, options, self.ctx.dp_cp, trace=trace)
         return ZeroEngine(units, shard, self.stage, self.categories, options, self.ctx.dp_cp, replica, trace)
 
-    def chunk_engines(self, chunk: int) -> list[ZeroEngine]:
-        return [self.engines[chunk]] + ([self.expert_engines[chunk]] if self.expert_engines else [])
-
+    # -- the step, driving each engine's paths (zero/accumulated.py, scattered.py, gathered.py) ---------------
     def before_backward(self, chunk: int, last: bool) -> None:
-        """Call right before each backward through chunk `chunk`; `last`: its last of the step."""
-        for engine in self.chunk_engines(chunk):
-            engine.before_backward(last)
+        """Call right before each backward through chunk `chunk`; `last`: its last of the step (from then on each
+        accumulated unit is reduced as soon as its gradients are final)."""
+        for engine in self.by_chunk[chunk]:
+            if engine.scattered is not None:
+                engine.scattered.before_backward()
+            if last:
+                engine.accumulated.before_last_backward()
 
     def after_backward(self, chunk: int, last: bool) -> None:
-        """Call right after each backward through chunk `chunk`."""
-        for engine in self.chunk_engines(chunk):
-            engine.after_backward()
+        """Call right after each backward through chunk `chunk`: its reduce-scatters (ZeRO-2/3) land."""
+        for engine in self.by_chunk[chunk]:
+            if engine.scattered is not None:
+                engine.scattered.after_backward()
 
     def before_input_backward(self, chunk: int) -> None:
-        """Call right before a B step (the input's gradient alone, the weights' waiting for W) through `chunk`."""
-        for engine in self.chunk_engines(chunk):
-            engine.before_input_backward()
+        """Call right before a B step (the input's gradient alone, the weights' waiting for W) through `chunk`:
+        ZeRO-3 gathers the weights B multiplies by."""
+        for engine in self.by_chunk[chunk]:
+            if engine.gathered is not None:
+                engine.gathered.before_input_backward()
 
     def after_input_backward(self, chunk: int) -> None:
-        for engine in self.chunk_engines(chunk):
-            engine.after_input_backward()
+        for engine in self.by_chunk[chunk]:
+            if engine.gathered is not None:
+                engine.gathered.after_input_backward()
 
     def finish(self) -> None:
         """Every gradient final (ParameterCategories' table): the sequence-parallel sums over tp, each engine's
@@ -154,17 +162,15 @@ class GradientSync:
             engine.accumulated.reduce(rest=True)   # what the last backward's hooks did not post
             engine.accumulated.finish()            # every reduction waited for, then the average
         for engine in self.all_engines:
-            engine.scattered.finish()   # reduce-scattered in every backward (ScatteredGradients.reduce): the average
+            if engine.scattered is not None:   # reduce-scattered in every backward (ScatteredGradients.reduce)
+                engine.scattered.finish()
         all_reduce_grads(categories.tied_across_stages, ctx.embedding_group)   # the two ends summed
-
-    @property
-    def all_engines(self) -> list[ZeroEngine]:
-        """Every engine, in the order every rank finishes them."""
-        return self.engines + self.expert_engines
 
     def zero_grad(self) -> None:
         for engine in self.all_engines:
-            engine.zero_grad()
+            engine.accumulated.zero_grad()
+            if engine.scattered is not None:
+                engine.scattered.zero_grad()
 
     # -- what the optimizer reads ------------------------------------------------------------
     def held_as_shards(self) -> set[int]:
@@ -174,21 +180,25 @@ class GradientSync:
 
     def shard_pieces(self) -> list[ShardPiece]:
         """ZeRO: the parts of parameters this rank updates, with their averaged gradients."""
-        return ([piece for engine in self.all_engines for piece in engine.accumulated.pieces()]
-                + [piece for engine in self.all_engines for piece in engine.scattered.pieces()])
+        return self._pieces(self.all_engines)
 
     def first_copy_pieces(self) -> list[ShardPiece]:
         """The shard pieces of which this rank holds the first copy (ZeroEngine.first_copy): what the gradient
         norm counts and checkpoints write; all of them without hybrid sharding."""
-        first = [engine for engine in self.all_engines if engine.first_copy]
-        return ([piece for engine in first for piece in engine.accumulated.pieces()]
-                + [piece for engine in first for piece in engine.scattered.pieces()])
+        return self._pieces([engine for engine in self.all_engines if engine.first_copy])
+
+    @staticmethod
+    def _pieces(engines: list[ZeroEngine]) -> list[ShardPiece]:
+        """The shard pieces of `engines`: every accumulated one, then every scattered one (the optimizer's order)."""
+        return ([piece for engine in engines for piece in engine.accumulated.pieces()]
+                + [piece for engine in engines if engine.scattered is not None for piece in engine.scattered.pieces()])
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """ZeRO-1 and 2, after the update of the shard pieces: every rank gets every updated parameter."""
         works = [work for engine in self.all_engines for work in engine.gather_parameters(engine.accumulated.units)]
-        works += [work for engine in self.all_engines for work in engine.gather_parameters(engine.scattered.units)]
+        works += [work for engine in self.all_engines if engine.scattered is not None
+                  for work in engine.gather_parameters(engine.scattered.units)]
         for work in works:
             work.wait()
 

@@ -21,10 +21,10 @@ from nanoexp.instruments.trace import NO_TRACE
 
 @dataclass(frozen=True)
 class ZeroOptions:
-    """The optimizer group's ZeRO settings every engine of a rank shares (docs/zero.md): the size of stage 0-2's
-    units, ZeRO-3's prefetch and whether a module's weights are freed after its forward, whether a reduce-scatter
-    stays in flight during the next unit's backward, how ZeRO-3 gathers a number format's weights (None: float32),
-    and whether the pipeline runs each backward as B and W (zb_h1: reductions follow the W steps)."""
+    """The ZeRO settings every engine of a rank shares (docs/zero.md; build_runtime reads them from the config): the
+    size of stage 0-2's units, ZeRO-3's prefetch and whether a module's weights are freed after its forward, whether
+    a reduce-scatter stays in flight during the next unit's backward, how ZeRO-3 gathers a number format's weights
+    (None: float32), and whether the pipeline runs each backward as B and W (zb_h1: reductions follow the W steps)."""
     bucket_cap_mb: float = 25.0
     prefetch: int = 1
     reshard_after_forward: bool = True
@@ -43,9 +43,8 @@ class ZeroEngine:
     group, then with `replicas` (hybrid sharding: an Axis of the ranks holding the same shard) over those once a
     step, and divided by `average_over`.
 
-    Its paths: `accumulated`, `scattered`, `gathered` (ZeRO-3, else None). The step: `before_backward(last)` /
-    `after_backward()` around each backward through the chunk, the paths' `finish()` after the last, the
-    optimizer on their `pieces()`, `gather_parameters()`, `zero_grad()`."""
+    It builds the units and the paths that run them in a step (GradientSync drives them): `accumulated`,
+    `scattered` (ZeRO-2/3, else None) and `gathered` (ZeRO-3, else None). After the update: `gather_parameters`."""
 
     def __init__(self, units, axis, stage: int, categories, options: ZeroOptions = ZeroOptions(),
                  average_over: int | None = None, replicas=None, trace=NO_TRACE):
@@ -61,12 +60,17 @@ class ZeroEngine:
         average_over = average_over or self.size
         self.accumulated = AccumulatedGradients(accumulated, self.group, self.enabled, average_over, self.replicas,
                                                 trace)
-        self.scattered = ScatteredGradients(scattered, self.group, average_over, self.replicas, trace,
-                                            options.overlap_reduce_scatter, options.split_backward)
-        self.gathered = None if not self.stage.shards_parameters else GatheredParameters(
-            self.scattered, self.group, options.prefetch, options.reshard_after_forward, trace)
-        self.scattered.pieces()   # before zero_grad frees the gradient shards
-        self.zero_grad()
+        self.scattered = self.gathered = None
+        if self.stage.shards_gradients:
+            self.scattered = ScatteredGradients(scattered, self.group, average_over, self.replicas, trace,
+                                                options.overlap_reduce_scatter, options.split_backward)
+        if self.stage.shards_parameters:
+            self.gathered = GatheredParameters(self.scattered, self.group, options.prefetch,
+                                               options.reshard_after_forward, trace)
+        self.accumulated.zero_grad()
+        if self.scattered is not None:
+            self.scattered.pieces()   # before zero_grad frees the gradient shards
+            self.scattered.zero_grad()
 
     def _plan(self, units, categories, options: ZeroOptions) -> tuple[list[Unit], list[Unit]]:
         """(accumulated, scattered) units: stages 0-1 accumulate every parameter; stages 2-3 those always
@@ -83,32 +87,6 @@ class ZeroEngine:
         return accumulated, plan_scattered(units, self.stage, self.size, self.rank, options.bucket_cap_mb,
                                            options.gather_format)
 
-    # -- the backward ----------------------------------------------------------------------------------
-    def before_backward(self, last: bool) -> None:
-        """Call right before each backward through the chunk; `last`: its last of the step (from then on each
-        accumulated unit is reduced as soon as its gradients are final)."""
-        self.scattered.before_backward()
-        if last and self.enabled:
-            self.accumulated.before_last_backward()
-
-    def after_backward(self) -> None:
-        """Call right after each backward through the chunk: the scattered units' reduce-scatters land."""
-        self.scattered.after_backward()
-
-    def before_input_backward(self) -> None:
-        """Call right before a B step (split_backward): ZeRO-3 gathers the weights B multiplies by."""
-        if self.gathered is not None:
-            self.gathered.before_input_backward()
-
-    def after_input_backward(self) -> None:
-        if self.gathered is not None:
-            self.gathered.after_input_backward()
-
-    def zero_grad(self) -> None:
-        self.accumulated.zero_grad()
-        self.scattered.zero_grad()
-
-    # -- after the update --------------------------------------------------------------------------------
     def gather_parameters(self, units: list[Unit]) -> list:
         """After the update of the shards: post the all-gather of each unit's updated shard into its whole
         buffer (ZeRO-3's scattered units are gathered when next used); returns the works to wait on."""
@@ -128,12 +106,12 @@ class ZeroEngine:
 
     def held_as_shards(self) -> set[int]:
         """Stage 3: the ids of the parameters held only as shard pieces."""
-        return {id(p) for unit in self.scattered.units for p in unit.params} if self.gathered is not None else set()
+        return {id(p) for unit in self.gathered.units for p in unit.params} if self.gathered is not None else set()
 
     def buffer_bytes(self) -> tuple[int, int]:
         """(parameter, gradient) bytes of the buffers: the parameters held between steps, the gradients from
         backward to the update (ZeRO-2/3 free their gradient shards between steps)."""
-        accumulated, scattered = self.accumulated.units, self.scattered.units
+        accumulated, scattered = self.accumulated.units, self.scattered.units if self.scattered is not None else []
         values = sum(u.shard_size if self.stage.shards_parameters else u.padded for u in scattered)
         values += sum(u.padded for u in accumulated)
         return 4 * values, 4 * (sum(u.padded for u in accumulated) + sum(u.shard_size for u in scattered))

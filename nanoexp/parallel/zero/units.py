@@ -1,7 +1,7 @@
 """What the parts of a ZeRO engine (engine.py) share: the unit, the parameters one collective moves, in a flat
 float32 buffer of which each rank owns an equal shard (`Unit`); the parts of parameters a shard holds (`ShardPiece`);
 what each ZeRO stage shards (`ZeroStage`); how a number format's weights travel in ZeRO-3's gathers (`GatherFormat`);
-and how a lane's summed gradients become the step's average (`average`)."""
+and how a path's summed gradients become the step's average (`average`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
