@@ -22,7 +22,7 @@ from nanoexp.checkpoint.save import FORMAT_VERSION, CheckpointError, rank_file
 from nanoexp.model.llama import buffer_shapes, parameter_shapes
 from nanoexp.checkpoint.save import persistent_buffers
 from nanoexp.model.placement import expert_values, local_slice, stored_names
-from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
 

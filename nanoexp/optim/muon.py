@@ -149,7 +149,7 @@ class TensorParallelMuon(torch.optim.Optimizer):
 
 
 class ShardedMuon(TensorParallelMuon):
-    """TensorParallelMuon's update under ZeRO, over this rank's shard `pieces` (parallel/sharding.py ShardPiece: a
+    """TensorParallelMuon's update under ZeRO, over this rank's shard `pieces` (parallel/zero/units.py ShardPiece: a
     range of a parameter's flattened elements) of the Muon `matrices`. The momentum stays sharded (element-wise);
     each matrix's update direction is put together from the pieces of every rank of `dp_group` (a routed expert's:
     of `expert_group`, the edp ranks holding it; an all-reduce of the pieces placed in zeros: every element is in

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nanoexp.checkpoint.save import persistent_buffers
 from nanoexp.data.stages import StagedBatches
 from nanoexp.parallel.replicas import to_safetensors
-from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
 from nanoexp.runtime.trainer import Trainer
 
 log = logging.getLogger("nanoexp")
