@@ -13,8 +13,9 @@ failures: `train.py` runs for --minutes each way, with a worker SIGKILLed every 
 replica groups (the launcher restarts the killed group, which heals from the live one), and as one torchrun world
 of the same ranks (`--max-restarts`, asynchronous checkpoints every N steps, N from Young-Daly's rule with the
 failure-free run's save stall and T as the MTBF: nanoexp/plan/goodput.py). Committed steps per minute (the last step
-reached, over the time), against each path's failure-free run; the median time from a kill to the killed group's
-(torchrun: the world's) first step after it, from the log lines' time stamps.
+reached, over the time) and tokens trained (the last consumed_tokens: with groups, a step without one trains less),
+against each path's failure-free run; the median time from a kill to the killed group's (torchrun: the world's)
+first step after it, from the log lines' time stamps.
 
 diloco: model=small, the same tokens, synchronous groups against DiLoCo (sync_every H): the held-out loss at the end,
 and the payload each rank all-reduced across groups per step (metrics.jsonl's cross_group_bytes), by the run itself.
@@ -155,13 +156,20 @@ def run_with_kills(command: list[str], run_dir: str, minutes: float, period: flo
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     last = max((step for log in logs(run_dir, groups) for _, step in step_times(log)), default=0)
+    tokens = max((r.get("consumed_tokens", 0) for folder in metrics_folders(run_dir, groups)
+                  for r in records(folder)), default=0)
     rejoin = []
     for moment, target in kills:
         after = [t for log in ([target] if target else logs(run_dir, groups)) for t, _ in step_times(log) if t > moment]
         if after:
             rejoin.append(min(after) - moment)
     return {"steps_per_min": last / (end - start) * 60, "rejoin_s": statistics.median(rejoin) if rejoin else None,
-            "kills": len(kills)}
+            "kills": len(kills), "tokens_per_min": tokens / (end - start) * 60}
+
+
+def metrics_folders(run_dir: str, groups: bool) -> list[str]:
+    folders = [os.path.join(run_dir, f"group_{g}") for g in (0, 1)] if groups else [run_dir]
+    return [folder for folder in folders if os.path.exists(os.path.join(folder, "metrics.jsonl"))]
 
 
 def logs(run_dir: str, groups: bool) -> list[str]:
@@ -179,7 +187,7 @@ def main_failures(args) -> None:
     work = tempfile.mkdtemp(prefix="bench-ft-failures-")
     shape = ["model=tiny", "tokens.sequence_length=128", "tokens.global_batch_size=8", "tokens.micro_batch_size=2",
              "tokens.val_check_interval=0", "logging.tensorboard=false", "logging.iteration_step_info_interval=1",
-             "checkpoint.save_final_state=false"]
+             "checkpoint.save_final_state=false", "optimizer.learning_rate_scheduler.lr_warmup_steps=2"]
     run = shape + ["tokens.train_steps=100000", f"fault_injection.slow_step_s={args.slow_step_s}"]
     ft = [sys.executable, os.path.join(ROOT, "train.py"), *run, *TORCHFT, "fault_tolerance.max_restarts=1000",
           "checkpoint.checkpoint_interval=0"]
@@ -197,8 +205,8 @@ def main_failures(args) -> None:
                                   None, False)
     print(f"save stall {stall:.3f} s (async, dp2); failure-free: groups {base_ft['steps_per_min']:.0f} steps/min, "
           f"one world {base_restart['steps_per_min']:.0f} steps/min; load average {os.getloadavg()[0]:.1f}")
-    print("| T (s) | path | checkpoint every | kills | committed steps/min | vs failure-free | kill -> first step of "
-          "the killed part (median) |\n|---|---|---|---|---|---|---|")
+    print("| T (s) | path | checkpoint every | kills | committed steps/min | vs failure-free | tokens trained vs "
+          "failure-free | kill -> first step of the killed part (median) |\n|---|---|---|---|---|---|---|---|")
     for period in args.periods:
         step_s = 60 / base_restart["steps_per_min"]
         interval = max(1, round(young_daly_interval_s(stall, period) / step_s))
@@ -210,7 +218,8 @@ def main_failures(args) -> None:
             every = "end only" if path == "replica groups" else f"{interval} steps"
             rejoin = f"{result['rejoin_s']:.1f} s" if result["rejoin_s"] is not None else "-"
             print(f"| {period:g} | {path} | {every} | {result['kills']} | {result['steps_per_min']:.0f} | "
-                  f"{result['steps_per_min'] / base['steps_per_min']:.2f} | {rejoin} |", flush=True)
+                  f"{result['steps_per_min'] / base['steps_per_min']:.2f} | "
+                  f"{result['tokens_per_min'] / base['tokens_per_min']:.2f} | {rejoin} |", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
 

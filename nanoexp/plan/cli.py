@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from nanoexp.config import ConfigError, compose, normalize
+from nanoexp.model.llama import count_parameters
+from nanoexp.model.shape import model_shape
 from nanoexp.plan.hardware import GPUS, hardware
+from nanoexp.plan.goodput import LLAMA3_GPU_HOURS_PER_FAILURE, layout_goodput, replica_groups
 from nanoexp.plan.search import rank
 
 
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--hf-config", help="a Hugging Face config.json (Llama, Mixtral, Qwen-MoE shapes)")
+    parser.add_argument("--mtbf-gpu-hours", type=float, default=LLAMA3_GPU_HOURS_PER_FAILURE,
+                        help="GPU-hours between failures (default: Llama 3's 405B run, 50,700; docs/fault-tolerance.md)")
     args = parser.parse_args(argv)
     if args.gpus < 1:
         return fail("--gpus", f"{args.gpus} is not a positive GPU count")
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--gpu", f"unknown gpu {args.gpu!r}: one of {', '.join([*GPUS, 'cpu'])}")
     if args.top < 1:
         return fail("--top", "must be at least 1")
+    if not args.mtbf_gpu_hours > 0:
+        return fail("--mtbf-gpu-hours", f"{args.mtbf_gpu_hours} is not a positive number of GPU-hours")
     try:
         cfg = base_config(args.overrides, args.seq, args.global_batch_tokens, args.hf_config)
     except (ConfigError, ValueError, OSError) as error:
@@ -76,11 +84,29 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware(args.gpu, dtype=str(cfg.model.dtype))   # a CPU computes in the run's dtype
     ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
     if args.json:
-        print(json.dumps([p.as_dict() for p in ranking.predictions], indent=1))
+        parameters = count_parameters(model_shape(cfg))
+        print(json.dumps([{**p.as_dict(), "replica_groups": replica_groups(p), "goodput": asdict(layout_goodput(
+            p, parameters, args.gpus, hw, args.mtbf_gpu_hours))} for p in ranking.predictions], indent=1))
         return 0
     m = cfg.model.model_config
     print(f"{args.gpus} x {hw.name} ({args.gpus_per_node} a node): hidden {m.hidden_size}, {m.num_hidden_layers} layers, "
           f"sequence {cfg.tokens.sequence_length}, global batch {cfg.tokens.global_batch_size} sequences "
           f"({cfg.tokens.global_batch_size * cfg.tokens.sequence_length:,} tokens)")
     print_table(ranking, args.gpus, hw)
+    print_goodput(ranking, cfg, args.gpus, hw, args.mtbf_gpu_hours)
     return 0
+
+
+def print_goodput(ranking, cfg, gpus: int, hw, mtbf_gpu_hours: float) -> None:
+    """Each layout's goodput when GPUs fail every `mtbf_gpu_hours` (nanoexp/plan/goodput.py)."""
+    parameters = count_parameters(model_shape(cfg))
+    rows = [(i, p, layout_goodput(p, parameters, gpus, hw, mtbf_gpu_hours)) for i, p in enumerate(ranking.predictions, 1)]
+    if not rows:
+        return
+    print(f"goodput, a failure every {mtbf_gpu_hours:,.0f} GPU-hours: {rows[0][2].failures_per_day:.2f} a day "
+          "(restart: from checkpoints every Young-Daly interval; groups: fault_tolerance=torchft, one per replica)")
+    print(f"{'#':>2} {'layout':<22}{'save stall':>11}{'interval':>10}{'restart':>9}{'groups':>8}{'torchft':>9}")
+    for i, p, g in rows:
+        print(f"{i:>2} {p.name:<22}{g.save_stall_s:>10.2f}s"
+              f"{g.checkpoint_interval_s / 60:>8.1f}mn{100 * g.restart:>8.2f}%{replica_groups(p):>8}"
+              f"{100 * g.replica_groups:>8.2f}%")

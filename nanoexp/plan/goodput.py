@@ -20,11 +20,17 @@ import math
 from dataclasses import dataclass
 
 LLAMA3_GPU_HOURS_PER_FAILURE = 54 * 24 * 16_384 / 419   # 50,678: Llama 3's 405B pre-training, section 3.3.4
+# Assumptions (flags of scripts/plan.py change the first; the rest are stated here and in docs/fault-tolerance.md):
+RESTART_S = 600.0             # a restart after a failure: rescheduling, process start, communicators (10 minutes)
+HOST_COPY_BYTES_PER_S = 25e9  # an asynchronous save's stall: its copy to the host (PCIe Gen5 x16, ~40 % of 64 GB/s)
+READ_BYTES_PER_S = 2e9        # reading a checkpoint shard back, per GPU (a parallel file system's share)
+HEARTBEAT_S = 2.0             # the lighthouse notices a dead group (nanoexp's lighthouse: 2 s)
 
 
 @dataclass(frozen=True)
 class Goodput:
     failures_per_day: float
+    save_stall_s: float
     checkpoint_interval_s: float   # Young-Daly
     restart: float                 # goodput restarting from checkpoints every checkpoint_interval_s
     replica_groups: float          # goodput with replica groups
@@ -56,5 +62,35 @@ def replica_goodput(stall_s: float, rejoin_s: float, groups: int, mtbf_s: float)
 def goodput(gpus: int, save_s: float, restart_s: float, stall_s: float, rejoin_s: float, groups: int,
             gpu_hours_per_failure: float = LLAMA3_GPU_HOURS_PER_FAILURE) -> Goodput:
     mtbf = job_mtbf_s(gpus, gpu_hours_per_failure)
-    return Goodput(86_400 / mtbf, young_daly_interval_s(save_s, mtbf), restart_goodput(save_s, restart_s, mtbf),
+    return Goodput(86_400 / mtbf, save_s, young_daly_interval_s(save_s, mtbf), restart_goodput(save_s, restart_s, mtbf),
                    replica_goodput(stall_s, rejoin_s, groups, mtbf))
+
+
+def checkpoint_shard_bytes(parameters: int, p) -> float:
+    """The busiest writer's share of a checkpoint of a layout `p` (cost.Prediction): float32 weights and AdamW's two
+    moments (12 bytes a parameter) of its tp x pp slice, the moments (ZeRO-1/2) or all (ZeRO-3) split over the ZeRO
+    group (dp, or dp_shard under hybrid sharding)."""
+    piece, zero_group = parameters / (p.tp * p.pp), p.dp_shard or p.dp
+    if p.zero_stage == 0:
+        return 12 * piece
+    return (4 * piece if p.zero_stage < 3 else 4 * piece / zero_group) + 8 * piece / zero_group
+
+
+def replica_groups(p) -> int:
+    """Groups a layout splits into under fault_tolerance: each data-parallel replica (hybrid sharding's replicas;
+    with ZeRO over all of dp, one group)."""
+    if p.dp_shard is not None:
+        return p.dp // p.dp_shard
+    return p.dp if p.zero_stage == 0 else 1
+
+
+def layout_goodput(p, parameters: int, gpus: int, hw, gpu_hours_per_failure: float = LLAMA3_GPU_HOURS_PER_FAILURE,
+                   restart_s: float = RESTART_S) -> Goodput:
+    """Goodput of layout `p` on `gpus` GPUs of `hw` (hardware.Hardware): the save stall its shard's copy to the host
+    predicts, the restart plus reading the shard back, and with replica groups a failure's stall (the heartbeat and
+    the step trained again) and a group's rejoin (a restart and the copy of a live group's state over the network)."""
+    shard = checkpoint_shard_bytes(parameters, p)
+    save_s, read_s = shard / HOST_COPY_BYTES_PER_S, shard / READ_BYTES_PER_S
+    copy_s = 12 * parameters / (p.tp * p.pp) / (hw.inter_gbps * 1e9)   # a rank's whole state from its live peer
+    return goodput(gpus, save_s, restart_s + read_s, HEARTBEAT_S + p.step_time_s, restart_s + copy_s,
+                   replica_groups(p), gpu_hours_per_failure)
