@@ -136,7 +136,8 @@ class ParallelContext:
         if self.world_size > 1:
             dist.broadcast_object_list(address, src=0)
         timeout, quorum_timeout = timedelta(seconds=ft.timeout_s), timedelta(seconds=ft.quorum_timeout_s)
-        group = (torchft.ProcessGroupNCCL if self.device.type == "cuda" else torchft.ProcessGroupGloo)(timeout=timeout)
+        kind = torchft.ProcessGroupNCCL if self.device.type == "cuda" else torchft.ProcessGroupGloo
+        group = kind(timeout=timeout)
         manager = torchft.Manager(group, None, None, min_replica_size=ft.min_replicas, use_async_quorum=False,
                           timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=quorum_timeout,
                           rank=self.rank, world_size=self.world_size, store_addr=address[0], store_port=address[1],

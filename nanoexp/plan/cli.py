@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--hf-config", help="a Hugging Face config.json (Llama, Mixtral, Qwen-MoE shapes)")
     parser.add_argument("--mtbf-gpu-hours", type=float, default=LLAMA3_GPU_HOURS_PER_FAILURE,
-                        help="GPU-hours between failures (default: Llama 3's 405B run, 50,700; docs/fault-tolerance.md)")
+                        help="GPU-hours between failures (default: Llama 3's 405B run's: docs/fault-tolerance.md)")
     args = parser.parse_args(argv)
     if args.gpus < 1:
         return fail("--gpus", f"{args.gpus} is not a positive GPU count")
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware(args.gpu, dtype=str(cfg.model.dtype))   # a CPU computes in the run's dtype
     ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
     if args.json:
-        parameters = count_parameters(model_shape(cfg))
-        print(json.dumps([{**p.as_dict(), "replica_groups": replica_groups(p), "goodput": asdict(layout_goodput(
-            p, parameters, args.gpus, hw, args.mtbf_gpu_hours))} for p in ranking.predictions], indent=1))
+        rows = zip(ranking.predictions, goodputs(ranking, cfg, args.gpus, hw, args.mtbf_gpu_hours))
+        print(json.dumps([{**p.as_dict(), "replica_groups": replica_groups(p), "goodput": asdict(g)} for p, g in rows],
+                         indent=1))
         return 0
     m = cfg.model.model_config
     print(f"{args.gpus} x {hw.name} ({args.gpus_per_node} a node): hidden {m.hidden_size}, {m.num_hidden_layers} layers, "
@@ -97,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_goodput(ranking, cfg, gpus: int, hw, mtbf_gpu_hours: float) -> None:
-    """Each layout's goodput when GPUs fail every `mtbf_gpu_hours` (nanoexp/plan/goodput.py)."""
+def goodputs(ranking, cfg, gpus: int, hw, mtbf_gpu_hours: float) -> list:
+    """Each ranked layout's goodput when GPUs fail every `mtbf_gpu_hours` (nanoexp/plan/goodput.py)."""
     parameters = count_parameters(model_shape(cfg))
-    rows = [(i, p, layout_goodput(p, parameters, gpus, hw, mtbf_gpu_hours)) for i, p in enumerate(ranking.predictions, 1)]
+    return [layout_goodput(p, parameters, gpus, hw, mtbf_gpu_hours) for p in ranking.predictions]
+
+
+def print_goodput(ranking, cfg, gpus: int, hw, mtbf_gpu_hours: float) -> None:
+    rows = [(i, p, g) for i, (p, g) in enumerate(zip(ranking.predictions, goodputs(ranking, cfg, gpus, hw,
+                                                                                     mtbf_gpu_hours)), 1)]
     if not rows:
         return
     print(f"goodput, a failure every {mtbf_gpu_hours:,.0f} GPU-hours: {rows[0][2].failures_per_day:.2f} a day "

@@ -140,8 +140,8 @@ class ReplicaTrainer(Trainer):
                 "shards": {str(i): piece.value for i, piece in enumerate(self.grad_sync.shard_pieces())
                            if id(piece.param) in held},
                 "buffers": dict(persistent_buffers(self.model)), "optimizer": optimizer_state(self.optimizer),
-                "progress": {"step": self.done, "consumed_samples": p.consumed_samples, "consumed_tokens": p.consumed_tokens,
-                             "skipped_steps": p.skipped_steps, "stage_consumed_samples": p.stage_consumed_samples,
+                "progress": {"step": self.done, "consumed_samples": p.consumed_samples,
+                             "consumed_tokens": p.consumed_tokens, "skipped_steps": p.skipped_steps, "stage_consumed_samples": p.stage_consumed_samples,
                              "lr_step_offset": self.resume.lr_step_offset}}
 
     @torch.no_grad()
@@ -185,9 +185,10 @@ class ReplicaTrainer(Trainer):
                 "state_crc32": [r[1] for r in ranks]}
 
     def finish(self, summary: dict) -> None:
+        trained = self.progress.consumed_tokens // self.cfg.tokens.sequence_length
         summary["fault_tolerance"] = {"replica_group": self.groups.index, "replica_groups": self.groups.count,
                                       "retried_steps": self.retried_steps, "heals": self.heals,
-                                      "trained_samples": self.progress.consumed_tokens // self.cfg.tokens.sequence_length}
+                                      "trained_samples": trained}
         try:
             super().finish(summary)
         finally:
