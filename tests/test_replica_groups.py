@@ -23,9 +23,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("tor
 
 BASE = FAST + ["tokens.val_check_interval=0", "checkpoint.checkpoint_interval=0"]
 TORCHFT = ["fault_tolerance=torchft"]
-# the plain layout, each group's layout (2 groups: the same dp x cp x tp x pp ranks in all), extra keys
-PARITY = {"dp2": ("dp4tp1pp1", "dp2tp1pp1", []), "tp2": ("dp2tp2pp1", "dp1tp2pp1", []),
-          "pp2": ("dp2tp1pp2", "dp1tp1pp2", []), "zero1": ("dp4tp1pp1", "dp2tp1pp1", ["optimizer.zero_stage=1"]),
+# the plain layout, each group's layout (2 groups: the same dp x cp x tp x pp ranks in all), extra keys. The
+# gradient path's three kinds of final gradients: whole buffers (dp2), a pipeline stage's (pp2), ZeRO shards (zero3);
+# tp2 and ZeRO-1 groups are in benchmarks/bench_replica_groups.py's parity table (suite time).
+PARITY = {"dp2": ("dp4tp1pp1", "dp2tp1pp1", []), "pp2": ("dp2tp1pp2", "dp1tp1pp2", []),
           "zero3": ("dp4tp1pp1", "dp2tp1pp1", ["optimizer.zero_stage=3"])}
 
 
