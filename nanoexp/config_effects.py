@@ -38,7 +38,10 @@ EFFECTS = (
     Effect("fault_injection.kill_at_step", lambda cfg: cfg.fault_injection.kill_group is not None,
            "fault_injection.kill_group set"),
     Effect("fault_tolerance.*", lambda cfg: cfg.fault_tolerance.method != "none", "fault_tolerance=torchft",
-           besides=("method", "sync_every", "outer_lr", "outer_momentum")),
+           besides=("method", "max_restarts", "sync_every", "outer_lr", "outer_momentum")),
+    Effect("fault_tolerance.max_restarts", lambda cfg: cfg.fault_tolerance.method != "none" and
+           cfg.fault_tolerance.group is None, "fault_tolerance=torchft with fault_tolerance.group=null (the groups "
+           "started on this machine, which nanoexp restarts)"),
     Effect("fault_tolerance.sync_every", lambda cfg: cfg.fault_tolerance.semi_sync == "diloco",
            "fault_tolerance.semi_sync=diloco"),
     Effect("fault_tolerance.outer_*", lambda cfg: cfg.fault_tolerance.semi_sync == "diloco",
