@@ -12,7 +12,8 @@ first correction, - save_s; goodput = 1 - save_s / interval - (interval / 2 + re
 Replica groups (fault_tolerance=torchft): a failure stops every group only while the lighthouse notices it and the
 step in flight is trained again (`stall_s`); the failed group (1/R of the throughput) is out until it has restarted
 and copied a live peer's state (`rejoin_s`). goodput = 1 - (stall_s + rejoin_s / R) / MTBF (checkpoints, for a
-failure of every group at once, are rare enough to be written seldom: their stall is left out).
+failure of every group at once, are rare enough to be written seldom: their stall is left out). A layout with one
+group (ZeRO over all of its data parallelism) has no live peer to copy from: its goodput is the restart's.
 """
 from __future__ import annotations
 
@@ -54,16 +55,17 @@ def restart_goodput(save_s: float, restart_s: float, mtbf_s: float, interval_s: 
 
 
 def replica_goodput(stall_s: float, rejoin_s: float, groups: int, mtbf_s: float) -> float:
-    """Useful share of time with `groups` replica groups: every failure stalls all `stall_s` and the failed
-    group's share for `rejoin_s`."""
+    """Useful share of time with `groups` replica groups (at least 2: one group has no live peer to copy from, and
+    restarts from its checkpoint): every failure stalls all `stall_s` and the failed group's share for `rejoin_s`."""
     return max(0.0, 1.0 - (stall_s + rejoin_s / groups) / mtbf_s)
 
 
 def goodput(gpus: int, save_s: float, restart_s: float, stall_s: float, rejoin_s: float, groups: int,
             gpu_hours_per_failure: float = LLAMA3_GPU_HOURS_PER_FAILURE) -> Goodput:
     mtbf = job_mtbf_s(gpus, gpu_hours_per_failure)
-    return Goodput(86_400 / mtbf, save_s, young_daly_interval_s(save_s, mtbf), restart_goodput(save_s, restart_s, mtbf),
-                   replica_goodput(stall_s, rejoin_s, groups, mtbf))
+    restart = restart_goodput(save_s, restart_s, mtbf)
+    replicas = replica_goodput(stall_s, rejoin_s, groups, mtbf) if groups > 1 else restart
+    return Goodput(86_400 / mtbf, save_s, young_daly_interval_s(save_s, mtbf), restart, replicas)
 
 
 def checkpoint_shard_bytes(parameters: int, p) -> float:
