@@ -1,7 +1,7 @@
 """Goodput: the share of a job's time that trains steps it keeps, when its GPUs fail.
 
 Failures come at the rate the Llama 3 405B run saw: 419 unexpected interruptions in 54 days on 16,384 H100s
-(Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4), one per 54 x 24 x 16,384 / 419 = 50,700
+(Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4), one per 54 x 24 x 16,384 / 419 = 50,677
 GPU-hours, so a job of n GPUs fails every 50,700 / n hours on average (a failure anywhere stops it).
 
 Restart from a checkpoint (every failure stops every rank): each save stalls training `save_s`, each failure costs
@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LLAMA3_GPU_HOURS_PER_FAILURE = 54 * 24 * 16_384 / 419   # 50,678: Llama 3's 405B pre-training, section 3.3.4
-# Assumptions (flags of scripts/plan.py change the first; the rest are stated here and in docs/fault-tolerance.md):
+LLAMA3_GPU_HOURS_PER_FAILURE = 54 * 24 * 16_384 / 419   # 50,677: Llama 3's 405B pre-training, section 3.3.4
+# Assumptions, stated here and in docs/fault-tolerance.md:
 RESTART_S = 600.0             # a restart after a failure: rescheduling, process start, communicators (10 minutes)
 HOST_COPY_BYTES_PER_S = 25e9  # an asynchronous save's stall: its copy to the host (PCIe Gen5 x16, ~40 % of 64 GB/s)
 READ_BYTES_PER_S = 2e9        # reading a checkpoint shard back, per GPU (a parallel file system's share)
