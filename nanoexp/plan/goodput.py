@@ -2,7 +2,7 @@
 
 Failures come at the rate the Llama 3 405B run saw: 419 unexpected interruptions in 54 days on 16,384 H100s
 (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4), one per 54 x 24 x 16,384 / 419 = 50,677
-GPU-hours, so a job of n GPUs fails every 50,700 / n hours on average (a failure anywhere stops it).
+GPU-hours, so a job of n GPUs fails every 50,677 / n hours on average (a failure anywhere stops it).
 
 Restart from a checkpoint (every failure stops every rank): each save stalls training `save_s`, each failure costs
 the restart (`restart_s`: new processes, process groups, reading the checkpoint) and on average half an interval of
