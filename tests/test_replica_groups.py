@@ -75,10 +75,11 @@ def test_a_group_killed_in_a_step_rejoins_and_the_run_is_the_failure_free_one(tm
 
 
 def test_the_live_group_goes_on_alone_and_counts_what_it_trained(tmp_path):
-    """min_replicas=1 and no restart: from the step group 1 dies in, group 0 trains its share of each global batch
-    alone; metrics.jsonl and summary.json count the tokens trained, half of the batch's from then on."""
+    """min_replicas=1 and no restart: from the step group 0 dies in, group 1 trains its share of each global batch
+    alone, and writes the checkpoints (the lowest live group); metrics.jsonl and summary.json count the tokens
+    trained, half of the batch's from then on."""
     ft = train(tmp_path, BASE + ["tokens.train_steps=5", "fault_tolerance.max_restarts=0",
-                                 "fault_injection.kill_group=1", "fault_injection.kill_at_step=3"] + TORCHFT)
+                                 "fault_injection.kill_group=0", "fault_injection.kill_at_step=3"] + TORCHFT)
     steps = [record for record in ft if "loss" in record]
     assert [record["replica_groups_live"] for record in steps] == [2, 2, 1, 1, 1]
     per_step = 8 * 32   # tokens.global_batch_size x tokens.sequence_length
@@ -86,7 +87,9 @@ def test_the_live_group_goes_on_alone_and_counts_what_it_trained(tmp_path):
         per_step * 2 + per_step // 2 * n for n in (1, 2, 3)]
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["status"] == "completed" and summary["consumed_tokens"] == per_step * 7 // 2
-    assert summary["groups"][0]["exit_code"] == 0 and summary["groups"][1]["exit_code"] != 0   # -9: SIGKILL
+    assert summary["groups"][1]["exit_code"] == 0 and summary["groups"][0]["exit_code"] != 0   # -9: SIGKILL
+    meta = json.load(open(tmp_path / "checkpoints" / "5" / "meta.json"))
+    assert meta["run"]["folder"] == str(tmp_path / "group_1") and meta["consumed_tokens"] == per_step * 7 // 2
 
 
 def test_a_run_resumes_on_a_plain_layout_and_back(tmp_path, train_once):

@@ -112,3 +112,34 @@ def test_the_transport_serves_the_state_of_its_step():
     finally:
         server.shutdown()
         client.shutdown()
+
+
+class FakeGroups:
+    """Stands for the other live groups, with `others` real target tokens each."""
+    every_step = True
+
+    def __init__(self, others: list[int]):
+        self.others, self.live = others, 1 + len(others)
+
+    def sum(self, tensors):
+        for tensor in tensors:
+            tensor.add_(sum(self.others))
+
+
+@pytest.mark.parametrize("others", [[], [3], [5, 8]])
+def test_the_loss_is_the_mean_over_the_live_groups_tokens(others):
+    """StepRunner.loss_denominator with live groups of `others` tokens besides this one's 5: every group divides
+    its token-loss sum by (the live groups' tokens / (dp x cp x live groups)), so that the average over the live
+    groups (parallel/replicas.py) of their losses is the mean over every token they trained, however many each had."""
+    from types import SimpleNamespace
+
+    from nanoexp.runtime.step import StepRunner
+    runner = StepRunner.__new__(StepRunner)
+    runner.ctx = SimpleNamespace(is_last_stage=True, dp_cp=1, device=torch.device("cpu"),
+                                 replica_groups=FakeGroups(others))
+    labels = torch.tensor([[1, 2, -100, 3], [4, -100, -100, 5]])   # 5 real targets (IGNORE_INDEX is -100)
+    denominator = runner.loss_denominator([{"labels": labels}])
+    tokens = [5, *others]
+    sums = [2.0 * n + 1 for n in tokens]   # each group's token-loss sum
+    averaged = sum(total / denominator for total in sums) / len(tokens)
+    assert float(averaged) == pytest.approx(sum(sums) / sum(tokens), rel=1e-6)
