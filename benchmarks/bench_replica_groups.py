@@ -230,14 +230,13 @@ def main_diloco(args) -> None:
            "tokens.global_batch_size=16", "tokens.micro_batch_size=4", "tokens.limit_val_batches=8",
            "logging.tensorboard=false", "checkpoint.checkpoint_interval=0", *TORCHFT]
     rows = []
-    for name, extra in [("synchronous", []), (f"DiLoCo H={args.sync_every}", [
+    for name, extra in [("synchronous", []), (f"diloco_H{args.sync_every}", [
             "fault_tolerance.semi_sync=diloco", f"fault_tolerance.sync_every={args.sync_every}"])]:
         start = time.time()
         train_py(f"{work}/{name}", run + extra, timeout=24 * 3600)
-        steps = [r for r in records(f"{work}/{name}") if "loss" in r]
-        evals = [r["eval_loss"] for r in records(f"{work}/{name}") if "eval_loss" in r]
-        rows.append((name, evals[-1], sum(r["cross_group_bytes"] for r in steps) / len(steps),
-                     steps[-1]["consumed_tokens"], time.time() - start))
+        summary = json.load(open(f"{work}/{name}/group_0/summary.json"))
+        rows.append((name, summary["eval_loss"], summary["fault_tolerance"]["cross_group_bytes"] / args.steps,
+                     summary["consumed_tokens"], time.time() - start))
     print(f"model=small, {args.steps} steps of 16 x 128 tokens, 2 groups; load average {os.getloadavg()[0]:.1f}")
     print("| training | eval loss | cross-group bytes per step per rank | tokens | wall |\n|---|---|---|---|---|")
     for name, loss, sent, tokens, wall in rows:

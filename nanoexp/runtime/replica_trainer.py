@@ -113,7 +113,7 @@ class ReplicaTrainer(Trainer):
 
     def step_record(self, *args) -> dict:
         """With the live groups (under DiLoCo, at the last sync) and the payload this rank all-reduced across groups
-        since the last record."""
+        in the step (summary.json's fault_tolerance.cross_group_bytes: in the run)."""
         sent, self.bytes_recorded = self.groups.bytes_reduced - self.bytes_recorded, self.groups.bytes_reduced
         return {**super().step_record(*args), "replica_groups_live": self.groups.live, "cross_group_bytes": sent}
 
@@ -188,7 +188,7 @@ class ReplicaTrainer(Trainer):
         trained = self.progress.consumed_tokens // self.cfg.tokens.sequence_length
         summary["fault_tolerance"] = {"replica_group": self.groups.index, "replica_groups": self.groups.count,
                                       "retried_steps": self.retried_steps, "heals": self.heals,
-                                      "trained_samples": trained}
+                                      "trained_samples": trained, "cross_group_bytes": self.groups.bytes_reduced}
         try:
             super().finish(summary)
         finally:
