@@ -18,7 +18,8 @@ against each path's failure-free run; the median time from a kill to the killed 
 first step after it, from the log lines' time stamps.
 
 diloco: model=small, the same tokens, synchronous groups against DiLoCo (sync_every H): the held-out loss at the end,
-and the payload each rank all-reduced across groups per step (metrics.jsonl's cross_group_bytes), by the run itself.
+and the payload each rank all-reduced across groups per step (summary.json's fault_tolerance.cross_group_bytes over
+the steps), counted by the run itself.
 """
 from __future__ import annotations
 
