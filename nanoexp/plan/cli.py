@@ -110,8 +110,8 @@ def print_goodput(ranking, cfg, gpus: int, hw, mtbf_gpu_hours: float) -> None:
         return
     print(f"goodput, a failure every {mtbf_gpu_hours:,.0f} GPU-hours: {rows[0][2].failures_per_day:.2f} a day "
           "(restart: from checkpoints every Young-Daly interval; groups: fault_tolerance=torchft, one per replica)")
-    print(f"{'#':>2} {'layout':<22}{'save stall':>11}{'interval':>10}{'restart':>9}{'groups':>8}{'torchft':>9}")
+    print(f"{'#':>2} {'layout':<22}{'save stall':>11}{'interval':>11}{'restart':>9}{'groups':>8}{'torchft':>9}")
     for i, p, g in rows:
         print(f"{i:>2} {p.name:<22}{g.save_stall_s:>10.2f}s"
-              f"{g.checkpoint_interval_s / 60:>8.1f}mn{100 * g.restart:>8.3f}%{replica_groups(p):>8}"
+              f"{g.checkpoint_interval_s / 60:>7.1f} min{100 * g.restart:>8.3f}%{replica_groups(p):>8}"
               f"{100 * g.replica_groups:>8.3f}%")
