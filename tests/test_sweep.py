@@ -106,7 +106,7 @@ def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
     assert result.returncode == 0, result.stderr
     assert "3 jobs, 1 failed" in result.stdout
     rows = list(csv.DictReader(open(out / "summary.csv")))
-    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    assert [r["job"] for r in rows] == ["0", "1", "2"]   # job order, whichever job has the lower loss on this CPU
     assert [r["state"] for r in rows] == ["completed", "completed", "failed"]
     assert [r["layout"] for r in rows] == ["dp2tp1pp1", "dp1tp2pp1", "dp1tp4pp1"]
     assert "num_key_value_heads=2 is not divisible by parallelism.tp=4" in rows[2]["reason"]
@@ -116,6 +116,10 @@ def test_summarize_sweep_lists_the_failed_job_with_its_reason(local_sweep):
         assert float(rows[job]["tokens_per_sec"]) == summary["tokens_per_sec"]
         job_cfg = OmegaConf.load(sweep / str(job) / ".hydra" / "config.yaml")   # the peak LR the job ran with
         assert float(rows[job]["lr"]) == job_cfg.optimizer.learning_rate_scheduler.learning_rate
+    # rank by eval loss, lowest first; equal losses share a place; the failed job has none
+    losses = [json.loads((sweep / str(job) / "summary.json").read_text())["eval_loss"] for job in (0, 1)]
+    assert [int(rows[job]["rank"]) for job in (0, 1)] == [1 + (losses[1] < losses[0]), 1 + (losses[0] < losses[1])]
+    assert rows[2]["rank"] == "" and "rank: by eval_loss, lowest first (rows in job order)" in result.stdout
     for plot in ("loss_curves.png", "tokens_per_sec.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -203,6 +207,48 @@ def test_sweep_table_shows_only_the_overrides_that_differ_with_one_format_per_co
     lines = table(rows, ["job", "overrides", "final_loss", "tokens_per_sec", "mfu", "state"]).splitlines()
     assert lines[1].split()[2:5] == ["2.0000", "12,346", "12.34%"]
     assert lines[2].split()[3:6] == ["1.2346", "999", "-"]
+
+
+def test_the_rank_column_ranks_without_reordering_the_jobs():
+    from nanoexp.launch.sweep_report import add_rank
+    rows = [{"job": j, "eval_loss": v, "eval/t/acc": a}
+            for j, (v, a) in enumerate([(2.0, 0.4), (1.9, 0.4), (None, None), (float("nan"), 0.1), (1.9, 0.5)])]
+    add_rank(rows, "eval_loss")
+    assert [row["job"] for row in rows] == [0, 1, 2, 3, 4] and [row["rank"] for row in rows] == [3, 1, None, None, 1]
+    add_rank(rows, "eval/t/acc")   # a task's score: highest first
+    assert [row["rank"] for row in rows] == [2, 2, None, 4, 1]
+
+
+def test_eval_loss_at_each_lr_gives_one_value_per_rate():
+    """Two layouts x two rates used to list four values for two rates: jobs at one rate give their mean."""
+    from nanoexp.launch.sweep_report import best_lr_table, lr_sweep
+    rows = [{"job": j, "lr": lr, "eval_loss": loss, "width": 64, "parametrization": "standard", "optimizer": "adamW"}
+            for j, (lr, loss) in enumerate([(1e-3, 2.0), (1e-3, 2.2), (3e-4, 2.5), (3e-4, None)])]
+    curves = lr_sweep(rows)
+    assert curves == {("standard", 64): [(3e-4, 2.5), (1e-3, pytest.approx(2.1))]}
+    last = best_lr_table(curves).splitlines()[-1].split()
+    assert last[:3] == ["standard", "64", "0.001"] and last[-2:] == ["2.500", "2.100"]
+
+
+@pytest.mark.slow
+def test_the_loss_curves_legend_hides_no_curve():
+    """One legend entry per job, outside the axes (it once covered a curve), inside the saved picture."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    from nanoexp.launch.sweep_plots import loss_figure
+    rows = [{"job": j, "overrides": f"parallelism=dp{j}tp1pp1 seed={j}", "state": "completed"} for j in range(8)]
+    curves = {j: [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(1, 21)] + [{"step": 20, "eval_loss": 1.1}]
+              for j in range(8)}
+    fig = loss_figure(rows, curves)
+    fig.canvas.draw()
+    ax, = fig.axes
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [f"#{r['job']} {r['overrides']} (completed)" for r in rows]
+    box, axes_box = legend.get_window_extent(), ax.get_window_extent()
+    assert box.x0 >= axes_box.x1   # right of the axes: over no curve
+    saved = fig.get_tightbbox().transformed(fig.dpi_scale_trans)   # what bbox_inches="tight" saves, in pixels
+    assert saved.x0 <= box.x0 and box.x1 <= saved.x1 and saved.y0 <= box.y0 and box.y1 <= saved.y1
 
 
 def test_jobs_on_a_busy_machine_are_flagged():
