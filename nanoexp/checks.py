@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from omegaconf import OmegaConf
+
 from nanoexp.checkpoint.manager import check_checkpoint_folder
 from nanoexp.config import ConfigError, normalize
 from nanoexp.data.sources import check_data
@@ -22,7 +24,8 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
     normalize(cfg)
     vocab = None
     try:
-        vocab = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path).vocab_size
+        if not OmegaConf.is_missing(cfg.tokenizer, "tokenizer_name_or_path"):   # ??? (make_config.py): validate says
+            vocab = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path).vocab_size
     except (FileNotFoundError, OSError, ValueError) as error:
         raise ConfigError(f"tokenizer.tokenizer_name_or_path={cfg.tokenizer.tokenizer_name_or_path}: {error}")
     validate(cfg, world_size=world_size, tokenizer_vocab_size=vocab)
