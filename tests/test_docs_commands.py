@@ -261,6 +261,12 @@ def test_documented_command_parses(where, words, capsys):
         pytest.fail(f"{where}: {shlex.join(words)}: {type(error).__name__}: {error}")
 
 
+def test_the_readme_shows_the_sweep_its_picture_was_drawn_from():
+    from benchmarks.readme_figures import SWEEP
+    assert any(words[:3] == ["python", "train.py", "-m"] and words[3:] == SWEEP
+               for where, words in COMMANDS if where.startswith("README.md"))
+
+
 MULTIRUNS = [(where, words) for where, words in COMMANDS if words[:2] == ["python", "train.py"] and "-m" in words]
 
 
@@ -291,7 +297,8 @@ def test_readme_training_commands_run_with_debug_fast(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mytext.txt").write_text("\n".join(f"Line {i} of a text file, with a few words on it." for i in
                                                    range(3000)) + "\n")
-    readme = [words for where, words in COMMANDS if where.startswith("README.md") and runs_here(words)]
+    readme = [list(words) for words in dict.fromkeys(tuple(words) for where, words in COMMANDS
+                                                      if where.startswith("README.md") and runs_here(words))]
     assert len(readme) >= 5
     for i, words in enumerate(readme):
         run = tmp_path / f"run{i}"

@@ -14,7 +14,13 @@ from nanoexp.launch.sweep_report import best, lower_is_better
 
 
 def label(row: dict) -> str:
-    return f"#{row['job']} {row.get('overrides') or row.get('layout', '')}".strip()
+    """`#<job> <the overrides that differ>`, each key by its last part (learning_rate=0.01) unless two share it."""
+    overrides = (row.get("overrides") or row.get("layout", "")).split()
+    keys = [o.partition("=")[0] for o in overrides]
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    if len(set(short)) == len(short):
+        overrides = [f"{s}={o.partition('=')[2]}" for s, o in zip(short, overrides)]
+    return f"#{row['job']} {' '.join(overrides)}".strip()
 
 
 def loss_figure(rows: list[dict], curves: dict[int, list[dict]]):
@@ -23,9 +29,10 @@ def loss_figure(rows: list[dict], curves: dict[int, list[dict]]):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    # Curves that coincide (the same run on two layouts) stay apart by style and marker.
-    styles = itertools.cycle(itertools.product(["o", "s", "^", "v", "D", "x"], [":", "-.", (0, (5, 2))]))
-    for row, (marker, style) in zip(rows, styles):
+    # Curves that coincide (the same run on two layouts) stay apart: each job its own marker, line style and
+    # marker positions.
+    styles = zip(itertools.cycle(["o", "s", "^", "v", "D", "x", "P"]), itertools.cycle([":", "-.", (0, (5, 2))]))
+    for i, (row, (marker, style)) in enumerate(zip(rows, styles)):
         records = curves[row["job"]]
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
@@ -33,7 +40,8 @@ def loss_figure(rows: list[dict], curves: dict[int, list[dict]]):
             continue
         steps, losses = zip(*train)
         line, = ax.plot(steps, losses, linestyle="--" if row["state"] != "completed" else style, marker=marker,
-                        markevery=max(1, len(steps) // 8), markersize=4, label=f"{label(row)} ({row['state']})")
+                        markevery=(i % every, every) if (every := max(1, len(steps) // 8)) else None, markersize=5,
+                        label=f"{label(row)} ({row['state']})")
         if evals:
             ax.plot(*zip(*evals), linestyle="none", marker=marker, markersize=9, color=line.get_color(),
                     markerfacecolor="none")
