@@ -282,7 +282,8 @@ def runs_here(words: list[str]) -> bool:
     online)."""
     from nanoexp.config import compose
     from nanoexp.parallel.layout import Layout
-    if words[:2] != ["python", "train.py"] or "-m" in words or "logging.wandb.mode=online" in words:
+    if (words[:2] != ["python", "train.py"] or "-m" in words or "logging.wandb.mode=online" in words
+            or any(w.partition("=")[2] in WRITTEN_EXPERIMENTS for w in words if w.startswith("+experiment="))):
         return False
     cfg = compose(words[2:])
     return Layout.from_config(cfg).world_size == 1 and (cfg.data.name != "hf" or os.path.exists(
