@@ -279,29 +279,34 @@ def test_every_job_of_a_documented_sweep_is_valid(where, words):
 
 def runs_here(words: list[str]) -> bool:
     """A README training command of one process that needs no GPU, cluster or network (no Hub dataset, no W&B
-    online)."""
-    from nanoexp.config import compose
-    from nanoexp.parallel.layout import Layout
-    if (words[:2] != ["python", "train.py"] or "-m" in words or "logging.wandb.mode=online" in words
-            or any(w.partition("=")[2] in WRITTEN_EXPERIMENTS for w in words if w.startswith("+experiment="))):
+    online): told from its words, so that collecting the tests composes nothing."""
+    if words[:2] != ["python", "train.py"] or "-m" in words:
         return False
-    cfg = compose(words[2:])
-    return Layout.from_config(cfg).world_size == 1 and (cfg.data.name != "hf" or os.path.exists(
-        str(cfg.data.hf_dataset_or_datasets)) or cfg.data.hf_dataset_or_datasets == "mytext.txt")
+    return not any(w.startswith(("parallelism", "hydra", "logging.wandb.mode=online")) or
+                   (w.startswith("data.hf_dataset_or_datasets=") and w != "data.hf_dataset_or_datasets=mytext.txt") or
+                   (w.startswith("+experiment=") and w.partition("=")[2] in WRITTEN_EXPERIMENTS) for w in words[2:])
+
+
+README_RUNS = list(dict.fromkeys(tuple(w for w in words if w != "debug=fast") for where, words in COMMANDS
+                                 if where.startswith("README.md") and runs_here(words)))   # each once with debug=fast
+
+
+def test_the_readme_has_one_process_commands_to_run():
+    assert len(README_RUNS) >= 4 and ("python", "train.py") in README_RUNS
 
 
 @SLOW
-def test_readme_training_commands_run_with_debug_fast(tmp_path, monkeypatch):
-    """Each one-process `python train.py` line of the README, as written plus debug=fast (mytext.txt: a
-    3,000-line text written here), finishes with exit 0 and a completed summary.json."""
+@pytest.mark.parametrize("words", README_RUNS, ids=[" ".join(w[2:]) or "default" for w in README_RUNS])
+def test_readme_training_command_runs_with_debug_fast(words, tmp_path, monkeypatch):
+    """A one-process `python train.py` line of the README, as written plus debug=fast (mytext.txt: a 3,000-line
+    text written here), finishes with exit 0 and a completed summary.json."""
     import json
+    from nanoexp.config import compose
+    from nanoexp.parallel.layout import Layout
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mytext.txt").write_text("\n".join(f"Line {i} of a text file, with a few words on it." for i in
                                                    range(3000)) + "\n")
-    readme = [list(words) for words in dict.fromkeys(tuple(words) for where, words in COMMANDS
-                                                      if where.startswith("README.md") and runs_here(words))]
-    assert len(readme) >= 5
-    for i, words in enumerate(readme):
-        run = tmp_path / f"run{i}"
-        assert train_py([w for w in words[2:] if w != "debug=fast"] + ["debug=fast"], run) == 0, words
-        assert json.loads((run / "summary.json").read_text())["status"] == "completed", words
+    overrides = [*words[2:], "debug=fast"]
+    assert Layout.from_config(compose(overrides)).world_size == 1
+    assert train_py(overrides, tmp_path / "run") == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
