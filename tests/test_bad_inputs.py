@@ -54,6 +54,8 @@ CASES = [
      "tokens.sequence_length / parallelism.cp = 12/2 is not divisible by parallelism.tp=4"),
     ("unknown tp mode", ["parallelism.tp_mode=ring"], {}, "parallelism.tp_mode=ring"),
     ("unknown optimizer", ["optimizer.optimizer_factory.name=sgd"], {}, "optimizer.optimizer_factory.name=sgd"),
+    ("muon coefficients that diverge", [A + "name=muon", A + "muon_ns_coefficients=[1e30,1e30,1e30]"], {},
+     A + "muon_ns_coefficients=[1e+30, 1e+30, 1e+30]: the Newton–Schulz iteration diverges"),
     ("unknown decay style", [T + "lr_decay_style=exp"], {}, "lr_decay_style=exp"),
     ("unknown warmup style", [T + "lr_warmup_style=cubic"], {}, "lr_warmup_style=cubic"),
     ("warm-up longer than training", ["tokens.train_steps=10", T + "lr_warmup_steps=20"], {}, "lr_warmup_steps=20"),
