@@ -134,7 +134,7 @@ def test_at_least_25_cases():
 
 def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
     """The cases that need files: a missing or incompatible resume checkpoint, a dataset folder
-    without metadata, data smaller than one batch."""
+    without metadata or with a metadata.json that is not JSON, data smaller than one batch."""
     from tests.helpers import FAST, train
     from tests.test_nanoset import write_nanoset
 
@@ -142,6 +142,8 @@ def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
                                       "optimizer.learning_rate_scheduler.lr_warmup_steps=0"])
     checkpoint = tmp_path / "saved" / "checkpoints" / "1"
     (tmp_path / "no_metadata").mkdir()
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "metadata.json").write_text("garbage\n")
     small = write_nanoset(tmp_path / "small", ["to be or not to be"] * 12)
     capsys.readouterr()   # drop what the set-up run printed (stale handlers of earlier Hydra runs)
     cases = [
@@ -149,6 +151,8 @@ def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
         (FAST + [f"checkpoint.resume_checkpoint_path={checkpoint}", M + "hidden_size=96"],
          "model.embed_tokens.weight"),
         (["data=nanoset", f"data.dataset_folder=[{tmp_path / 'no_metadata'}]"], "metadata.json"),
+        (["data=nanoset", f"data.dataset_folder=[{tmp_path / 'garbage'}]"],
+         f"{tmp_path / 'garbage' / 'metadata.json'}: not valid JSON"),
         (FAST + ["data=nanoset", f"data.dataset_folder=[{small}]", "data.validation_fraction=0.3"],
          "fewer than one global batch"),
     ]
