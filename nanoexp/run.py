@@ -119,10 +119,13 @@ def node_cpu_peak(cfg) -> Peak | None:
         return None
     threads, dtype = os.cpu_count() or 1, peak_dtype(cfg)
     peak = node_peak(dtype, threads)
-    warning = slow_dtype_warning(dtype, threads, peak)
+    if dtype == "float32":
+        return peak
+    float32 = node_peak("float32", threads)   # what another dtype's speed is told against
+    warning = slow_dtype_warning(dtype, peak, float32)
     if warning:
         log.warning("%s", warning)
-    return mfu_peak(dtype, threads, peak)
+    return mfu_peak(dtype, peak, float32)
 
 
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:

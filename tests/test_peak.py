@@ -144,10 +144,11 @@ def test_a_run_that_shows_its_peak_wrong_reports_no_mfu_anywhere(tmp_path):
 
 
 def test_a_dtype_far_slower_than_float32_is_warned_about():
-    assert slow_dtype_warning("float32", 1, Peak(1.0, "")) is None
-    warning = slow_dtype_warning("bfloat16", 1, Peak(1e-9, "a tiny bf16 peak"))
+    float32 = Peak(0.2, "float32's")
+    assert slow_dtype_warning("float32", Peak(1.0, ""), float32) is None
+    warning = slow_dtype_warning("bfloat16", Peak(1e-9, "a tiny bf16 peak"), float32)
     assert "model.dtype=bfloat16" in warning and "slower than float32" in warning
-    assert slow_dtype_warning("bfloat16", 1, Peak(1e6, "a huge bf16 peak")) is None
+    assert slow_dtype_warning("bfloat16", Peak(1e6, "a huge bf16 peak"), float32) is None
 
 
 def test_fp8_runs_are_measured_against_the_peak_of_the_matmuls_that_run():
@@ -160,23 +161,23 @@ def test_fp8_runs_are_measured_against_the_peak_of_the_matmuls_that_run():
     assert peak_dtype(compose_config(FAST + ["model.fp8.enabled=true", "model.fp8.emulate=false"])) == "float8"
     measured = measure_cpu_peak("float8", threads=1, max_size=128)
     assert 1e-6 < measured.tflops < 1e3 and "float8 matmuls on 1 threads" in measured.source
-    warning = slow_dtype_warning("float8", 1, Peak(1e-9, "a tiny FP8 peak"))
+    warning = slow_dtype_warning("float8", Peak(1e-9, "a tiny FP8 peak"), Peak(0.2, "float32's"))
     assert warning.startswith("model.fp8.emulate=false") and "model.fp8.emulate=null is faster" in warning
 
 
-def test_fp8_in_software_on_a_cpu_reports_no_mfu(tmp_path, monkeypatch):
+def test_fp8_in_software_on_a_cpu_reports_no_mfu():
     """FP8 products on a CPU (model.fp8.emulate=false: torch._scaled_mm in software, 0.0008 TFLOP/s where float32
     reaches 0.2) have no FP8 units' peak to be measured against: the peak is withheld, its source says why, and the
     job's peak keeps that reason; a CPU as fast in FP8 as in float32 would keep its peak."""
-    monkeypatch.setattr(peak, "node_peak", lambda dtype, threads, cache_path=None: Peak(0.2, "float32's"))
-    withheld = peak.mfu_peak("float8", 2, Peak(0.0008, "measured: float8"))
+    float32 = Peak(0.2, "float32's")
+    withheld = peak.mfu_peak("float8", Peak(0.0008, "measured: float8"), float32)
     assert withheld.tflops is None and withheld.source == (
         "none: this CPU's float8 matmuls run in software at 0.8 GFLOP/s, 250x slower than float32's, so no MFU is "
         "reported (it would measure against no FP8 units); model.fp8.emulate=null computes in float32 and reports it")
     job = job_peak(torch.device("cpu"), "float8", None, 2, 1, sum_of_node_peaks([withheld, None]))
     assert job == withheld
-    assert peak.mfu_peak("float8", 2, Peak(0.3, "fast FP8")).tflops == 0.3
-    assert peak.mfu_peak("bfloat16", 2, Peak(0.001, "slow bf16")).tflops == 0.001   # warned about, still its peak
+    assert peak.mfu_peak("float8", Peak(0.3, "fast FP8"), float32).tflops == 0.3
+    assert peak.mfu_peak("bfloat16", Peak(0.001, "slow bf16"), float32).tflops == 0.001   # warned of, still its peak
 
 
 def test_a_slow_dtype_is_measured_within_the_budget(monkeypatch):

@@ -239,26 +239,20 @@ def is_stable(figures: list[float]) -> bool:
     return len(figures) >= DAILY_MEASUREMENTS or (len(figures) >= 2 and figures[1] >= (1 - STABLE) * figures[0])
 
 
-def mfu_peak(dtype: str, threads: int, peak: Peak) -> Peak:
-    """The CPU peak MFU divides by: `peak`, except for FP8 products slower than SLOW_DTYPE of float32's (a CPU has
+def mfu_peak(dtype: str, peak: Peak, float32: Peak) -> Peak:
+    """The CPU peak MFU divides by: `peak`, except for FP8 products slower than SLOW_DTYPE of `float32`'s (a CPU has
     no FP8 units: torch._scaled_mm runs in software there), against which an MFU means nothing; that peak is
     withheld (tflops None) and its source says why."""
-    if dtype != "float8" or not peak.tflops:
-        return peak
-    float32 = node_peak("float32", threads)
-    if peak.tflops >= SLOW_DTYPE * float32.tflops:
+    if dtype != "float8" or not peak.tflops or peak.tflops >= SLOW_DTYPE * float32.tflops:
         return peak
     return Peak(None, f"none: this CPU's float8 matmuls run in software at {peak.tflops * 1e3:.3g} GFLOP/s, "
                 f"{float32.tflops / peak.tflops:.0f}x slower than float32's, so no MFU is reported (it would measure "
                 "against no FP8 units); model.fp8.emulate=null computes in float32 and reports it")
 
 
-def slow_dtype_warning(dtype: str, threads: int, peak: Peak) -> str | None:
-    """A warning when `dtype`'s CPU peak is far below float32's on this machine (no native bf16), else None."""
-    if dtype == "float32" or not peak.tflops:
-        return None
-    float32 = node_peak("float32", threads)
-    if peak.tflops >= SLOW_DTYPE * float32.tflops:
+def slow_dtype_warning(dtype: str, peak: Peak, float32: Peak) -> str | None:
+    """A warning when `dtype`'s CPU peak is far below `float32`'s on this machine (no native bf16), else None."""
+    if dtype == "float32" or not peak.tflops or peak.tflops >= SLOW_DTYPE * float32.tflops:
         return None
     key, fix = ("model.fp8.emulate=false", "model.fp8.emulate=null") if dtype == "float8" else \
         (f"model.dtype={dtype}", "model.dtype=float32")
