@@ -46,8 +46,9 @@ def test_cpu_peak_is_per_node_and_measured_without_the_training_rng():
     threads = torch.get_num_threads()
     measured = measure_cpu_peak("float32", threads=2)
     assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
-    # A 2-core CPU does 57-211 GFLOP/s here; any real machine lands between 1 GFLOP/s and 1 PFLOP/s.
-    assert 1e-3 < measured.tflops < 1e3 and re.search(r"best of 3 \d+x\d+ float32 matmuls on 2 threads", measured.source)
+    # Positive and finite: a lower bound would make the verdict depend on the CPU's speed and load (a loaded
+    # 2-core machine measured 12.5 MFLOP/s once); no CPU reaches 1 PFLOP/s.
+    assert 0 < measured.tflops < 1e3 and re.search(r"best of 3 \d+x\d+ float32 matmuls on 2 threads", measured.source)
     job = job_peak(cpu, "float32", None, world_size=4, nodes=1, measured=sum_of_node_peaks([measured, None, None]))
     assert job.tflops == measured.tflops and "x 1 node" in job.source
     # several nodes: each node's first rank measures its own, and the job's peak is their sum
