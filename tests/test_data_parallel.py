@@ -17,7 +17,8 @@ from torch import nn
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.gradient_sync import GradientSync, all_reduce_grads
-from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.parallel.zero.engine import ZeroOptions
+from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
 from tests.distributed import run_distributed
 
 TOL = 1e-6
@@ -93,7 +94,8 @@ def _buckets_worker(rank, world, shard=False):
     reference = copy.deepcopy(model)
     # ~0.004 MB: about one 32x32 weight per bucket, so several buckets.
     recorder = LaunchRecorder()
-    sync = GradientSync([list(model.parameters())], ctx, stage=int(shard), bucket_cap_mb=0.0042, trace=recorder)
+    sync = GradientSync([list(model.parameters())], ctx, stage=int(shard), options=ZeroOptions(bucket_cap_mb=0.0042),
+                        trace=recorder)
     x, y = make_batch()
     per_rank = BATCH // world
     xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -118,7 +120,7 @@ def _buckets_worker(rank, world, shard=False):
                   for piece in sync.shard_pieces())
     else:
         err = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
-    return dict(err=err, num_buckets=len(sync.engines[0].accumulated), calls_before_last=calls_before_last,
+    return dict(err=err, num_buckets=len(sync.engines[0].accumulated.units), calls_before_last=calls_before_last,
                 in_backward=sum(in_backward for _, in_backward in recorder.launches),
                 calls_in_backward=calls_after_backward, launch_order=[bucket for bucket, _ in recorder.launches])
 
@@ -137,7 +139,7 @@ def test_gradient_buckets_match_full_batch(world, shard):
 def _unused_worker(rank, world):
     ctx = ParallelContext(Layout(dp=world))
     model = make_mlp(unused=True)
-    sync = GradientSync([list(model.parameters())], ctx, bucket_cap_mb=0.001)
+    sync = GradientSync([list(model.parameters())], ctx, options=ZeroOptions(bucket_cap_mb=0.001))
     x, y = make_batch()
     sync.before_backward(0, last=True)
     out = model[:7](x[rank::world])
@@ -167,8 +169,8 @@ def test_single_process_is_free_and_grads_are_buffer_views():
     reference = copy.deepcopy(model)
     sync = GradientSync([list(model.parameters())], ParallelContext())
     engine = sync.engines[0]
-    assert not engine.enabled and len(engine.accumulated) == 1
-    buckets = engine.accumulated[0]
+    assert not engine.enabled and len(engine.accumulated.units) == 1
+    buckets = engine.accumulated.units[0]
     sync.before_backward(0, last=True)
     forward_loss(model, *make_batch()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -236,7 +238,7 @@ def run_zero_vs_torch(ctx, steps=5):
     """Every rank sets the same gradients, so the shard's 'average' is that gradient; the update of
     the shard pieces followed by the all-gather must equal torch's AdamW on the whole parameters."""
     ours, ref = make_params(), make_params()
-    sync = GradientSync([ours], ctx, stage=1, bucket_cap_mb=0.0001)   # several buckets
+    sync = GradientSync([ours], ctx, stage=1, options=ZeroOptions(bucket_cap_mb=0.0001))   # several buckets
     opt = ShardedOptimizer(sync, groups_of(ours), torch.optim.AdamW, **ADAM)
     torch_opt = torch.optim.AdamW(groups_of(ref), foreach=False, **ADAM)
     for step in range(steps):
@@ -252,7 +254,8 @@ def run_zero_vs_torch(ctx, steps=5):
         torch_opt.zero_grad()
     err = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     state = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())
-    return dict(err=err, state=state, total=sum(p.numel() for p in ours), buckets=len(sync.engines[0].accumulated),
+    return dict(err=err, state=state, total=sum(p.numel() for p in ours),
+                buckets=len(sync.engines[0].accumulated.units),
                 params=[plain(p.detach()) for p in ours], steps=opt.num_steps)
 
 

@@ -69,7 +69,7 @@ def _gathered(rank, world, overrides):
     with CommCounter({"dp_cp": ctx.dp_cp_group}) as comm:
         compute_gradients(trainer, trainer.batches.next_step())
     trainer.batches.close()
-    units = [u for engine in trainer.grad_sync.engines for u in engine.scattered]
+    units = [u for engine in trainer.grad_sync.engines for u in engine.scattered.units]
     gathers = [payload for group, op, payload, _ in comm.records if group == "dp_cp" and "gather" in op]
     return (gathers, sorted({u.shard_size for u in units if u.wire}),
             sorted({4 * u.shard_size for u in units if not u.wire}))

@@ -124,19 +124,21 @@ def _one_step(rank, world_size, overrides):
     trainer = Trainer(cfg, ctx, run_dir=os.devnull)
     sharded = trainer.grad_sync.engines[0]
     most_gathered, in_flight = [], []   # units whole at once as each module starts; reduce-scatters in flight
-    for unit in sharded.scattered if sharded.stage.shards_parameters else []:   # as each module's backward starts
+    for unit in sharded.scattered.units if sharded.stage.shards_parameters else []:   # as each module's backward starts
         unit.module.register_forward_pre_hook(
-            lambda *_: most_gathered.append(sum(u.gathered or u.gather_work is not None for u in sharded.scattered)))
-        unit.module.register_full_backward_pre_hook(lambda *_: in_flight.append(len(sharded.in_flight)))
+            lambda *_: most_gathered.append(sum(u.gathered or u.gather_work is not None
+                                                for u in sharded.scattered.units)))
+        unit.module.register_full_backward_pre_hook(lambda *_: in_flight.append(len(sharded.scattered.in_flight)))
     trainer.train_step(trainer.batches.next_step(), 1e-3)
     with CommCounter({"dp_cp": ctx.dp_cp_group}) as comm:
         trainer.train_step(trainer.batches.next_step(), 1e-3)
     trainer.batches.close()
     return dict(
         grads_held=sum(p.grad is not None for p in trainer.model.parameters()),
-        whole_bytes=sum(p.untyped_storage().nbytes() for u in sharded.scattered for p in u.params),
-        shard_numel=sum(u.shard_size for u in sharded.scattered), padded_numel=sum(u.padded for u in sharded.scattered),
-        most_gathered=max(most_gathered, default=0), num_units=len(sharded.scattered),
+        whole_bytes=sum(p.untyped_storage().nbytes() for u in sharded.scattered.units for p in u.params),
+        shard_numel=sum(u.shard_size for u in sharded.scattered.units),
+        padded_numel=sum(u.padded for u in sharded.scattered.units),
+        most_gathered=max(most_gathered, default=0), num_units=len(sharded.scattered.units),
         most_in_flight=max(in_flight, default=0),
         calls=calls_by_kind(comm.records, "dp_cp"),
         micro_batches=trainer.accumulation)
@@ -287,7 +289,7 @@ def _prefetched(rank, world_size):
     torch.manual_seed(0)
     a, middle, b = torch.nn.Linear(4, 4), torch.nn.Identity(), torch.nn.Linear(4, 4)
     sync = GradientSync([[(a, list(a.parameters())), (middle, []), (b, list(b.parameters()))]], ctx, stage=3)
-    units, seen = sync.engines[0].scattered, []
+    units, seen = sync.engines[0].scattered.units, []
     for module in (a, b):   # registered after the sync's own hooks, so they see what it posted
         module.register_forward_pre_hook(
             lambda *_: seen.append([u.gathered or u.gather_work is not None for u in units]))

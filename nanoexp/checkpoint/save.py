@@ -34,7 +34,7 @@ from safetensors.torch import save as serialize
 
 from nanoexp.failures import KnownFailure
 from nanoexp.model.placement import counted_here, expert_values, placement
-from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger("nanoexp")
 

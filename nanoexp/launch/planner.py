@@ -28,7 +28,7 @@ from nanoexp.config import ConfigError, batch_accumulation
 from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.observe.memory_estimate import busiest_rank_estimate, held_parameters, total
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.units import Stage
+from nanoexp.parallel.zero.units import ZeroStage
 from nanoexp.model.shape import model_shape
 from nanoexp.validation import validate
 
@@ -68,7 +68,7 @@ def dp_traffic_bytes(cfg) -> float:
     one = 4 * held * (n - 1) / n
     # the replicas all-reduce each rank's shard once a step (nanoexp/plan/traffic.py's hybrid_sent_bytes)
     across = 2 * (replicas - 1) / replicas * 4 * held / n
-    passes = Stage(int(cfg.optimizer.zero_stage)).collectives(batch_accumulation(cfg),
+    passes = ZeroStage(int(cfg.optimizer.zero_stage)).collectives(batch_accumulation(cfg),
                                                               cfg.optimizer.zero3_reshard_after_forward)
     return sum(passes.values()) * one + across
 

@@ -21,7 +21,7 @@ class Converter:
     convert: Callable[[str, Linear, object, object], None]   # (module name, layer, cfg, ParallelContext):
     #                                                            replace layer.matmul or leave it
     gather_format: Callable[[nn.Module, object], object] | None = None   # (converted model, cfg) -> how ZeRO-3
-    #                                                 gathers the converted weights (parallel/units.GatherFormat)
+    #                                                 gathers the converted weights (parallel/zero/units.GatherFormat)
     product_dtype: Callable[[object, object], str] | None = None   # (cfg, device or None: the CPU) -> the dtype its
     #                                                 products run in, whose peak MFU is measured against
     gathered_bytes: Callable[[object], int | None] | None = None   # cfg -> bytes an element of ZeRO-3's gathers of

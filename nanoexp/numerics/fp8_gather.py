@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nanoexp.parallel.units import Unit
+from nanoexp.parallel.zero.units import Unit
 
 
 class Fp8Gather:
-    """The GatherFormat (parallel/units.py) of the weights of FP8 layers: `matmuls` maps id(weight) to its layer's
+    """The GatherFormat (parallel/zero/units.py) of the weights of FP8 layers: `matmuls` maps id(weight) to its layer's
     Fp8Matmul (fp8.py), whose config and tp split give the cast and the groups its amax is reduced over."""
     dtype = torch.uint8   # FP8 bytes: every backend gathers uint8
 

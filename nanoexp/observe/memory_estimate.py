@@ -255,7 +255,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
     shard_size = layout.shard_size
     edp = shard_size // layout.ep
     # With one micro-batch a step the backward's peak (its first unit: every activation held) comes before any
-    # gradient shard has landed (sharding.py allocates each at its first landing): they count after it only
+    # gradient shard has landed (zero/scattered.py allocates each at its first landing): they count after it only
     unlanded = 4 * scattered_floats(held, shard_size, edp, layout.sequence_parallel) if (
         stage >= 2 and batch_accumulation(cfg) == 1) else 0
     return {**model_state(stage, held, shard_size, edp, layout.sequence_parallel, state_bytes),

@@ -71,7 +71,7 @@ class OptimizerEntry(NamedTuple):
 
 
 # optimizer.optimizer_factory.name (lowercased) -> its entry. ZeRO shards any optimizer whose update is
-# element-wise (parallel/sharding.py); Muon puts its matrices together from the shards (optim/muon.py).
+# element-wise (parallel/zero/engine.py); Muon puts its matrices together from the shards (optim/muon.py).
 OPTIMIZERS = {
     "adamw": OptimizerEntry(adamw, state_bytes=lambda hidden_share: 8),   # two float32 moments
     "muon": OptimizerEntry(muon, muon_state_bytes, muon_rank_options, lambda cfg, name, ndim: muon_updater(name, ndim),

@@ -255,7 +255,7 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
     window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
     attention = m * 3.5 * attention_seconds(cfg, layout, shape, layers, hw, fw)   # forward and backward: the ring's window
     tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
-    # the replicas' all-reduce runs once a step after the backward (Sharding.finish): nothing to hide it behind
+    # the replicas' all-reduce runs once a step after the backward (GradientSync.finish): nothing to hide it behind
     exposed_comm = (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
                     + exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
                     + comm["ep"] + comm["model_parallel"])

@@ -24,7 +24,7 @@ from __future__ import annotations
 from nanoexp.observe.memory_estimate import held_modules, held_parameters, rank_attention
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.units import Stage
+from nanoexp.parallel.zero.units import ZeroStage
 
 GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding", "shard", "replica",
           "expert_shard")
@@ -36,8 +36,8 @@ def ring(n: int) -> float:
 
 
 def zero_collectives(cfg, m: int) -> dict[str, int]:
-    """ZeRO's passes over dp x cp per step by collective: the engine's own count (units.Stage.collectives)."""
-    return Stage(cfg.optimizer.zero_stage).collectives(m, cfg.optimizer.zero3_reshard_after_forward)
+    """ZeRO's passes over dp x cp per step by collective: the engine's own count (units.ZeroStage.collectives)."""
+    return ZeroStage(cfg.optimizer.zero_stage).collectives(m, cfg.optimizer.zero3_reshard_after_forward)
 
 
 def zero_passes(cfg, m: int) -> int:

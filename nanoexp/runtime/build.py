@@ -26,6 +26,7 @@ from nanoexp.runtime.optim import build_optimizer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.parallelize import parallelize
+from nanoexp.parallel.zero.engine import ZeroOptions
 from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
@@ -104,10 +105,10 @@ def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRA
     if model.moe_losses:   # its losses weigh 1/micro-batches, x cp against the dp x cp average (moe.py)
         model.moe_losses.scale = ctx.cp / batch_accumulation(cfg)
     o = cfg.optimizer
-    bucket_mb = cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25)
     overlap = o.zero_overlap_reduce_scatter
-    grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, bucket_mb, o.zero3_prefetch,
-                             o.zero3_reshard_after_forward, trace,
-                             ctx.device.type == "cuda" if overlap is None else overlap, gather_format(model, cfg),
-                             split_backward=weights is not None)
+    options = ZeroOptions(bucket_cap_mb=cfg.model.ddp_bucket_cap_mb or (4 if ctx.backend == "gloo" else 25),
+                          prefetch=o.zero3_prefetch, reshard_after_forward=o.zero3_reshard_after_forward,
+                          overlap_reduce_scatter=ctx.device.type == "cuda" if overlap is None else overlap,
+                          gather_format=gather_format(model, cfg), split_backward=weights is not None)
+    grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, options, trace)
     return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync))

@@ -12,7 +12,7 @@ from nanoexp.model.mup import GROUPS, STANDARD, Parametrization
 from nanoexp.model.placement import value_name
 from nanoexp.optim.registry import OPTIMIZERS, optimizer_parametrization
 from nanoexp.parallel.gradient_sync import GradientSync
-from nanoexp.parallel.sharded_optimizer import ShardedOptimizer
+from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Parametrization = STANDARD) -> list[dict]:
@@ -29,7 +29,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, parametrization: Par
 
 def build_optimizer(cfg, model: nn.Module, grad_sync: GradientSync | None = None):
     """The configured optimizer over the model's parameter groups, or, with optimizer.zero_stage >= 1, over this
-    rank's shard of `grad_sync`'s buffers (ZeRO, parallel/sharded_optimizer.py)."""
+    rank's shard of `grad_sync`'s buffers (ZeRO, parallel/zero/sharded_optimizer.py)."""
     o, entry = cfg.optimizer, OPTIMIZERS[optimizer_name(cfg)]
     optimizer_class, options = entry.build(cfg)
     groups = parameter_groups(model, o.weight_decay, optimizer_parametrization(cfg))

@@ -1,5 +1,5 @@
 """ZeRO's optimizer: any torch optimizer whose update is element-wise (AdamW, Adam, SGD, ...) over this rank's
-shard of the sharding engine's buffers (sharding.py): its state exists for 1/(dp·cp) of the parameters.
+shard of the ZeRO engines' buffers (engine.py): its state exists for 1/(dp·cp) of the parameters.
 
 After backward a reduce-scatter has left on each rank the averaged gradient of its shard of every unit; the
 shard's pieces are views of the buffers, one per parameter part, so each joins its parameter's group (learning

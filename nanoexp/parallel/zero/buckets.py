@@ -1,4 +1,4 @@
-"""Gradient buckets: consecutive parameters grouped up to a size, what one collective moves (sharding.py)."""
+"""Gradient buckets: consecutive parameters grouped up to a size, what one collective moves (the units of engine.py)."""
 from __future__ import annotations
 
 from torch import nn

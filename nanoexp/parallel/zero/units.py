@@ -1,6 +1,7 @@
-"""ZeRO's unit: the parameters one collective moves, in a flat float32 buffer of which each rank owns an equal
-shard (`Unit`), the parts of parameters a shard holds (`ShardPiece`), and what each ZeRO stage shards (`Stage`).
-The engine that moves them is sharding.py."""
+"""What the parts of a ZeRO engine (engine.py) share: the unit, the parameters one collective moves, in a flat
+float32 buffer of which each rank owns an equal shard (`Unit`); the parts of parameters a shard holds (`ShardPiece`);
+what each ZeRO stage shards (`ZeroStage`); how a number format's weights travel in ZeRO-3's gathers (`GatherFormat`);
+and how a path's summed gradients become the step's average (`average`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from nanoexp.parallel.collectives import all_reduce_each
 
 
 @dataclass
@@ -24,13 +27,17 @@ class ShardPiece:
 class Unit:
     """Parameters moved by one collective. `values` is the padded flat buffer the parameters view; `shard` this
     rank's part of it (its own tensor when the whole is freed outside use); `grads` the whole gradients
-    (accumulate units only); `shard_grad` this rank's averaged gradient. A stage-3 unit whose parameters all
-have a `wire` format (GatherFormat) is gathered in it, into `wire_values`, and `values` is never made whole."""
+    (accumulated units only); `shard_grad` this rank's averaged gradient. An accumulated unit may be
+    `reduced_in_finish` (never by the backward's hooks) or `all_reduced_whole` (all-reduced even when sharded).
+    A stage-3 unit whose parameters all have a `wire` format (GatherFormat) is gathered in it, into `wire_values`,
+    and `values` is never made whole."""
 
     def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter], size: int, rank: int,
-                 sharded: bool, accumulate: bool, deferred: bool = False, alone: bool = False, wire=None):
+                 sharded: bool, accumulate: bool, reduced_in_finish: bool = False, all_reduced_whole: bool = False,
+                 wire=None):
         self.index, self.module, self.params, self.wire = index, module, params, wire
-        self.sharded, self.accumulate, self.deferred, self.alone = sharded, accumulate, deferred, alone
+        self.sharded, self.accumulate = sharded, accumulate
+        self.reduced_in_finish, self.all_reduced_whole = reduced_in_finish, all_reduced_whole
         numel = sum(p.numel() for p in params)
         self.padded = -(-numel // size) * size if sharded else numel
         self.shard_lo, self.shard_size = (rank * (self.padded // size), self.padded // size) if sharded else (0, numel)
@@ -38,12 +45,13 @@ have a `wire` format (GatherFormat) is gathered in it, into `wire_values`, and `
         for p in params:
             self.offsets[id(p)] = offset
             offset += p.numel()
-        self.values = self.shard = self.grads = self.shard_grad = self._pieces = self.wire_values = self.wire_shard = None
+        self.values = self.shard = self.grads = self.shard_grad = self._pieces = None
+        self.wire_values = self.wire_shard = None
         self.num_ready, self.handle = 0, None
         self.gather_work, self.gathered, self.pending_backwards = None, True, 0   # stage 3
 
     def build(self, device, own_shard: bool) -> None:
-        """Move the parameters into `values` (their .data becomes a view of it); an accumulate unit's gradients
+        """Move the parameters into `values` (their .data becomes a view of it); an accumulated unit's gradients
         into `grads`."""
         self.values = torch.zeros(self.padded, dtype=torch.float32, device=device)
         for p in self.params:
@@ -80,7 +88,7 @@ have a `wire` format (GatherFormat) is gathered in it, into `wire_values`, and `
 
 
 @dataclass(frozen=True)
-class Stage:
+class ZeroStage:
     """optimizer.zero_stage: what each rank keeps of the optimizer state, the gradients and the parameters."""
     number: int
 
@@ -119,3 +127,14 @@ class GatherFormat(Protocol):
     def decode(self, unit: Unit) -> None: ...
 
     def release(self, unit: Unit) -> None: ...
+
+
+def average(grads: list[torch.Tensor], replicas, average_over: int, trace) -> None:
+    """End a step's reduction of `grads` (each summed over its shard group) in place: under hybrid sharding summed
+    over the `replicas` holding the same shards (an Axis, None without: once a step, every all-reduce posted before
+    any is waited for, in unit order on every rank), then divided by `average_over` (dp x cp)."""
+    if replicas is not None:
+        with trace.span("replica_all_reduce_wait"):
+            all_reduce_each(grads, replicas.group)
+    for grad in grads:
+        grad.div_(average_over)
