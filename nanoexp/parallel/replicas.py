@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 import urllib.request
-from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -80,14 +79,22 @@ def address_parts(address: str) -> tuple[str, int] | None:
 
 
 def check_lighthouse(address: str, timeout_s: float) -> None:
-    """Connect to the lighthouse at `address` (no heartbeat: a probe must not look like a group); a ConfigError
-    naming it when it cannot be reached within `timeout_s`."""
+    """A TCP connection to the lighthouse at `address`, tried until `timeout_s` (a lighthouse just started binds
+    its port a moment later); a ConfigError naming it otherwise. Plain sockets: torchft's client would start threads
+    in a process that then forks the groups."""
     from nanoexp.config import ConfigError
-    try:
-        import_torchft()._torchft.LighthouseClient(address, timedelta(seconds=timeout_s))
-    except RuntimeError:
-        raise ConfigError(f"{FT}lighthouse={address}: cannot be reached within {FT}quorum_timeout_s={timeout_s:g} s:"
-                          " start it (torchft_lighthouse --min_replicas 1) or fix the address") from None
+    host, port = address_parts(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"{FT}lighthouse={address}: cannot be reached within {FT}quorum_timeout_s="
+                                  f"{timeout_s:g} s: start it (torchft_lighthouse --min_replicas 1) or fix the "
+                                  "address") from None
+            time.sleep(0.1)
 
 
 def import_torchft():
