@@ -84,7 +84,8 @@ class FaultInjection:
         if self.rank == f.sigstop_rank and step == f.stall_at_step:
             log.warning("fault injection: rank %d stops itself (SIGSTOP) in its compute at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
-        if f.kill_group == trainer_group(self.trainer) and self.rank == 0 and step == f.kill_at_step:
+        if f.kill_group is not None and f.kill_group == trainer_group(self.trainer) and self.rank == 0 \
+                and step == f.kill_at_step:
             self.kill_once(step)
         if step == FAULT_STEP and self.rank == f.raise_rank:
             raise RuntimeError(f"fault injection: rank {self.rank} raises at step {step}")
