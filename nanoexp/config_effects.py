@@ -25,6 +25,12 @@ class Effect:
     besides: tuple[str, ...] = ()         # a group's keys that this entry does not cover
 
 
+def compares_ranks(cfg: Any) -> bool:
+    """Whether the straggler detector runs: on, with ranks doing the same work to compare (nanoexp/health/)."""
+    p = cfg.parallelism
+    return bool(cfg.health.stragglers) and p.dp * p.cp * p.tp > 1
+
+
 EFFECTS = (
     Effect("optimizer.optimizer_factory.muon_*", uses_muon, "optimizer.optimizer_factory.name=muon"),
     Effect("model.fp8.*", lambda cfg: cfg.model.fp8.enabled, "model.fp8.enabled=true",
@@ -35,6 +41,13 @@ EFFECTS = (
            "parallelism.cp=1 (with cp > 1 attention runs parallelism.cp_mode's kernel)"),
     Effect("parallelism.cp_mode", lambda cfg: cfg.parallelism.cp > 1, "parallelism.cp > 1"),
     Effect("parallelism.tp_mode", lambda cfg: cfg.parallelism.tp > 1, "parallelism.tp > 1"),
+    *(Effect(key, compares_ranks, "health.stragglers=true and two or more ranks per pipeline stage (dp x cp x tp)")
+      for key in ("health.every", "health.straggler_*")),
+    Effect("health.spike.*", lambda cfg: cfg.health.spike.action != "off", "health.spike.action other than off",
+           besides=("action", "max_rollbacks")),
+    Effect("health.spike.max_rollbacks", lambda cfg: cfg.health.spike.action == "rollback",
+           "health.spike.action=rollback"),
+    Effect("health.replay_action", lambda cfg: cfg.health.replay_every > 0, "health.replay_every > 0"),
 )
 
 
