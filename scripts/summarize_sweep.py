@@ -29,8 +29,8 @@ import os
 import sys
 
 from nanoexp.launch.sweep_plots import plot, plot_lr_transfer
-from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, lr_sweep, plan_table, ranked,
-                                         table, write_csv)
+from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, health_note, lr_sweep, plan_table,
+                                         ranked, table, write_csv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rank-by {metric}: no job recorded it (summary.json keys eval/<task>/<metric>)")
     rows = ranked(rows, metric)
     print(table(rows, COLUMNS if metric in COLUMNS else COLUMNS[:-2] + [metric] + COLUMNS[-2:]))
-    if busy_note(rows):
-        print(busy_note(rows))
+    for note in (busy_note(rows), health_note(rows)):
+        if note:
+            print(note)
     if plan_table(args.sweep_dir, rows):
         print(plan_table(args.sweep_dir, rows))
     write_csv(rows, os.path.join(out, "summary.csv"))

@@ -111,7 +111,8 @@ class ReplayCheck:
         for finding in findings:
             self.monitor.report(finding)
         if self.action == "stop":
-            self.monitor.stop(f"step {step}: {findings[0].line.split(': ', 1)[1]}")
+            self.monitor.stop(f"step {step}: {findings[0].line.split(': ', 1)[1]} (health.replay_action=skip drops "
+                              "such a step instead)")
         self.monitor.drop("a replay mismatch")
 
     def finding(self, step: int, rank: int, names: list[str], host: str) -> Finding:

@@ -57,11 +57,10 @@ class Spikes:
         batches = self.trainer.batches
         while self.recorded.get(batches.consumed_samples, {}).get("action") == "rollback":
             entry = self.recorded[batches.consumed_samples]
+            log.info("step %d: the batch of samples %d-%d is read past (a loss spike at step %d, rolled back)",
+                     batches.step, entry["first_sample"], entry["first_sample"] + entry["samples"] - 1, entry["step"])
             original()
             batches.step -= 1   # read past: the optimizer step it served is served by the next batch
-            log.info("step %d: the batch of samples %d-%d is read past (a loss spike at step %d, rolled back)",
-                     self.trainer.step, entry["first_sample"], entry["first_sample"] + entry["samples"] - 1,
-                     entry["step"])
         entry = self.recorded.get(batches.consumed_samples, {})
         self.recorded_skip = entry if entry.get("action") == "skip" else None
         return original()
@@ -111,8 +110,8 @@ class Spikes:
         self.monitor.drop("a loss spike")
         self.rolling_back = action == "rollback"
         then = ("update skipped" if action == "skip" else
-                f"rolling back to the latest checkpoint; samples {first}-{first + trainer.global_batch - 1} are "
-                "read past from now on")
+                f"rolling back to checkpoint {trainer.checkpoints.last_saved}; samples {first}-"
+                f"{first + trainer.global_batch - 1} are read past from now on")
         self.monitor.report(Finding("spike", step, f"{found}: {then} ({RECORD})", fields))
 
     def rollbacks(self) -> int:

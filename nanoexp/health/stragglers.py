@@ -3,7 +3,7 @@ pace, and since the next collective evens the ranks out, the step time cannot sh
 time can. A rank's compute is the wall time of its forward and backward and of its optimizer step less the time
 it spends inside torch.distributed's calls and waiting for their results: a rank waiting for a slower one is not
 computing (on CUDA measured on the compute stream with events, whose waits for collectives are bracketed the same
-way). Every `health.every` steps (a window) each rank puts its mean compute time a step into the step's one
+way). Every `health.every` steps (a window) each rank puts its typical compute time a step into the step's one
 all-reduce (Trainer.step_maxima); rank 0 compares the ranks of each pipeline stage (they do the same work) with
 their median, and names a rank slower than `straggler_factor` x that median in `straggler_windows` windows in a
 row. The first step (warm-up) is not timed.
@@ -126,7 +126,7 @@ class Stragglers:
             self.stages.setdefault(ctx.layout.position(rank)[0], []).append(rank)
         self.hosts = [None] * self.world
         dist.all_gather_object(self.hosts, socket.gethostname())
-        self.seconds, self.steps = 0.0, 0   # compute read in the current window, and its steps
+        self.step_seconds: list[float] = []   # the compute of each timed step of the current window
         self.in_a_row = [0] * self.world    # windows in a row each rank was slow
 
     def install(self, monitor) -> None:
@@ -149,18 +149,20 @@ class Stragglers:
             return original(*args)
 
     def maxima(self, step: int) -> torch.Tensor:
-        """At a window's end, [world]: this rank's mean compute a step in its slot (0 without a timed step)."""
+        """At a window's end, [world]: in this rank's slot the lower median of its steps' compute (a step the OS
+        held the rank back in does not count; 0 without a timed step)."""
         if step % self.every:
             return torch.zeros(0, device=self.trainer.ctx.device)
         values = torch.zeros(self.world, device=self.trainer.ctx.device)
-        if self.steps:
-            values[self.rank] = self.seconds / self.steps   # a fill on the device: no copy, no wait
-        self.seconds, self.steps = 0.0, 0
+        if self.step_seconds:
+            values[self.rank] = statistics.median_low(self.step_seconds)   # a fill on the device: no copy, no wait
+        self.step_seconds = []
         return values
 
     def read(self, step: int, values: list[float], loss: float) -> None:
         seconds = self.clock.read()   # the step's host read waited for every mark so far
-        self.seconds, self.steps = self.seconds + seconds, self.steps + (seconds > 0)
+        if seconds > 0:   # the first step is not timed
+            self.step_seconds.append(seconds)
         if values and self.rank == 0:
             for finding in self.judge(step, values):
                 self.monitor.report(finding)
@@ -181,6 +183,6 @@ class Stragglers:
     def finding(self, step: int, rank: int, seconds: float, median: float, stage: int, peers: int) -> Finding:
         line = (f"straggler: rank {rank} on {self.hosts[rank]} computes {seconds:.3g} s a step, "
                 f"{seconds / median:.2f}x the median {median:.3g} s of the {peers} ranks of pipeline stage {stage}, "
-                f"{self.windows} window(s) of {self.every} steps in a row")
+                f"in {self.windows} window{'s' * (self.windows > 1)} of {self.every} steps in a row")
         return Finding("straggler", step, line, {"rank": rank, "host": self.hosts[rank], "compute_s": seconds,
                                                   "median_s": median, "stage": stage})

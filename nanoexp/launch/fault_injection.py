@@ -35,7 +35,10 @@ class FaultInjection:
     inside each checkpoint write (in the background writer under checkpoint.async_save). `hold_checkpoint_write`:
     rank 0's background write of step S's checkpoint waits until step S + that many has begun, so that it is in
     flight while those steps train however fast the machine (at most HOLD_LIMIT_S: a run that ends sooner
-    waits that long)."""
+    waits that long). The health checks' faults (nanoexp/health/): `slow_rank` sleeps `slow_rank_s` in each
+    micro-batch's forward; the batch step `spike_at_step` reads in a fresh run has its loss (and gradients) x 10,
+    wherever a run reads it; `flip_gradient_rank` flips one bit of its first parameter's gradient once at
+    `flip_gradient_step`."""
 
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
