@@ -4,8 +4,9 @@ The trainer does not know which engine, data source or logger it drives; it asks
 and records what happened. It runs on every rank; only global rank 0 writes the run folder's shared files.
 Each phase of a step is a short method (train_step reads as the list of them), and the phases are the loop's seams:
 what watches or disturbs the loop wraps them on the instance from outside, installed once at start-up by the entry
-point (nanoexp/run.py) and only when it is on — the stall watchdog's heartbeat marks (nanoexp/launch/seams.py) and
-the robustness tests' faults (nanoexp/launch/fault_injection.py). With both off the loop runs as written here.
+point (nanoexp/run.py) and only when it is on — the stall watchdog's heartbeat marks (nanoexp/launch/seams.py), the
+robustness tests' faults (nanoexp/launch/fault_injection.py) and the health checks (nanoexp/health/). With all off
+the loop runs as written here.
 """
 from __future__ import annotations
 
@@ -141,16 +142,16 @@ class Trainer:
 
     def read_scalars(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
         """The step's loss and norm on the host, in one read with the MoE metrics and the flags every rank agrees
-        on: a stop signal (every rank stops after the same step) and a background checkpoint write to publish
-        (once no rank is writing)."""
+        on: a stop signal (every rank stops after the same step), a background checkpoint write to publish
+        (once no rank is writing) and step_maxima's values."""
         moe = self.model.moe_losses
         names, moe_values, self.moe_loads = (moe_step_values(moe, self.ctx, self.ctx.dp * self.accumulation) if moe
                                              else ([], loss.new_zeros(0), None))
         flags = stop_flag(self.ctx, self.checkpoints.writing(), maxima=self.step_maxima())   # a collective
         values = torch.cat([torch.stack([loss, grad_norm.float()]).float(), flags, moe_values.float()]).tolist()
         self.stop_after_step, self.checkpoint_writing = bool(values[2]), bool(values[3])
-        self.maxima, values = values[4:len(flags) + 2], values[:4] + values[len(flags) + 2:]
-        self.moe_metrics = dict(zip(names, values[4:]))
+        moe_start = 2 + len(flags)
+        self.maxima, self.moe_metrics = values[4:moe_start], dict(zip(names, values[moe_start:]))
         return values[0], values[1]
 
     def step_maxima(self) -> torch.Tensor:
