@@ -7,8 +7,8 @@
 Overhead: each case is a fresh `python train.py model=small parallelism=dp2tp1pp1`, the cases in turns (reversed every
 other round, so background load hits them alike); the figure is summary.json's tokens/s (the mean step after the
 first two) as a fraction of the "off" case's mean. Detection: each detector's fault (nanoexp/launch/fault_injection.py)
-on the same run with the default keys but a replay every 10 steps; the step of the finding, counted from the
-fault's first step, and the training seconds until then (the logged steps' step_time_sec summed).
+on the same run (FAULTS); the step of the finding, counted from the fault's first step, and the training seconds
+from that step until then (the steps' step_time_sec summed).
 """
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ CASES = {"off": OFF,
          "spike warn": ["health.stragglers=false"],
          "defaults (stragglers + spike warn)": [],
          "replay every 10": OFF + ["health.replay_every=10"]}
-# (fault, the step it first strikes, what names it)
-FAULTS = {"straggler": (["fault_injection.slow_rank=1", "fault_injection.slow_rank_s=0.2"], 1),
-          "spike": (["fault_injection.spike_at_step=25", "health.spike.window=20"], 25),
+# (the fault, the step it first strikes, the steps to train): the default keys but a spike window of 20 steps and a
+# replay every 10; the slow rank sleeps 1 s in each of its 4 micro-batches' forwards, about doubling its compute.
+FAULTS = {"straggler": (["fault_injection.slow_rank=1", "fault_injection.slow_rank_s=1.0"], 1, 30),
+          "spike": (["fault_injection.spike_at_step=25", "health.spike.window=20"], 25, 25),
           "replay": (["health.replay_every=10", "fault_injection.flip_gradient_rank=1",
-                      "fault_injection.flip_gradient_step=20", "health.replay_action=skip"], 20)}
+                      "fault_injection.flip_gradient_step=20", "health.replay_action=skip"], 20, 20)}
 
 
 def train(overrides: list[str], steps: int, folder: str) -> list[dict]:
@@ -66,9 +67,9 @@ def overhead(steps: int, rounds: int) -> None:
               f"({min(values) / base:.3f}-{max(values) / base:.3f}) |", flush=True)
 
 
-def detection(steps: int) -> None:
+def detection() -> None:
     print("| detector | fault from step | named at step | steps | training seconds until then |\n|---|---|---|---|---|")
-    for kind, (fault, start) in FAULTS.items():
+    for kind, (fault, start, steps) in FAULTS.items():
         with tempfile.TemporaryDirectory() as folder:
             records = train(fault, steps, folder)
         found = [r for r in records if r.get("health/event") == kind]
@@ -90,7 +91,7 @@ def main() -> None:
     if args.part in ("overhead", "both"):
         overhead(args.steps, args.rounds)
     if args.part in ("detection", "both"):
-        detection(max(args.steps, 40))
+        detection()
     print(f"float32 matmul peak after: {matmul_peak().tflops:.3f} TFLOP/s; load {os.getloadavg()[0]:.2f}")
 
 

@@ -15,7 +15,7 @@ from nanoexp.health import Finding, install
 from nanoexp.health.replay import digest
 from nanoexp.health.spikes import Spikes
 from nanoexp.health.stragglers import ComputeClock, Stragglers
-from nanoexp.launch.sweep_report import health_note
+from nanoexp.launch.sweep_report import health_findings, health_note
 from nanoexp.launch.workers import WorkerFailed
 from nanoexp.validation import validate
 from tests.helpers import FAST, SLOW, compose_config, tiered, train, train_losses
@@ -125,9 +125,11 @@ def test_nothing_is_installed_when_every_detector_is_off():
 
 
 def test_the_sweep_report_names_the_runs_with_findings():
-    rows = [{"job": 0, "health": None}, {"job": 1, "health": "1 straggler"}, {"job": 2, "health": "2 spikes"}]
-    assert health_note(rows) == "health findings (summary.json's health): job 1: 1 straggler; job 2: 2 spikes"
-    assert health_note(rows[:1]) is None
+    quiet = {"health": {"stragglers": [], "spikes": [], "replay_mismatches": []}}
+    spiky = {"health": {"stragglers": [{"rank": 1}], "spikes": [{"step": 3}, {"step": 9}], "replay_mismatches": []}}
+    rows = [{"job": job, "health": health_findings(summary)} for job, summary in enumerate([{}, quiet, spiky])]
+    assert health_note(rows) == "health findings (summary.json's health): job 2: stragglers 1, spikes 2"
+    assert health_note(rows[:2]) is None
     assert Finding("spike", 3, "x", {"loss": 9.0}).record() == {
         "step": 3, "health/event": "spike", "health/message": "x", "health/loss": 9.0}
 
@@ -174,7 +176,8 @@ def resumed_from_checkpoint_4(run, folder, overrides: list[str]) -> dict[int, fl
 
 @SLOW
 def test_a_spike_warned_about_is_trained_through(tmp_path):
-    records = train(tmp_path, RUN + ["tokens.train_steps=8", "health.spike.window=4", "fault_injection.spike_at_step=7"])
+    records = train(tmp_path, RUN + ["tokens.train_steps=8", "health.spike.window=4",
+                                     "fault_injection.spike_at_step=7"])
     spike, = findings(records, "spike")
     assert spike["step"] == 7 and spike["health/action"] == "warn" and spike["health/deviations"] > 6
     assert [r["skipped_steps"] for r in records if "loss" in r] == [0] * 8
@@ -219,8 +222,8 @@ def test_rollbacks_stop_after_max_rollbacks(tmp_path):
 
 
 # -- replay checks -------------------------------------------------------------------------------
-LAYOUTS = {"one": [], "dp2": ["parallelism=dp2tp1pp1"], "tp2": ["parallelism=dp1tp2pp1"], "pp2": ["parallelism=dp1tp1pp2"],
-           "zero3": ["parallelism=dp2tp1pp1", "optimizer.zero_stage=3"]}
+LAYOUTS = {"one": [], "dp2": ["parallelism=dp2tp1pp1"], "tp2": ["parallelism=dp1tp2pp1"],
+           "pp2": ["parallelism=dp1tp1pp2"], "zero3": ["parallelism=dp2tp1pp1", "optimizer.zero_stage=3"]}
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, quick=["one"]))

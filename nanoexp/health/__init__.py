@@ -58,6 +58,7 @@ class HealthMonitor:
         return torch.cat([original(), *parts])
 
     def read_scalars(self, original, loss, grad_norm) -> tuple[float, float]:
+        self.dropping = None   # a non-finite step skips optimizer_step: nothing carries over from it
         loss, grad_norm = original(loss, grad_norm)
         values = self.trainer.maxima
         start = len(values) - sum(self.sizes)

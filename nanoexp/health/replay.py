@@ -103,7 +103,8 @@ class ReplayCheck:
         if not any(values):
             return
         ctx = self.trainer.ctx
-        names = [name for name, differs in zip(self.names, self.differs.tolist()) if differs] if values[ctx.rank] else []
+        differs = self.differs.tolist() if values[ctx.rank] else []   # a host read only where something differed
+        names = [name for name, differed in zip(self.names, differs) if differed]
         everyone = [(names, socket.gethostname())] * ctx.world_size
         if ctx.world_size > 1:   # rare: only after a mismatch, on every rank
             dist.all_gather_object(everyone, everyone[0])
@@ -118,7 +119,8 @@ class ReplayCheck:
     def finding(self, step: int, rank: int, names: list[str], host: str) -> Finding:
         then = "the run stops" if self.action == "stop" else "update skipped"
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-        line = (f"replay mismatch: rank {rank} on {host} computed another {'loss' if names[0] == 'loss' else 'gradient'}"
-                f" for {names[0]}{more} on the same batch, a silent data corruption: {then}")
+        what = "loss" if names[0] == "loss" else "gradient"
+        line = (f"replay mismatch: rank {rank} on {host} computed another {what} for {names[0]}{more} on the same "
+                f"batch, a silent data corruption: {then}")
         return Finding("replay", step, line, {"rank": rank, "host": host, "parameter": names[0],
                                                "parameters": len(names)})

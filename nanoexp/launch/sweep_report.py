@@ -189,9 +189,9 @@ def busy_note(rows: list[dict]) -> str | None:
 
 
 def health_findings(summary: dict) -> str | None:
-    """What summary.json's `health` found, counted by kind ("1 straggler, 2 spikes"); None: nothing."""
-    counts = {kind: len(found) for kind, found in (summary.get("health") or {}).items() if found}
-    return ", ".join(f"{n} {kind if n > 1 else kind.rstrip('s')}" for kind, n in counts.items()) or None
+    """What summary.json's `health` found, counted by kind ("stragglers 1, spikes 2"); None: nothing."""
+    found = [f"{kind} {len(entries)}" for kind, entries in (summary.get("health") or {}).items() if entries]
+    return ", ".join(found) or None
 
 
 def health_note(rows: list[dict]) -> str | None:
