@@ -3,6 +3,7 @@
     python benchmarks/bench_health.py                         # model=small dp2: overhead, then detection
     python benchmarks/bench_health.py --part overhead --steps 30 --rounds 3
     python benchmarks/bench_health.py --part detection
+    python benchmarks/bench_health.py --part calls            # the straggler wrapper's cost per collective call
 
 Overhead: each case is a fresh `python train.py model=small parallelism=dp2tp1pp1`, the cases in turns (reversed every
 other round, so background load hits them alike); the figure is summary.json's tokens/s (the mean step after the
@@ -81,13 +82,40 @@ def detection() -> None:
         print(f"| {kind} | {start} | {step} | {step - start} | {seconds:.1f} |", flush=True)
 
 
+def calls(repeats: int = 200_000) -> None:
+    """What the straggler detector adds to each collective call: its wrapper around a call that does nothing, in a
+    timed section (two host clock reads and a span kept) and outside one, against the bare call."""
+    import time
+    import torch
+    from nanoexp.health.stragglers import ComputeClock
+
+    clock = ComputeClock(torch.device("cpu"))
+    bare = lambda: None  # noqa: E731
+    wrapped = clock.timed(bare)
+
+    def per_call(call) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        return (time.perf_counter() - start) / repeats * 1e6
+
+    base, outside = per_call(bare), per_call(wrapped)
+    with clock.section():
+        inside = per_call(wrapped)
+    clock.read()
+    print(f"a collective call: {outside - base:.2f} us more outside a timed section, {inside - base:.2f} us more "
+          f"inside one ({repeats:,} calls of a no-op)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["overhead", "detection", "both"], default="both")
+    parser.add_argument("--part", choices=["overhead", "detection", "calls", "both"], default="both")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     print(f"float32 matmul peak before: {matmul_peak().tflops:.3f} TFLOP/s; load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.part in ("calls", "both"):
+        calls()
     if args.part in ("overhead", "both"):
         overhead(args.steps, args.rounds)
     if args.part in ("detection", "both"):
