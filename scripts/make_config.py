@@ -1,5 +1,6 @@
 """Write a starter experiment for a model and a GPU count, with a layout that fits in memory.
 
+    python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80
     python scripts/make_config.py --model llama_1b --gpus 16 --gpu-memory-gb 80 --tokenizer /data/llama3_tokenizer
     python scripts/make_config.py --model tiny --gpus 2 --gpu-memory-gb 24 --out my_experiment.yaml
     python scripts/make_config.py --show-lrs model.parametrization=mup model.mup.base_width=32   # train.py overrides
@@ -23,7 +24,9 @@ Promises:
 - Writes a coherent experiment (the overrides on the defaults: model, layout, ZeRO, batch, a schedule of
   --train-steps with --warmup-steps, the tokenizer the model's vocabulary needs) as
   conf/experiment/<--experiment, default <model>_<gpus>gpu>.yaml, or to --out, and prints the command
-  that runs it. A model whose vocabulary is not the built-in byte tokenizer's needs --tokenizer.
+  that runs it. A model whose vocabulary is not the built-in byte tokenizer's needs a tokenizer of that vocabulary:
+  without --tokenizer the experiment leaves `tokenizer.tokenizer_name_or_path: ???` (a run stops at start, in one
+  line, until it is set) and the command it prints sets it.
 
 The planner is nanoexp/launch/planner.py; its estimate (bytes per GPU) is nanoexp/observe/memory_estimate.py's for
 the busiest pipeline stage (parameters, gradients, AdamW state, activations of the micro-batches the engine holds,
@@ -48,6 +51,11 @@ from nanoexp.optim.lr_table import lr_table
 from nanoexp.validation import validate
 
 BYTE_VOCAB = 257
+
+
+def tokenizer_of(args, vocab_size: int) -> str:
+    """--tokenizer, else the byte tokenizer where the vocabulary fits it, else ??? (OmegaConf's "must be set")."""
+    return args.tokenizer or ("byte" if vocab_size <= BYTE_VOCAB else "???")
 
 
 def experiment_yaml(args, chosen: list[str], tokenizer: str) -> str:
@@ -87,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=256, help="sequences per optimizer step")
     parser.add_argument("--train-steps", type=int, default=10000)
     parser.add_argument("--warmup-steps", type=int, default=500)
-    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder (needed unless the model's "
-                                            "vocabulary is the byte tokenizer's 257)")
+    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder of the model's vocabulary (without "
+                                            "it: byte for a vocabulary of up to 257, else left for the run to set)")
     parser.add_argument("--experiment", help="name of the conf/experiment/ file (default <model>_<gpus>gpu)")
     parser.add_argument("--out", help="write the experiment here instead of conf/experiment/")
     parser.add_argument("--show-lrs", nargs="*", metavar="OVERRIDE", help="only print the learning rate of each "
@@ -106,9 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     m = base.model.model_config
     if args.sequence_length > m.max_position_embeddings:
         parser.error(f"--sequence-length {args.sequence_length} > max_position_embeddings {m.max_position_embeddings}")
-    if m.vocab_size > BYTE_VOCAB and not args.tokenizer:
-        parser.error(f"--tokenizer is needed: {args.model} has a vocabulary of {m.vocab_size}, the byte tokenizer "
-                     f"{BYTE_VOCAB}; give a local Hugging Face tokenizer folder of that vocabulary")
     if args.warmup_steps > args.train_steps:
         parser.error(f"--warmup-steps {args.warmup_steps} > --train-steps {args.train_steps}")
     print(f"model {args.model}: hidden {m.hidden_size}, {m.num_hidden_layers} layers, {m.num_attention_heads} heads "
@@ -128,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     name = args.experiment or f"{args.model}_{args.gpus}gpu"
     path = args.out or os.path.join(CONF_DIR, "experiment", f"{name}.yaml")
     with open(path, "w") as f:
-        f.write(experiment_yaml(args, chosen, args.tokenizer or "byte"))
+        f.write(experiment_yaml(args, chosen, tokenizer_of(args, m.vocab_size)))
     name = os.path.splitext(os.path.basename(path))[0]
     nodes = math.ceil(args.gpus / args.gpus_per_node)
     print(f"wrote {path}" + (" (move it into conf/experiment/ to run it)" if args.out else ""))
+    missing = tokenizer_of(args, m.vocab_size) == "???"
+    if missing:
+        print(f"its tokenizer is left unset (???): {args.model} has a vocabulary of {m.vocab_size}, the byte tokenizer "
+              f"{BYTE_VOCAB}; give a tokenizer of that vocabulary (a local Hugging Face tokenizer folder) when you run "
+              "it, or --tokenizer here")
     print(f"run it: python train.py -m +experiment={name} hydra/launcher=slurm hydra.launcher.nodes={nodes} "
-          f"hydra.launcher.gpus_per_node={min(args.gpus, args.gpus_per_node)}")
+          f"hydra.launcher.gpus_per_node={min(args.gpus, args.gpus_per_node)}"
+          + (" tokenizer.tokenizer_name_or_path=/path/to/tokenizer" if missing else ""))
     return 0
 
 

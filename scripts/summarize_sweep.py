@@ -17,10 +17,10 @@ Promises:
   the panel's top edge; the title names only the markers drawn).
 - For a `+plan=topK` sweep, the planner's predicted step time and tokens/s beside the measured ones, with their
   ratio (sweep_report.plan_table, docs/planning.md).
-- `--rank-by eval/<task>/<metric>` (a downstream task's score, from the runs' summary.json; see
-  docs/evaluation.md) orders the table by that score, best first, adds it as a column, and picks the best
-  learning rate and draws lr_transfer.png by it (higher is better for a task's score); the default ranks by
-  eval loss (lower is better). The CSV has every task score any job has.
+- Rows in job order; the `rank` column is each job's place by eval loss (lowest first), or with `--rank-by
+  eval/<task>/<metric>` by a downstream task's score (highest first; from the runs' summary.json, see
+  docs/evaluation.md), which is then also a column and picks the best learning rate and lr_transfer.png's values.
+  A line under the table names the ranking. The CSV has every task score any job has.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import os
 import sys
 
 from nanoexp.launch.sweep_plots import plot, plot_lr_transfer
-from nanoexp.launch.sweep_report import (COLUMNS, best_lr_table, busy_note, collect, health_note, lr_sweep, plan_table,
-                                         ranked, table, write_csv)
+from nanoexp.launch.sweep_report import (COLUMNS, add_rank, best_lr_table, busy_note, collect, health_note, lr_sweep,
+                                         plan_table, rank_note, table, write_csv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep_dir", help="a Hydra sweep folder, e.g. outputs/multirun/<date>/<time>")
     parser.add_argument("--out", help="where summary.csv and the plots go (default: the sweep folder)")
     parser.add_argument("--no-plots", action="store_true", help="only the table and the CSV")
-    parser.add_argument("--rank-by", default="eval_loss", help="eval_loss (default, lower is better) or a task's "
-                        "score eval/<task>/<metric> (higher is better), e.g. eval/shakespeare_choice/acc")
+    parser.add_argument("--rank-by", default="eval_loss", help="what the rank column ranks by: eval_loss (default, "
+                        "lowest first) or a task's score eval/<task>/<metric> (highest first), e.g. "
+                        "eval/shakespeare_choice/acc")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         parser.error(f"{args.sweep_dir}: no such folder")
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     metric = args.rank_by
     if metric != "eval_loss" and not any(metric in row for row in rows):
         parser.error(f"--rank-by {metric}: no job recorded it (summary.json keys eval/<task>/<metric>)")
-    rows = ranked(rows, metric)
+    add_rank(rows, metric)
     print(table(rows, COLUMNS if metric in COLUMNS else COLUMNS[:-2] + [metric] + COLUMNS[-2:]))
+    print(rank_note(metric))
     for note in (busy_note(rows), health_note(rows)):
         if note:
             print(note)

@@ -311,7 +311,8 @@ def fake_job(folder, number: int, lr: float, eval_loss: float, acc: float) -> No
 
 @pytest.mark.slow
 def test_the_sweep_report_ranks_by_a_tasks_score(tmp_path):
-    """Ranked by eval loss the lowest wins; by a task's accuracy the highest: another job here."""
+    """Ranked by eval loss the lowest wins; by a task's accuracy the highest: another job here. Rows stay in job
+    order; the rank column and the line under the table say who won by what."""
     def summarize_sweep(*args) -> str:
         script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "summarize_sweep.py")
         result = subprocess.run([sys.executable, script, str(tmp_path / "sweep"), *args], capture_output=True,
@@ -323,10 +324,13 @@ def test_the_sweep_report_ranks_by_a_tasks_score(tmp_path):
         fake_job(tmp_path / "sweep", number, lr, loss, acc)
     by_loss = summarize_sweep("--no-plots")
     by_acc = summarize_sweep("--rank-by", "eval/shakespeare_choice/acc")
-    assert by_loss.splitlines()[1].split()[0] == "1" and by_acc.splitlines()[1].split()[0] == "2"
+    assert [line.split()[:2] for line in by_loss.splitlines()[1:4]] == [["0", "2"], ["1", "1"], ["2", "3"]]
+    assert [line.split()[:2] for line in by_acc.splitlines()[1:4]] == [["0", "2"], ["1", "3"], ["2", "1"]]
+    assert "rank: by eval/shakespeare_choice/acc, highest first (rows in job order)" in by_acc
     assert "0.003 (2^-8.38)" in by_loss and "0.01 (2^-6.64)" in by_acc   # the best learning rate follows
     assert os.path.exists(tmp_path / "sweep" / "lr_transfer.png")
     import csv
-    with open(tmp_path / "sweep" / "summary.csv") as f:   # every job's learning rate and score, ranked by the score
-        rows = [(row["job"], float(row["lr"]), float(row["eval/shakespeare_choice/acc"])) for row in csv.DictReader(f)]
-    assert rows == [("2", 1e-2, 0.45), ("0", 1e-3, 0.40), ("1", 3e-3, 0.35)]
+    with open(tmp_path / "sweep" / "summary.csv") as f:   # every job's learning rate, score and rank by the score
+        rows = [(row["job"], float(row["lr"]), float(row["eval/shakespeare_choice/acc"]), row["rank"])
+                for row in csv.DictReader(f)]
+    assert rows == [("0", 1e-3, 0.40, "2"), ("1", 3e-3, 0.35, "3"), ("2", 1e-2, 0.45, "1")]

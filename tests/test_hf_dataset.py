@@ -7,7 +7,7 @@ import torch
 
 from nanoexp.data import ByteTokenizer, TokenWindows, TrainBatches, build_hf_datasets
 from tests.data_files import byte_stream, random_documents, write_jsonl
-from tests.helpers import FAST, compose_config, require, start_error, train
+from tests.helpers import FAST, compose_config, require, start_error, train, train_py
 from tests.test_data import _save_tiny_hf_tokenizer
 
 SEQ = 8
@@ -68,6 +68,40 @@ def test_stream_batches_are_dp_split_invariant_and_resume(jsonl_folder):
     assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2]))
     with TrainBatches(build(path, True)[0], G, 4, 0, 1, seed=0, consumed_samples=3 * G) as resumed:
         assert torch.equal(torch.cat([mb["input_ids"] for mb in resumed.next_step()]), runs[1][3])
+
+
+def text_file(path, paragraphs: int, seed: int = 5) -> str:
+    """A plain .txt file: paragraphs of lines, separated by blank lines (one document, as a file is)."""
+    docs = random_documents(paragraphs, seed=seed)
+    path.write_text("\n\n".join("\n".join(doc[i:i + 60] for i in range(0, len(doc), 60)) for doc in docs) + "\n")
+    return str(path)
+
+
+def test_a_single_text_file_holds_out_its_tail(tmp_path):
+    """One .txt is one document: the every-10th-document rule would hold out nothing (its evaluation failed with
+    '0 tokens are too few'); the last 10 % of its text, from a line start, is held out instead, streamed or not."""
+    from nanoexp.data.corpus import split_train_val
+    text = open(text_file(tmp_path / "book.txt", 60)).read()
+    head, tail = split_train_val([text], 0.1)
+    assert head[0] + tail[0] == text and head[0].endswith("\n") and 0 < len(tail[0]) <= 0.1 * len(text)
+    for streaming in (False, True):
+        train_set, val = build(str(tmp_path / "book.txt"), streaming)
+        reference, held_out = TokenWindows(np.array(byte_stream(head)), SEQ), TokenWindows(np.array(byte_stream(tail)), SEQ)
+        assert len(train_set) == len(reference) and len(val) == len(held_out) > 0
+        assert all(torch.equal(train_set[i], reference[i]) for i in range(len(reference)))
+        assert all(torch.equal(val[i], held_out[i]) for i in range(len(held_out)))
+
+
+def test_a_text_file_too_short_is_refused_before_its_run_folder(tmp_path, capsys):
+    """A text too short for a global batch or for one held-out sample: one line saying what to do, exit 2, and
+    no run folder left behind (the run once failed in its workers with a traceback, leaving one)."""
+    short = text_file(tmp_path / "short.txt", 3)
+    assert train_py(FAST + ["data=hf", f"data.hf_dataset_or_datasets={short}", "debug=fast"],
+                    tmp_path / "run") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nanoexp: data: data.hf_dataset_or_datasets={short}: 1 document(s)")
+    assert err[0].endswith("use more text, a shorter tokens.sequence_length or a smaller tokens.global_batch_size")
+    assert not (tmp_path / "run").exists()
 
 
 def hf_cfg(path, *extra):

@@ -46,7 +46,17 @@ def test_a_finished_run_stays_finished(tmp_path, capsys):
     assert snapshot(tmp_path) == before
     assert train_py(RUN + ["tokens.train_steps=3"], tmp_path) == 0
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
-    assert json.loads((tmp_path / "summary.json").read_text())["train_steps"] == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["train_steps"] == 3
+    # It covers the whole run (its wall time was the last leg's alone): each leg's steps, wall time and tokens;
+    # tokens/s is the last leg's, over the steps it names.
+    first = json.loads(before["summary.json"][0])
+    tokens_per_step = summary["consumed_tokens"] // 3
+    assert [(leg["steps"], leg["tokens"]) for leg in summary["legs"]] == [([1, 2], 2 * tokens_per_step),
+                                                                          ([3, 3], tokens_per_step)]
+    assert summary["legs"][0] == first["legs"][0] and summary["wall_seconds"] == sum(
+        leg["wall_seconds"] for leg in summary["legs"]) > first["wall_seconds"]
+    assert summary["tokens_per_sec"] == summary["legs"][1]["tokens_per_sec"] and summary["tokens_per_sec_steps"] == [3, 3]
 
 
 def test_another_runs_checkpoint_is_refused_naming_the_keys_that_differ(tmp_path, capsys):
@@ -113,3 +123,13 @@ def test_a_resume_on_another_layout_and_an_old_checkpoint_without_a_run_id(tmp_p
     meta_path.write_text(json.dumps({**meta, "config": {**meta["config"], "general": {"seed": 7}}}))
     (tmp_path / "checkpoints" / "latest.txt").write_text("3\n")
     assert train_py(RUN + ["tokens.train_steps=4"], tmp_path) == 2   # judged by its config: another seed
+
+
+def test_only_a_resumed_leg_of_the_same_run_adds_to_the_legs_before_it(tmp_path):
+    from nanoexp.observe.summary import whole_run, write_summary
+    write_summary(str(tmp_path), {"run_id": "a", "legs": [{"steps": [1, 5], "wall_seconds": 10.0}]})
+    leg = {"steps": [6, 9], "wall_seconds": 4.0}
+    assert whole_run(str(tmp_path), {"run_id": "a"}, leg, resumed=True) == {
+        "run_id": "a", "legs": [{"steps": [1, 5], "wall_seconds": 10.0}, leg], "wall_seconds": 14.0}
+    for run_id, resumed in (("b", True), ("a", False)):   # another run's folder; a run that started afresh
+        assert whole_run(str(tmp_path), {"run_id": run_id}, leg, resumed)["wall_seconds"] == 4.0

@@ -2,12 +2,15 @@
 Hub, streamed or not, tokenized and packed on the fly.
 
 Validation: document ``i`` of the split (in stored order) is held out when ``i % M == M - 1`` with
-``M = round(1 / data.validation_fraction)``; a rule that needs no length, so a stream can apply it.
+``M = round(1 / data.validation_fraction)``; a rule that needs no length, so a stream can apply it. A dataset of
+fewer than M documents (one .txt file is one document) would hold out nothing by that rule: the last
+``validation_fraction`` of each document is held out instead, as the built-in corpus does (``few_documents``).
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
@@ -15,6 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .corpus import split_train_val
 from .packed import TokenWindows
 from .sampler import SequentialOrder
 from .tokenizer import Tokenizer
@@ -113,6 +117,23 @@ def validation_period(validation_fraction: float) -> int:
     return max(2, round(1 / validation_fraction))
 
 
+def few_documents(dataset, text_column: str, source: str, period: int) -> Optional[list[str]]:
+    """Every document of `dataset` when it has fewer than `period` (the every-M-th rule would hold out none), else
+    None; reads at most `period` documents."""
+    documents = list(itertools.islice((t for batch in read_texts(dataset, text_column, source) for t in batch),
+                                      period))
+    return documents if len(documents) < period else None
+
+
+def split_few_documents(documents: list[str], tokenizer: Tokenizer, validation_fraction: float,
+                        max_validation_tokens: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) token streams of a dataset of few documents: the last `validation_fraction` of each
+    document (from a line start) is held out. Not split at blank lines: a text file is one document as written (a
+    book, a log), and end-of-document ids between its paragraphs would cut what the model may attend to."""
+    heads, tails = split_train_val(documents, validation_fraction)
+    return pack_batches(iter([heads]), tokenizer), pack_batches(iter([tails]), tokenizer, max_validation_tokens)
+
+
 def split_documents(batches: Iterator[list[str]], period: int, want_validation: bool) -> Iterator[list[str]]:
     """The training (or validation) documents of a stream of batches, by the every-M-th rule."""
     index = 0
@@ -198,12 +219,21 @@ def build_hf_datasets(name_or_path: str, split: str, config_name: Optional[str],
                       validation_samples: Optional[int]):
     """``(train, validation)`` for ``data=hf``.
 
-    Not streamed: every document is tokenized at start and packed in memory (random access,
+    Fewer than M documents: each one's tail is held out (``split_few_documents``), all in memory. Not streamed:
+    every document is tokenized at start and packed in memory (random access,
     shuffled per epoch like the built-in corpus). Streamed: training samples come from a
     :class:`TokenStream`; the validation set is packed in memory from the held-out documents,
     reading only until ``validation_samples`` samples are filled (all when None).
     """
     period = validation_period(validation_fraction)
+    max_tokens = None if validation_samples is None else validation_samples * sequence_length + 1
+    documents = few_documents(load_hf_dataset(name_or_path, split, config_name, streaming=True), text_column,
+                              name_or_path, period)
+    if documents is not None:   # fewer than `period`: held in memory whether streamed or not
+        train, val = split_few_documents(documents, tokenizer, validation_fraction, max_tokens)
+        return (TokenWindows(train, sequence_length, f"{name_or_path} (train)"),
+                TokenWindows(val, sequence_length, f"{name_or_path} (validation: the last "
+                                                   f"{validation_fraction:.0%} of each document)"))
 
     def open_epoch(epoch: int) -> Iterator[list[str]]:
         ds = load_hf_dataset(name_or_path, split, config_name, streaming)
@@ -211,7 +241,6 @@ def build_hf_datasets(name_or_path: str, split: str, config_name: Optional[str],
 
     val_ds = load_hf_dataset(name_or_path, split, config_name, streaming)
     val_docs = split_documents(read_texts(val_ds, text_column, name_or_path), period, want_validation=True)
-    max_tokens = None if validation_samples is None else validation_samples * sequence_length + 1
     val = TokenWindows(pack_batches(val_docs, tokenizer, max_tokens), sequence_length,
                        f"{name_or_path} (validation: every {period}th document)")
     if streaming:

@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 from .blend import ConcatDataset
-from .hf_dataset import build_hf_datasets, load_hf_dataset, read_texts
+from .hf_dataset import (build_hf_datasets, few_documents, load_hf_dataset, read_texts, split_few_documents,
+                         validation_period)
 from .nanoset import Nanoset, NanosetError, open_nanoset
 from .packed import build_builtin_datasets
 from .tokenizer import Tokenizer, build_tokenizer
@@ -102,6 +103,28 @@ def _check_hf(cfg: Any, tokenizer: Tokenizer) -> None:
     if not any(first):
         raise DataError(f"data.hf_dataset_or_datasets={d.hf_dataset_or_datasets}: the dataset is empty "
                         f"(no text in column {d.text_column_name!r})")
+    _check_few_documents(cfg, tokenizer)
+
+
+def _check_few_documents(cfg: Any, tokenizer: Tokenizer) -> None:
+    """A dataset of fewer documents than the held-out rule's period (one text file) is split by each document's tail
+    (hf_dataset.split_few_documents): both parts are counted here, since they are small, so that text too short
+    for a global batch, or a held-out tail too short for one sample, stops the run before its folder is made."""
+    d, t = cfg.data, cfg.tokens
+    ds = load_hf_dataset(d.hf_dataset_or_datasets, d.hf_dataset_splits, d.hf_dataset_config_name, streaming=True)
+    documents = few_documents(ds, d.text_column_name, d.hf_dataset_or_datasets,
+                              validation_period(d.validation_fraction))
+    if documents is None:
+        return
+    train, val = split_few_documents(documents, tokenizer, d.validation_fraction)
+    train_samples, val_samples = (len(train) - 1) // t.sequence_length, (len(val) - 1) // t.sequence_length
+    if train_samples < t.global_batch_size or val_samples < 1:
+        raise DataError(f"data.hf_dataset_or_datasets={d.hf_dataset_or_datasets}: {len(documents)} document(s) of "
+                        f"{len(train) + len(val):,} tokens give {train_samples} training samples (one global batch "
+                        f"needs {t.global_batch_size}) and {val_samples} held-out (the last "
+                        f"data.validation_fraction={d.validation_fraction} of each document; one needed) of "
+                        f"tokens.sequence_length={t.sequence_length} + 1 tokens: use more text, a shorter "
+                        "tokens.sequence_length or a smaller tokens.global_batch_size")
 
 
 # data.name -> (builder, start-up check); the shipped built-in corpus needs no check.

@@ -1,9 +1,9 @@
-"""The plots of a sweep report (scripts/summarize_sweep.py, nanoexp.launch.sweep_report.report), with matplotlib:
-loss_curves.png (training loss of every job, eval losses as large markers, each job its own colour, line style and
-marker, failed jobs dashed, the legend showing only the overrides that differ), tokens_per_sec.png, and
-lr_transfer.png: the metric against the learning rate (log-2 axis), one curve per width, one panel per
-parametrization (the µTransfer picture; every finite point inside the axes, each width's best learning rate a star,
-jobs without a value, e.g. diverged, crosses on the panel's top edge; the title names only the markers drawn)."""
+"""The plots of a sweep report (scripts/summarize_sweep.py), with matplotlib: loss_curves.png (training loss of every
+job, eval losses as large markers, each job its own colour, line style and marker, failed jobs dashed),
+tokens_per_sec.png, and lr_transfer.png: the metric against the learning rate (log-2 axis), one curve per width, one
+panel per parametrization (the µTransfer picture; every finite point inside the axes, each width's best learning
+rate a star, jobs without a value, e.g. diverged, crosses on the panel's top edge; the title names only the markers
+drawn). Legends sit outside the axes and show only the overrides that differ, so they hide no point."""
 from __future__ import annotations
 
 import itertools
@@ -12,19 +12,27 @@ import os
 
 from nanoexp.launch.sweep_report import best, lower_is_better
 
+
 def label(row: dict) -> str:
-    return f"#{row['job']} {row.get('overrides') or row.get('layout', '')}".strip()
+    """`#<job> <the overrides that differ>`, each key by its last part (learning_rate=0.01) unless two share it."""
+    overrides = (row.get("overrides") or row.get("layout", "")).split()
+    keys = [o.partition("=")[0] for o in overrides]
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    if len(set(short)) == len(short):
+        overrides = [f"{s}={o.partition('=')[2]}" for s, o in zip(short, overrides)]
+    return f"#{row['job']} {' '.join(overrides)}".strip()
 
 
-def plot(rows: list[dict], curves: dict[int, list[dict]], out: str) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
+def loss_figure(rows: list[dict], curves: dict[int, list[dict]]):
+    """The training loss of every job (eval losses as large hollow markers of its colour) with one legend entry
+    per job, outside the axes so that it hides no curve however many jobs there are."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    # Curves that coincide (the same run on two layouts) stay apart by style and marker.
-    styles = itertools.cycle(itertools.product(["o", "s", "^", "v", "D", "x"], [":", "-.", (0, (5, 2))]))
-    for row, (marker, style) in zip(rows, styles):
+    # Curves that coincide (the same run on two layouts) stay apart: each job its own marker, line style and
+    # marker positions.
+    styles = zip(itertools.cycle(["o", "s", "^", "v", "D", "x", "P"]), itertools.cycle([":", "-.", (0, (5, 2))]))
+    for i, (row, (marker, style)) in enumerate(zip(rows, styles)):
         records = curves[row["job"]]
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
@@ -32,14 +40,26 @@ def plot(rows: list[dict], curves: dict[int, list[dict]], out: str) -> list[str]
             continue
         steps, losses = zip(*train)
         line, = ax.plot(steps, losses, linestyle="--" if row["state"] != "completed" else style, marker=marker,
-                        markevery=max(1, len(steps) // 8), markersize=4, label=f"{label(row)} ({row['state']})")
+                        markevery=(i % every, every) if (every := max(1, len(steps) // 8)) else None, markersize=5,
+                        label=f"{label(row)} ({row['state']})")
         if evals:
             ax.plot(*zip(*evals), linestyle="none", marker=marker, markersize=9, color=line.get_color(),
-                    markerfacecolor="none", label=f"{label(row)} eval")
-    ax.set(xlabel="optimizer step", ylabel="loss (nats/token)", title="training loss (lines) and eval loss (large markers)")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "loss_curves.png"), dpi=100)
+                    markerfacecolor="none")
+    ax.set(xlabel="optimizer step", ylabel="loss (nats/token)",
+           title="training loss (lines) and eval loss (large hollow markers)")
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return fig
+
+
+def plot(rows: list[dict], curves: dict[int, list[dict]], out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(rows, curves)
+    fig.savefig(os.path.join(out, "loss_curves.png"), dpi=100, bbox_inches="tight")   # "tight": the legend too
     plt.close(fig)
 
     done = [row for row in rows if row.get("tokens_per_sec")]
@@ -80,7 +100,10 @@ def plot_lr_transfer(curves: dict, out: str, metric: str = "eval_loss") -> str:
         ax.set_xscale("log", base=2)
         ax.set(title=f"{parametrization}", xlabel="learning rate (log2; µP: the base width's)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+    handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+    if handles:   # one legend of every width, beside the last panel
+        axes[0][-1].legend(handles.values(), handles.keys(), fontsize="small", loc="upper left",
+                           bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     axes[0][0].set_ylabel("eval loss (nats/token)" if metric == "eval_loss" else metric)
     values = [v for points in curves.values() for _, v in points if v is not None and math.isfinite(v)]
     if values:   # every finite point inside the panels (shared y axis)
@@ -93,6 +116,6 @@ def plot_lr_transfer(curves: dict, out: str, metric: str = "eval_loss") -> str:
     fig.suptitle(title + (f"\n({'; '.join(keys)})" if keys and len(panels) == 1 else  # one narrow panel: 2 lines
                           f" ({'; '.join(keys)})" if keys else ""))
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "lr_transfer.png"), dpi=90)
+    fig.savefig(os.path.join(out, "lr_transfer.png"), dpi=90, bbox_inches="tight")
     plt.close(fig)
     return "lr_transfer.png"

@@ -13,12 +13,13 @@ several (`lr_sweep`, `best_lr_table`) and the plots (nanoexp/launch/sweep_plots.
 - A `+plan=topK` sweep (nanoexp/plan/sweep.py) leaves each job's predicted step in `<dir>/plan.json`:
   `plan_table` puts it beside the measured one.
 - `overrides` shows only the overrides whose values differ between the jobs (what the sweep varies).
+- Rows stay in job order; `rank` is a job's place by a metric (eval loss unless asked otherwise), so a reader
+  sees both the order the sweep ran in and which job won, and the order never depends on the last digits.
 """
 from __future__ import annotations
 
 import csv
 import glob
-import json
 import math
 import os
 import re
@@ -28,12 +29,13 @@ import subprocess
 import yaml
 
 from nanoexp.parallel.layout import Layout
+from nanoexp.observe.metrics import read_metrics
 from nanoexp.observe.summary import machine_was_busy, read_json, read_summary
 
-COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
+COLUMNS = ["job", "rank", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "load", "state", "reason"]
 # One format per column (None: as is).
-FORMATS = {"lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
+FORMATS = {"rank": "{:d}", "lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
            "mfu": "{:.2%}", "peak_memory_mb": "{:,.0f}"}
 PLAN_FILE = "plan.json"
 SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
@@ -94,10 +96,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
         row["parametrization"] = cfg["model"].get("parametrization", "standard")
         row["optimizer"] = cfg["optimizer"].get("optimizer_factory", {}).get("name", "adamW")
-    records = []
-    if os.path.exists(os.path.join(folder, "metrics.jsonl")):
-        with open(os.path.join(folder, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    records = read_metrics(folder)
     summary = read_summary(folder) or {}
     for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
         row[key] = summary.get(key)
@@ -169,14 +168,21 @@ def lower_is_better(metric: str) -> bool:
     return not is_task_score(metric) or any(word in metric for word in ("loss", "perplexity", "bits_per"))
 
 
-def ranked(rows: list[dict], metric: str) -> list[dict]:
-    """The rows best first by `metric` (rows without a finite value last, in job order)."""
-    def key(row):
-        value = row.get(metric)
-        if not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
-            return (1, 0.0, row["job"])
-        return (0, value if lower_is_better(metric) else -value, row["job"])
-    return sorted(rows, key=key)
+def add_rank(rows: list[dict], metric: str) -> None:
+    """Set each row's `rank` by `metric`: 1 for the best, equal values sharing a place, None without a finite value."""
+    def value(row):
+        v = row.get(metric)
+        return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+    values = [value(row) for row in rows if value(row) is not None]
+    for row in rows:
+        v = value(row)
+        better = [u for u in values if (u < v if lower_is_better(metric) else u > v)] if v is not None else None
+        row["rank"] = None if v is None else len(better) + 1
+
+
+def rank_note(metric: str) -> str:
+    """The line that says what the rank column ranks by."""
+    return f"rank: by {metric}, {'lowest' if lower_is_better(metric) else 'highest'} first (rows in job order)"
 
 
 def busy_note(rows: list[dict]) -> str | None:
@@ -229,18 +235,22 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 def lr_sweep(rows: list[dict], metric: str = "eval_loss") -> dict[tuple[str, int], list[tuple[float, float | None]]]:
-    """{(parametrization, width): [(lr, the metric or None), ...] sorted by lr}, or {} if one lr was tried; when
-    the jobs try several optimizers, each is a parametrization of its own ("standard, muon")."""
+    """{(parametrization, width): [(lr, the metric or None), ...] sorted by lr, one point per rate}, or {} if one lr
+    was tried. Jobs that share a rate (other layouts, seeds) give the mean of their finite values: the loss of a
+    rate, not of a layout. When the jobs try several optimizers, each is a parametrization of its own ("standard,
+    muon")."""
     if len({row.get("lr") for row in rows if row.get("lr")}) < 2:
         return {}
     several = len({row.get("optimizer") for row in rows if row.get("lr")}) > 1
-    curves: dict = {}
+    values: dict = {}
     for row in rows:
         if row.get("lr"):
             name = f"{row['parametrization']}, {row['optimizer']}" if several else row["parametrization"]
-            curves.setdefault((name, row["width"]), []).append((row["lr"], row.get(metric)))
-    order = sorted(curves, key=lambda key: (not key[0].startswith("standard"), key))   # standard first, by width
-    return {key: sorted(curves[key]) for key in order}
+            value = row.get(metric)
+            finite = [value] if isinstance(value, (int, float)) and math.isfinite(value) else []
+            values.setdefault((name, row["width"]), {}).setdefault(row["lr"], []).extend(finite)
+    order = sorted(values, key=lambda key: (not key[0].startswith("standard"), key))   # standard first, by width
+    return {key: [(lr, sum(v) / len(v) if v else None) for lr, v in sorted(values[key].items())] for key in order}
 
 
 def best(points: list[tuple[float, float | None]], metric: str) -> tuple[float | None, float | None]:
@@ -253,7 +263,8 @@ def best(points: list[tuple[float, float | None]], metric: str) -> tuple[float |
 
 def best_lr_table(curves: dict, metric: str = "eval_loss") -> str:
     name = metric.replace("_", " ") if metric == "eval_loss" else metric
-    lines = [f"{'parametrization':<16}{'width':>6}{'best lr':>18}{name:>11}   {name} at each lr (- : none)"]
+    lines = [f"{'parametrization':<16}{'width':>6}{'best lr':>18}{name:>11}   {name} at each lr, lowest rate first "
+             "(the mean of a rate's jobs; - : none)"]
     for (parametrization, width), points in curves.items():
         value, lr = best(points, metric)
         chosen = f"{lr:.4g} (2^{math.log2(lr):.3g})" if lr else "-"
@@ -277,7 +288,7 @@ def plan_table(sweep_dir: str, rows: list[dict]) -> str | None:
     lines = [f"planned for {plan['gpus']} x {plan['gpu']} ({plan['gpus_per_node']} a node): predicted beside measured",
              (f"{'job':>4}  {'rank':>4}  {'layout':<16}{'ZeRO':>4}{'mb':>4}{'rc':>3}  {'step s pred':>11}"
               f"{'measured':>10}{'ratio':>7}  {'tok/s pred':>11}{'measured':>10}")]
-    for row in sorted(rows, key=lambda row: row["job"]):   # in plan order, whatever order the table was ranked in
+    for row in sorted(rows, key=lambda row: row["job"]):
         p = plan["jobs"].get(str(row["job"]))
         if p is None:
             continue

@@ -34,6 +34,17 @@ def write_summary(run_dir: str, summary: dict) -> None:
         json.dump(summary, f, indent=2)
 
 
+def whole_run(run_dir: str, summary: dict, leg: dict, resumed: bool) -> dict:
+    """`summary` covering the whole run, not only this leg (one start of it): `legs` lists each leg's steps, wall
+    time, tokens trained and tokens/s, the earlier ones taken from the summary.json a leg of the same run (the
+    same run_id) left in this folder; `wall_seconds` sums them. `tokens_per_sec` stays the last leg's, over the
+    steps in `tokens_per_sec_steps`. A leg killed before it wrote summary.json is missing."""
+    earlier = read_summary(run_dir) if resumed else None
+    legs = earlier.get("legs", []) if earlier and earlier.get("run_id") == summary.get("run_id") else []
+    legs = legs + [leg]
+    return {**summary, "legs": legs, "wall_seconds": sum(leg["wall_seconds"] for leg in legs)}
+
+
 def memory_fields(ranks: list[dict]) -> dict:
     """summary.json's memory fields and hosts from every rank's {"peak", "baseline", "memory", "host"} (in global
     rank order): `hosts` lists each host once, in the order of its first rank."""
