@@ -134,6 +134,18 @@ def test_the_sweep_report_names_the_runs_with_findings():
         "step": 3, "health/event": "spike", "health/message": "x", "health/loss": 9.0}
 
 
+def test_a_finding_is_a_metrics_record_and_a_tensorboard_event(tmp_path):
+    from nanoexp.observe.metrics import MetricsWriter
+    writer = MetricsWriter(str(tmp_path), compose_config(RUN + ["logging.tensorboard=true"]))
+    finding = Finding("straggler", 30, "straggler: rank 1 on node7 computes 2 s a step", {"rank": 1, "host": "node7"})
+    writer.event(finding.record(), "health/straggler", finding.line)
+    writer.close()
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [finding.record()]
+    events = b"".join(path.read_bytes() for path in (tmp_path / "tensorboard").iterdir())
+    assert b"health/straggler" in events and b"rank 1 on node7" in events   # the text, and its tag
+    assert b"health/rank" in events   # the numbers as scalars
+
+
 # -- stragglers ----------------------------------------------------------------------------------
 @SLOW
 def test_a_slow_rank_is_named_within_two_windows(tmp_path):
