@@ -147,17 +147,24 @@ def test_a_finding_is_a_metrics_record_and_a_tensorboard_event(tmp_path):
 
 
 # -- stragglers ----------------------------------------------------------------------------------
-@SLOW
-def test_a_slow_rank_is_named_within_two_windows(tmp_path):
-    """Rank 1 sleeps 50 ms in each micro-batch's forward (2 a step): named at the end of the second window that
-    times it (the first window's first step is warm-up, untimed)."""
-    records = train(tmp_path, RUN + ["parallelism=dp2tp1pp1", "tokens.train_steps=8", "health.every=2",
-                                     "health.straggler_windows=2", "fault_injection.slow_rank=1"])
+# The slowed rank and the layout: under tp, pp and ZeRO-3 its peers wait for it inside the forward and backward,
+# and are not named (their waits for collectives are not their compute).
+SLOWED = {"dp2": (1, ["parallelism=dp2tp1pp1"]), "dp2tp2": (0, ["parallelism=dp2tp2pp1"]),
+          "dp2pp2": (0, ["parallelism=dp2tp1pp2"]), "zero3": (1, ["parallelism=dp2tp1pp1", "optimizer.zero_stage=3"])}
+
+
+@pytest.mark.parametrize("layout", tiered(SLOWED, quick=[]))
+def test_a_slow_rank_is_named_within_two_windows(layout, tmp_path):
+    """The rank sleeps 50 ms in each micro-batch's forward: named at the end of the second window that times it
+    (the first window's first step is warm-up, untimed), and no other rank is."""
+    rank, overrides = SLOWED[layout]
+    records = train(tmp_path, RUN + overrides + ["tokens.train_steps=8", "health.every=2", "health.straggler_windows=2",
+                                                 f"fault_injection.slow_rank={rank}"])
     named = findings(records, "straggler")
-    assert [(r["health/rank"], r["step"]) for r in named] == [(1, 6)]
+    assert [(r["health/rank"], r["step"]) for r in named] == [(rank, 6)]
     assert named[0]["health/compute_s"] > 1.5 * named[0]["health/median_s"]
     summary = json.load(open(tmp_path / "summary.json"))
-    assert [(s["rank"], s["step"]) for s in summary["health"]["stragglers"]] == [(1, 6)]
+    assert [(s["rank"], s["step"]) for s in summary["health"]["stragglers"]] == [(rank, 6)]
 
 
 @SLOW

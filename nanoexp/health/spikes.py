@@ -87,7 +87,7 @@ class Spikes:
         window = [value for _, value in self.losses]
         median = statistics.median(window)
         deviation = MAD_TO_SIGMA * statistics.median(abs(value - median) for value in window)
-        return median, (loss - median) / max(deviation, SMALLEST_DEVIATION * abs(median))
+        return median, (loss - median) / max(deviation, SMALLEST_DEVIATION * abs(median), 1e-12)
 
     def spiked(self, step: int, loss: float, median: float, deviations: float) -> None:
         action, trainer = self.action, self.trainer
