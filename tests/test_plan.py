@@ -157,11 +157,11 @@ def test_a_hugging_face_config_plans(model_type, tmp_path, capsys):
 # -- hybrid sharding (parallelism.dp_shard) in the planner --------------------------------------------------------
 @pytest.mark.parametrize("stage", [1, 3])
 def test_make_config_traffic_is_the_counted_formula_under_hybrid_sharding(stage):
-    """launch.planner.dp_traffic_bytes (scripts/make_config.py) of dp4 as 2 x 2 is traffic.sent_bytes' shard and
+    """plan.chooser.dp_traffic_bytes (scripts/make_config.py) of dp4 as 2 x 2 is traffic.sent_bytes' shard and
     replica groups (test_model_bytes_equal_the_counters counts those), and full sharding's is its dp group less the
     loss scalars: one formula in two places, equal to rounding."""
     from benchmarks.harness import compose as compose_plain
-    from nanoexp.launch.planner import dp_traffic_bytes
+    from nanoexp.plan.chooser import dp_traffic_bytes
     for sharding, groups in ((["parallelism.dp_shard=2"], ("shard", "replica")), ([], ("dp",))):
         cfg = compose_plain(FAST + ["parallelism=dp4tp1pp1", f"optimizer.zero_stage={stage}", *sharding])
         model = sent_bytes(cfg, Layout.from_config(cfg), model_shape(cfg), 0, batch_accumulation(cfg))

@@ -3,6 +3,7 @@ model state by ZeRO stage, the activations of the micro-batches the engine holds
 they work and gloo's copies. The terms, their derivations and their measurements: docs/memory.md."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -12,7 +13,7 @@ from nanoexp.model.moe import moe_layer_shapes
 from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, compute_order
 from nanoexp.optim.registry import OPTIMIZERS
 
 MB = 2**20
@@ -113,18 +114,26 @@ def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tu
     """(most layers' activations held at once, most loss-chunk micro-batches held at once) on this
     pp rank, replaying its engine's schedule for one step. A schedule with W steps holds a micro-batch until its
     W (the linears' inputs and output gradients wait for it; the rest is freed at B: an upper bound)."""
-    m = batch_accumulation(cfg)
-    held, most, heads, most_heads = set(), 0, 0, 0
     loss_chunk = len(chunks) - 1 if pp_rank == layout.head_rank else None
-    freed_at = "W" if SCHEDULES[layout.schedule].splits_backward else "B"
-    for step in schedule(layout.schedule, layout.pp, layout.virtual_stages, m, pp_rank):
+    return _in_flight(layout.schedule, layout.pp, layout.virtual_stages, batch_accumulation(cfg), pp_rank,
+                      tuple(chunks), loss_chunk)
+
+
+@functools.lru_cache(maxsize=4096)   # the planner asks for the same schedules many times
+def _in_flight(engine: str, pp: int, v: int, m: int, pp_rank: int, chunks: tuple[int, ...],
+               loss_chunk: int | None) -> tuple[int, int]:
+    held, layers, most, heads, most_heads = set(), 0, 0, 0, 0
+    freed_at = "W" if SCHEDULES[engine].splits_backward else "B"
+    for step in compute_order(engine, pp, v, m, pp_rank):
         if step[0] == "F":
             held.add(step[1:])
+            layers += chunks[step[1]]
             heads += step[1] == loss_chunk
-        elif step[0] == freed_at:
+        elif step[0] == freed_at and step[1:] in held:
             held.discard(step[1:])
+            layers -= chunks[step[1]]
             heads -= step[1] == loss_chunk
-        most = max(most, sum(chunks[c] for c, _ in held))
+        most = max(most, layers)
         most_heads = max(most_heads, heads)
     return most, most_heads
 

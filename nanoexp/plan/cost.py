@@ -28,23 +28,22 @@ others are stated guesses or datasheet figures.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
 from nanoexp.config import batch_accumulation
-from nanoexp.launch.planner import GIB, HEADROOM, estimate
-from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
-from nanoexp.observe.memory_estimate import held_parameters
 from nanoexp.observe.metrics import (
     down_projection_params,
     flops_per_token,
     layer_matmul_params,
 )
-from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.layout import Layout, split_layers
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.plan.hardware import GB, Hardware, per_rank
-from nanoexp.plan.traffic import collective_shares, sent_bytes
+from nanoexp.plan.memory import device_gib, limit_gib
+from nanoexp.plan.traffic import collective_shares, held_by_rank, sent_bytes
 from nanoexp.model.shape import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
@@ -56,6 +55,18 @@ OVERLAP = 0.85                # fitted: the share of an overlapped collective's 
 LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
 ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
 ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
+ATTENTION_BACKWARD = 2.5      # flash attention's backward over its forward: 5 matmuls of the s x s tile to 2 (FA2
+#                               paper, Dao 2023, section 3.1), counted as metrics.py and hardware.measure_rates do
+UPDATE_BYTES = 28             # AdamW's bytes a parameter of the rank's shard: reads and writes the float32 weight
+#                               and both moments (4 + 4 + 2 x (4 + 4)), reads the float32 gradient (4)
+BUCKET_MB = 25                # GradientSync's buckets on NCCL (model.ddp_bucket_cap_mb null; memory_estimate's too)
+# Calls a step, each paying the link's latency (comm_seconds), counted from the code that makes them:
+TP_CALLS_PER_LAYER = 4        # tp: 2 all-reduces a block forward (attention, MLP), 2 backward (traffic.sent_bytes)
+TP_CALLS_OUTSIDE = 2          # tp: the embedding's output and the head's input, once a micro-batch each
+CP_CALLS_PER_LAYER = 2        # cp: the attention's forward and its backward, each one exchange of K/V (CP_KERNELS)
+EP_CALLS_PER_LAYER = 4        # ep: dispatch and combine all-to-alls, forward and backward
+PP_CALLS_PER_MICRO_BATCH = 2  # pp: the activation forward, its gradient back
+ZERO3_CALLS_PER_LAYER = 3     # ZeRO-3: a layer's gather before forward, before backward, its reduce-scatter (units.py)
 
 
 @dataclass(frozen=True)
@@ -115,11 +126,6 @@ class Prediction:
         return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
 
 
-def estimate_context() -> float:
-    """The CUDA context planner.estimate counts (memory.CUDA_CONTEXT_MB)."""
-    return CUDA_CONTEXT_MB * MB
-
-
 def gemm_efficiency(m: float, k: float, n: float, hw: Hardware | None = None) -> float:
     """Share of peak of an m x k by k x n product: the device's own figure where it states one (a CPU, measured),
     else GEMM_EFFICIENCY x d / (d + GEMM_KNEE), d the harmonic mean."""
@@ -129,6 +135,30 @@ def gemm_efficiency(m: float, k: float, n: float, hw: Hardware | None = None) ->
     return GEMM_EFFICIENCY * d / (d + GEMM_KNEE)
 
 
+def per_layer_params(shape) -> tuple[tuple[int, int], ...]:
+    """(matmul parameters a token goes through, those recomputation runs again: all but the down projections) of
+    each decoder block (metrics.layer_matmul_params, down_projection_params), computed once a shape."""
+    key = repr(shape)
+    if key not in _PER_LAYER:
+        _PER_LAYER[key] = tuple((layer_matmul_params(shape, n), layer_matmul_params(shape, n)
+                                 - down_projection_params(shape, n)) for n in range(shape.num_hidden_layers))
+    return _PER_LAYER[key]
+
+
+_PER_LAYER: dict[str, tuple] = {}
+
+
+_MODEL_FLOPS: dict[tuple, float] = {}
+
+
+def model_flops(shape, seq: int) -> float:
+    """metrics.flops_per_token (what MFU counts), once a shape and sequence length."""
+    key = (repr(shape), seq)
+    if key not in _MODEL_FLOPS:
+        _MODEL_FLOPS[key] = flops_per_token(shape, seq)
+    return _MODEL_FLOPS[key]
+
+
 def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
     """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation)."""
     s, h, tp = cfg.tokens.sequence_length, shape.hidden_size, layout.tp
@@ -136,22 +166,40 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     width = shape.moe.intermediate_size if shape.moe else shape.intermediate_size
     linear_rate = hw.peak_tflops(fw.fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp, hw)
     layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
-    matmul = sum(2 * tokens * layer_matmul_params(shape, n) / tp for n in layers)
-    redo = sum(2 * tokens * (layer_matmul_params(shape, n) - down_projection_params(shape, n)) / tp for n in layers)
+    params = per_layer_params(shape)
+    matmul = sum(2 * tokens * params[n][0] / tp for n in layers)
+    redo = sum(2 * tokens * params[n][1] / tp for n in layers)
     attention_time = attention_seconds(cfg, layout, shape, len(layers), hw, fw)
     moved = tokens * len(layers) * h * fw.elementwise / tp
     if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
-                                    + 2 * layer_matmul_params(shape, layers[0]) / tp)
+                                    + 2 * params[layers[0]][0] / tp)
     elementwise = moved / (hw.memory_gbps * GB)
     head = 0.0
     if pp_rank == layout.head_rank:
         head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp, hw))
     forward = matmul / linear_rate + attention_time + elementwise / 3 + head
-    backward = 2 * matmul / linear_rate + 2.5 * attention_time + 2 * elementwise / 3 + 2 * head
+    backward = 2 * matmul / linear_rate + ATTENTION_BACKWARD * attention_time + 2 * elementwise / 3 + 2 * head
     if cfg.parallelism.recompute_layer:
         backward += redo / linear_rate + attention_time + elementwise / 3
     return forward, backward
+
+
+def stage_times(cfg, layout: Layout, shape, hw: Hardware, fw: Framework) -> tuple[int, float, float]:
+    """(the busiest pipeline rank, its F, its B): the slowest stage, whose times the whole schedule is priced at
+    (the last stage also runs the LM head). `hw` is one rank's device (hardware.per_rank)."""
+    params, placed = per_layer_params(shape), layout.stages
+    stages = split_layers(shape.num_hidden_layers, layout.pp * layout.virtual_stages)
+    same: dict[tuple, tuple[float, float]] = {}   # ranks of the same layers (and the head or not): the same times
+    times = []
+    for r in range(layout.pp):
+        chunks = (stages[placed.stage(c, r)] for c in range(layout.virtual_stages))
+        key = (tuple(params[n] for chunk in chunks for n in chunk), r == placed.head_rank)
+        if key not in same:
+            same[key] = micro_batch_times(cfg, layout, shape, r, hw, fw)
+        times.append(same[key])
+    busiest = max(range(layout.pp), key=lambda r: sum(times[r]))
+    return (busiest, *times[busiest])
 
 
 def attention_seconds(cfg, layout: Layout, shape, layers: int, hw: Hardware, fw: Framework) -> float:
@@ -228,41 +276,23 @@ def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) 
         return (pp - 1) / v * (1 + backward_ratio)   # a shape the simulator refuses: the textbook bubble
 
 
-def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True) -> Prediction:
+def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True, *,
+            shape=None, times: tuple[int, float, float] | None = None) -> Prediction:
     """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg` on `hw` (a
-    CPU node shared by the layout's ranks: hardware.per_rank)."""
-    layout, shape = Layout.from_config(cfg), model_shape(cfg)
+    CPU node shared by the layout's ranks: hardware.per_rank). `shape` (model_shape) and `times` (stage_times on
+    the rank's device) may be given by a caller that prices many layouts of one model."""
+    layout, shape = Layout.from_config(cfg), shape or model_shape(cfg)
     node, hw = hw, per_rank(hw, layout.world_size)
     m = batch_accumulation(cfg)
-    busiest = max(range(layout.pp), key=lambda r: sum(micro_batch_times(cfg, layout, shape, r, hw, fw)))
-    forward, backward = micro_batch_times(cfg, layout, shape, busiest, hw, fw)
-    sent = sent_bytes(cfg, layout, shape, busiest, m)
-    hybrid = layout.replicas > 1
-    # ZeRO's group: dp x cp, or the shard group under hybrid sharding (dp x cp then carries only the loss scalars)
-    dp_group = "shard" if hybrid else "dp" if layout.cp == 1 else "dp_cp"
-    for group in (dp_group, "replica", "expert_shard"):
-        sent[group] *= fw.dp_bytes_per_value / 4
-    held, held_layers = held_parameters(shape, layout, busiest)
+    busiest, forward, backward = times or stage_times(cfg, layout, shape, hw, fw)
+    held, held_layers, _ = held_by_rank(shape, layout, busiest)
     layers, stage = sum(held_layers), cfg.optimizer.zero_stage
-    calls = {"tp": m * (4 * layers + 2), "cp": m * layers * 2, "ep": m * layers * 4, "pp": 2 * m,
-             # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
-             dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20)),
-             "replica": max(1.0, sent["replica"] / (25 * 2 ** 20))}
-    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
-    comm = {g: comm_seconds(b * hw.slowdown(shares.get(g, {})), calls.get(g, 1), group_size(layout, g),
-                            crosses_nodes(layout, g, gpus_per_node), hw) for g, b in sent.items()}
+    comm, calls, dp_group = group_seconds(cfg, layout, shape, busiest, m, layers, hw, fw, gpus_per_node)
+    exposed_comm = exposed_seconds(cfg, layout, shape, comm, dp_group, m, forward, backward, layers, hw, fw)
     hop = comm["pp"] / (2 * m) if m else 0.0
-    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
-    attention = m * 3.5 * attention_seconds(cfg, layout, shape, layers, hw, fw)   # forward and backward: the ring's window
-    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
-    # the replicas' all-reduce runs once a step after the backward (Sharding.finish): nothing to hide it behind
-    exposed_comm = (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
-                    + exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
-                    + comm["ep"] + comm["model_parallel"])
-    f, b = forward + hop, backward + hop
-    bubble = bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
+    bubble = bubble_seconds(layout, m, forward, backward, hop)
     shard = held / (layout.shard_size if stage >= 1 else 1)
-    update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
+    update = UPDATE_BYTES * shard / (hw.memory_gbps * GB)
     messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
                 + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.shard_size > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
@@ -271,16 +301,88 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
         # more ranks than cores: a rank idle in the bubble lends its core to the others (the scheduler is
         # work-conserving), so the bubble costs no time, down to the critical path of a core each
         step = max(step - bubble, step * node.cores / layout.world_size)
+    breakdown = {"compute": m * (forward + backward), "exposed_comm": exposed_comm, "bubble": bubble,
+                 "optimizer": update} | ({"cpu_overhead": overhead} if overhead else {})
+    prediction = prediction_of(cfg, layout, shape, step, breakdown, hw)
+    return with_memory_of(prediction, cfg, hw, shape) if with_memory else prediction
+
+
+def group_seconds(cfg, layout: Layout, shape, busiest: int, m: int, layers: int, hw: Hardware, fw: Framework,
+                  gpus_per_node: int) -> tuple[dict[str, float], dict[str, float], str]:
+    """(seconds a step of each group's bytes, its calls a step, the group ZeRO runs on) of the busiest rank."""
+    sent = sent_bytes(cfg, layout, shape, busiest, m)
+    # ZeRO's group: dp x cp, or the shard group under hybrid sharding (dp x cp then carries only the loss scalars)
+    dp_group = "shard" if layout.replicas > 1 else "dp" if layout.cp == 1 else "dp_cp"
+    for group in (dp_group, "replica", "expert_shard"):
+        sent[group] *= fw.dp_bytes_per_value / 4
+    bucket = BUCKET_MB * 2 ** 20
+    calls = {"tp": m * (TP_CALLS_PER_LAYER * layers + TP_CALLS_OUTSIDE), "cp": m * layers * CP_CALLS_PER_LAYER,
+             "ep": m * layers * EP_CALLS_PER_LAYER, "pp": PP_CALLS_PER_MICRO_BATCH * m,
+             # ZeRO-3 moves a layer a call (units.py); the others buckets
+             dp_group: m * ZERO3_CALLS_PER_LAYER * layers if cfg.optimizer.zero_stage == 3
+             else max(1.0, sent[dp_group] / bucket),
+             "replica": max(1.0, sent["replica"] / bucket)}
+    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
+    comm = {g: comm_seconds(b * hw.slowdown(shares.get(g, {})), calls.get(g, 1), group_size(layout, g),
+                            crosses_nodes(layout, g, gpus_per_node), hw) if b > 0 else 0.0 for g, b in sent.items()}
+    return comm, calls, dp_group
+
+
+def exposed_seconds(cfg, layout: Layout, shape, comm: dict[str, float], dp_group: str, m: int, forward: float,
+                    backward: float, layers: int, hw: Hardware, fw: Framework) -> float:
+    """What the step waits for of each group's time, after what overlaps (the module docstring says what)."""
+    stage = cfg.optimizer.zero_stage
+    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
+    tp_time, cp_time = layer_comm_seconds(cfg, layout, shape, comm, m, forward, backward, layers, hw, fw)
+    # the replicas' all-reduce runs once a step after the backward (Sharding.finish): nothing to hide it behind
+    return (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
+            + cp_time + comm["ep"] + comm["model_parallel"])
+
+
+def layer_comm_seconds(cfg, layout: Layout, shape, comm: dict[str, float], m: int, forward: float, backward: float,
+                       layers: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
+    """(tp's, the ring's) exposed seconds a step: the collectives inside the layers, whatever the ZeRO stage."""
+    # forward and backward: the ring's window
+    attention = m * (1 + ATTENTION_BACKWARD) * attention_seconds(cfg, layout, shape, layers, hw, fw)
+    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
+    return tp_time, exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
+
+
+def bound_terms(cfg, hw: Hardware, gpus_per_node: int, fw: Framework, shape,
+                times: tuple[int, float, float]) -> tuple[float, float, float]:
+    """(compute, the collectives inside the layers, one p2p hop) seconds a step of the layout, schedule,
+    micro-batch and recomputation of `cfg` at any ZeRO stage and sharding: what a search bounds a step by before
+    it prices it (no ZeRO variant's step is below compute + bubble + these collectives: predict's sum)."""
+    layout, m = Layout.from_config(cfg), batch_accumulation(cfg)
+    hw = per_rank(hw, layout.world_size)
+    busiest, forward, backward = times
+    layers = sum(held_by_rank(shape, layout, busiest)[1])
+    comm, _, _ = group_seconds(cfg, layout, shape, busiest, m, layers, hw, fw, gpus_per_node)
+    tp_time, cp_time = layer_comm_seconds(cfg, layout, shape, comm, m, forward, backward, layers, hw, fw)
+    hop = comm["pp"] / (2 * m) if m else 0.0
+    return m * (forward + backward), tp_time + cp_time + comm["ep"] + comm["model_parallel"], hop
+
+
+def bubble_seconds(layout: Layout, m: int, forward: float, backward: float, hop: float) -> float:
+    """The schedule's idle time a step with these F and B and one p2p hop added to each (bubble_share, simulated);
+    at least (pp - 1)/v forwards: the last stage waits for the first micro-batch to cross the others."""
+    f, b = forward + hop, backward + hop
+    return bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
+
+
+def prediction_of(cfg, layout: Layout, shape, step: float, breakdown: dict[str, float], hw: Hardware) -> Prediction:
+    """The Prediction of a step of `step` seconds on `hw` (one rank's device; memory not estimated: with_memory_of)."""
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
-    mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
-    memory = float("nan")
-    if with_memory:   # the planner's estimate, with this device's fixed cost a process (CUDA context; Python, torch)
-        memory = (sum(estimate(cfg).values()) - estimate_context() + hw.cuda_context_gb * GB) / GIB
-    fits = memory <= HEADROOM * hw.memory_gb * GB / GIB if with_memory else True
+    mfu = model_flops(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
     p = cfg.parallelism
-    return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, stage, layout.schedule,
-                      layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer), step, per_gpu, mfu,
-                      memory, fits, {"compute": m * (forward + backward), "exposed_comm": exposed_comm,
-                                     "bubble": bubble, "optimizer": update}
-                      | ({"cpu_overhead": overhead} if overhead else {}), layout.dp_shard)
+    return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, cfg.optimizer.zero_stage,
+                      layout.schedule, layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer),
+                      step, per_gpu, mfu, float("nan"), True, breakdown, layout.dp_shard)
+
+
+def with_memory_of(prediction: Prediction, cfg, hw: Hardware, shape=None) -> Prediction:
+    """`prediction` with the memory of its busiest GPU (memory.device_gib) and whether it fits on `hw` (one rank's
+    device: hardware.per_rank)."""
+    memory = device_gib(cfg, hw.cuda_context_gb, shape)
+    return dataclasses.replace(prediction, memory_gb=memory, fits=memory <= limit_gib(hw.memory_gb))

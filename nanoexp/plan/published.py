@@ -22,7 +22,7 @@ from nanoexp.plan.cost import (
     predict,
 )
 from nanoexp.plan.hardware import GPUS, Hardware
-from nanoexp.plan.search import Choice, apply, problem_of, structures, variants
+from nanoexp.plan.search import Choice, apply, checked_structures, problem_of, variants
 
 MEGATRON_README = "NVIDIA/Megatron-LM README.md (images/model_table.png)"
 TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
@@ -169,7 +169,7 @@ def layout_rank(row: Row) -> tuple[int, int, list[str]]:
     cfg = config_of(row)
     own = predict(cfg, row.hw, 8, row.framework, with_memory=False).tokens_per_s_per_gpu
     faster, layouts = set(), set()
-    for structure, problem in structures(cfg, row.gpus, 8, (row.micro_batch,)):
+    for structure, problem in checked_structures(cfg, row.gpus, 8, (row.micro_batch,)):
         if problem:
             continue
         key = structure[:5]

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from nanoexp.config import ConfigError, normalize
-from nanoexp.launch.sweep_report import PLAN_FILE
+from nanoexp.observe.summary import PLAN_FILE
 from nanoexp.plan.hardware import GPUS, Hardware, hardware
 from nanoexp.plan.search import rank
 
