@@ -110,7 +110,7 @@ def test_plan_json_schema(capsys):
     rows = json.loads(out)
     assert code == 0 and 1 <= len(rows) <= 3
     keys = {"dp", "cp", "ep", "tp", "pp", "zero_stage", "schedule", "micro_batch", "recompute",
-            "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits"}
+            "tokens_per_s_per_gpu", "mfu", "memory_gib", "margin_gib", "fits"}
     for row in rows:
         assert keys <= set(row) and row["dp"] * row["cp"] * row["tp"] * row["pp"] == 4 and row["fits"]
         assert 0 < row["mfu"] < 1

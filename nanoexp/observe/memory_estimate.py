@@ -74,9 +74,22 @@ def gathered_narrow(module: HeldModule, wire_bytes: int) -> HeldModule:
     return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=wire_bytes)
 
 
-def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
+def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[HeldModule, ...]:
     """The modules pp rank `pp_rank` holds, in forward order: the embedding (first stage), each decoder layer of
-    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage)."""
+    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage). Kept by
+    shape (this object: shapes are never changed in place) and layout, for the planner, which asks often."""
+    key = (id(shape), layout, pp_rank)
+    if key not in _HELD or _HELD[key][0] is not shape:
+        if len(_HELD) > 4096:
+            _HELD.clear()
+        _HELD[key] = shape, tuple(_held_modules(shape, layout, pp_rank))   # the shape kept: its id stays its own
+    return _HELD[key][1]
+
+
+_HELD: dict[tuple, tuple] = {}
+
+
+def _held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
     tied, sp = shape.tie_word_embeddings, layout.sequence_parallel
     embedding = shape.vocab_size * h // layout.tp
@@ -151,7 +164,22 @@ def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
 
 
 def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
-    """What autograd holds for backward at most, on this pp rank (docs/memory.md)."""
+    """What autograd holds for backward at most, on this pp rank (docs/memory.md). Kept by shape, layout and the
+    keys it reads: the planner asks for every ZeRO stage of a layout."""
+    t = cfg.tokens
+    key = (id(shape), layout, pp_rank, tuple(chunks), bool(cfg.parallelism.recompute_layer), cfg.model.dtype,
+           t.micro_batch_size, t.sequence_length, batch_accumulation(cfg), cfg.model.attention_mask)
+    if key not in _ACTIVATIONS or _ACTIVATIONS[key][0] is not shape:
+        if len(_ACTIVATIONS) > 4096:
+            _ACTIVATIONS.clear()
+        _ACTIVATIONS[key] = shape, _activation_bytes(cfg, layout, shape, pp_rank, chunks)
+    return _ACTIVATIONS[key][1]
+
+
+_ACTIVATIONS: dict[tuple, tuple] = {}
+
+
+def _activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
     recompute = cfg.parallelism.recompute_layer
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -160,17 +188,18 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
                   ep=layout.ep)
     ids = [n for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in layers]
     # Dense and MoE layers save different amounts: a layer in flight counts as the stage's mean layer.
-    per_layer = sum(layer_floats_per_token(shape, recompute=recompute, moe=shape.is_moe_layer(n), **floats)
-                    for n in ids) / len(ids)
+    kinds = {shape.is_moe_layer(n) for n in ids}   # a layer's kind (MoE or dense) decides what it saves
+    saved = {moe: layer_floats_per_token(shape, recompute=recompute, moe=moe, **floats) for moe in kinds}
+    per_layer = sum(saved[shape.is_moe_layer(n)] for n in ids) / len(ids)
     # Recomputation re-materialises one full layer at a time during backward; the all-to-all of a MoE layer
     # under ep holds its rows twice at once (sent and received), k per token.
-    def transient(n: int) -> float:
-        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=shape.is_moe_layer(n), **floats)
-        if layout.ep == 1 or not shape.is_moe_layer(n):
+    def transient(moe: bool) -> float:
+        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=moe, **floats)
+        if layout.ep == 1 or not moe:
             return recomputed
         return recomputed + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
-    return (act_bytes * tokens * (layers * per_layer + max(map(transient, ids)) + heads * head)
+    return (act_bytes * tokens * (layers * per_layer + max(map(transient, kinds)) + heads * head)
             + context_workspace(cfg, layout, shape))
 
 

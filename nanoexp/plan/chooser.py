@@ -22,7 +22,7 @@ from nanoexp.config import batch_accumulation
 from nanoexp.model.shape import model_shape
 from nanoexp.observe.memory_estimate import held_parameters
 from nanoexp.parallel.layout import Layout
-from nanoexp.plan.memory import GIB, HEADROOM, estimate
+from nanoexp.plan.memory import GIB, HEADROOM, estimate, limit_gib
 from nanoexp.plan.search import divisors, problem_of
 from nanoexp.plan.traffic import zero_passes
 
@@ -104,7 +104,7 @@ def print_option(option: Option) -> None:
 def choose(base, gpus: int, gpus_per_node: int, memory_gb: float) -> Option | None:
     """Print the estimate of every layout at its lowest fitting ZeRO stage; return the chosen one (None when
     nothing fits)."""
-    budget = HEADROOM * memory_gb * GIB
+    budget = limit_gib(memory_gb) * GIB
     print(f"{'layout':<12}{'ZeRO':>5}{'params':>9}{'grads':>9}{'optim':>9}{'bf16 w':>9}{'transient':>10}{'context':>8}"
           f"{'total':>9}  {'':<8} total by ZeRO stage  (GiB per GPU; budget {budget / GIB:.1f})")
     fitting = []
@@ -127,7 +127,7 @@ def choose(base, gpus: int, gpus_per_node: int, memory_gb: float) -> Option | No
 
 def explain(option: Option, memory_gb: float) -> str:
     """Why this layout and stage: the stages below it that did not fit, and what each stage sends per step."""
-    cfg, budget = option.cfg, HEADROOM * memory_gb * GIB
+    cfg, budget = option.cfg, limit_gib(memory_gb) * GIB
     lines = [f"chosen: {layout(cfg)} with ZeRO-{option.stage}: the fitting layout with the least model parallelism "
              f"(tp x pp = {cfg.parallelism.tp * cfg.parallelism.pp}), {batch_accumulation(cfg)} micro-batches per step "
              f"and replica"]

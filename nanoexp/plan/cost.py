@@ -32,8 +32,10 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from nanoexp.config import batch_accumulation
+from nanoexp.config import ConfigError, batch_accumulation
+from nanoexp.numerics.converters import gathered_bytes, planned_product_dtype
 from nanoexp.observe.metrics import (
     down_projection_params,
     flops_per_token,
@@ -43,7 +45,7 @@ from nanoexp.parallel.layout import Layout, split_layers
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.plan.hardware import GB, Hardware, per_rank
 from nanoexp.plan.memory import device_gib, limit_gib
-from nanoexp.plan.traffic import collective_shares, held_by_rank, sent_bytes
+from nanoexp.plan.traffic import collective_shares, held_by_rank, matrix_share, sent_bytes
 from nanoexp.model.shape import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
@@ -67,6 +69,22 @@ CP_CALLS_PER_LAYER = 2        # cp: the attention's forward and its backward, ea
 EP_CALLS_PER_LAYER = 4        # ep: dispatch and combine all-to-alls, forward and backward
 PP_CALLS_PER_MICRO_BATCH = 2  # pp: the activation forward, its gradient back
 ZERO3_CALLS_PER_LAYER = 3     # ZeRO-3: a layer's gather before forward, before backward, its reduce-scatter (units.py)
+# Ops eager PyTorch issues, each costing the host Hardware.launch_us, counted with a TorchDispatchMode on
+# model=tiny under bf16 autocast (benchmarks/bench_plan_speed.py --host): a decoder block's forward and backward,
+# and a step's clip_grad_norm_, foreach AdamW and zero_grad (a foreach op is one whatever the tensors)
+OPS_FORWARD = 82
+OPS_BACKWARD = 155
+FIXED_STEP_OPS = 98
+MODEL_ERROR = 0.07            # the median |error| of the published rows (published.py; test_plan holds it): two
+#                               layouts closer than this are a tie to the model
+
+
+class StageTimes(NamedTuple):
+    """One micro-batch on the busiest pipeline rank (`stage_times`), and the mean over the ranks of its F + B."""
+    busiest: int
+    forward: float
+    backward: float
+    mean: float
 
 
 @dataclass(frozen=True)
@@ -80,13 +98,23 @@ class Framework:
     fp8_casts_fused: bool = False            # casts fused into the norms/activations, weights cast once a step (TE)
     attention_efficiency: float | None = None   # None: ATTENTION_EFFICIENCY (SDPA's, as nanoexp and torchtitan run it)
 
+    def describe(self) -> str:
+        """One line: what the prediction assumes of the implementation (scripts/plan.py's header)."""
+        kernels = "fused elementwise kernels" if self.elementwise < ELEMENTWISE_EAGER else "eager (no compile, no fusion)"
+        attention = self.attention_efficiency or ATTENTION_EFFICIENCY
+        return (f"{self.name}: {kernels}, SDPA-class attention at {attention:.0%} of the bf16 peak, "
+                f"{self.dp_bytes_per_value:g}-byte gradients and gathers, tp's collectives "
+                f"{'overlapped' if self.tp_overlap else 'not overlapped'}, {OPS_FORWARD + OPS_BACKWARD} host ops a "
+                "layer and micro-batch")
+
 
 NANOEXP = Framework()
 
 
 @dataclass
 class Prediction:
-    """A layout's predicted step on a cluster. `overrides()` gives the Hydra overrides that select it."""
+    """A layout's predicted step on a cluster. `overrides()` gives the Hydra overrides that select it. Memory is
+    GiB (2^30 bytes); `margin_gib` is how far below what fits it sits (memory.limit_gib: 90 % of the device)."""
     dp: int
     cp: int
     ep: int
@@ -100,16 +128,22 @@ class Prediction:
     step_time_s: float
     tokens_per_s_per_gpu: float
     mfu: float
-    memory_gb: float
+    memory_gib: float
     fits: bool
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per step: compute, exposed comm, bubble, ...
     dp_shard: int | None = None   # hybrid sharding: ZeRO over dp_shard x cp ranks, replicated across (None: all dp)
+    margin_gib: float = float("nan")
 
     @property
     def name(self) -> str:
         """The layout's name, with "/shard<dp_shard>" under hybrid sharding (dp4tp1pp1/shard2)."""
         name = Layout(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep).name
         return name + (f"/shard{self.dp_shard}" if self.dp_shard is not None else "")
+
+    def tied_with(self, other: "Prediction") -> bool:
+        """Whether the two are closer than the model's own error (MODEL_ERROR): the model cannot order them."""
+        fast, slow = sorted((self.tokens_per_s_per_gpu, other.tokens_per_s_per_gpu), reverse=True)
+        return fast - slow <= MODEL_ERROR * fast
 
     def overrides(self) -> list[str]:
         """parallelism.dp=..., ..., optimizer.zero_stage, tokens.micro_batch_size: `python train.py <these>`."""
@@ -121,8 +155,9 @@ class Prediction:
                     [f"parallelism.dp_shard={self.dp_shard}"] if self.dp_shard is not None else [])
 
     def as_dict(self) -> dict:
-        keys = ("dp", "cp", "ep", "tp", "pp", "dp_shard", "zero_stage", "schedule", "virtual_stages", "micro_batch", "recompute",
-                "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits", "breakdown")
+        keys = ("dp", "cp", "ep", "tp", "pp", "dp_shard", "zero_stage", "schedule", "virtual_stages", "micro_batch",
+                "recompute", "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gib", "margin_gib", "fits",
+                "breakdown")
         return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
 
 
@@ -160,18 +195,20 @@ def model_flops(shape, seq: int) -> float:
 
 
 def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
-    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation)."""
+    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation); at least the time
+    eager PyTorch's host takes to issue their ops (a micro-batch of small kernels waits for it)."""
     s, h, tp = cfg.tokens.sequence_length, shape.hidden_size, layout.tp
     tokens = cfg.tokens.micro_batch_size * s / layout.cp
     width = shape.moe.intermediate_size if shape.moe else shape.intermediate_size
-    linear_rate = hw.peak_tflops(fw.fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp, hw)
+    fp8 = fw.fp8 or fp8_products(cfg, hw)
+    linear_rate = hw.peak_tflops(fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp, hw)
     layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
     params = per_layer_params(shape)
     matmul = sum(2 * tokens * params[n][0] / tp for n in layers)
     redo = sum(2 * tokens * params[n][1] / tp for n in layers)
     attention_time = attention_seconds(cfg, layout, shape, len(layers), hw, fw)
     moved = tokens * len(layers) * h * fw.elementwise / tp
-    if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
+    if fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
                                     + 2 * params[layers[0]][0] / tp)
     elementwise = moved / (hw.memory_gbps * GB)
@@ -180,12 +217,27 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
         head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp, hw))
     forward = matmul / linear_rate + attention_time + elementwise / 3 + head
     backward = 2 * matmul / linear_rate + ATTENTION_BACKWARD * attention_time + 2 * elementwise / 3 + 2 * head
-    if cfg.parallelism.recompute_layer:
+    recompute = bool(cfg.parallelism.recompute_layer)
+    if recompute:
         backward += redo / linear_rate + attention_time + elementwise / 3
-    return forward, backward
+    host = hw.launch_us * 1e-6 * len(layers)   # the host issues each op; the GPU waits for a slower host
+    return (max(forward, host * OPS_FORWARD),
+            max(backward, host * (OPS_BACKWARD + recompute * OPS_FORWARD)))
 
 
-def stage_times(cfg, layout: Layout, shape, hw: Hardware, fw: Framework) -> tuple[int, float, float]:
+def fp8_products(cfg, hw: Hardware) -> bool:
+    """Whether the decoder's linears multiply in FP8 on `hw`: the number format's own answer (the numerics
+    registry's planned_product_dtype). ConfigError where a GPU would emulate them in float32, a rate the table
+    lacks; a CPU's products run at its measured peak either way."""
+    dtype = planned_product_dtype(cfg, hw.fp8_units)
+    if dtype == "float32" and not hw.cpu:
+        why = "model.fp8.emulate=true" if hw.fp8_units else "it has no FP8 units"
+        raise ConfigError(f"model.fp8: the linears' products would be emulated in float32 on {hw.name} ({why}), "
+                          "whose rate the planner has no figure for: plan for h100, h200 or b200, or without FP8")
+    return dtype == "float8"
+
+
+def stage_times(cfg, layout: Layout, shape, hw: Hardware, fw: Framework) -> StageTimes:
     """(the busiest pipeline rank, its F, its B): the slowest stage, whose times the whole schedule is priced at
     (the last stage also runs the LM head). `hw` is one rank's device (hardware.per_rank)."""
     params, placed = per_layer_params(shape), layout.stages
@@ -199,7 +251,7 @@ def stage_times(cfg, layout: Layout, shape, hw: Hardware, fw: Framework) -> tupl
             same[key] = micro_batch_times(cfg, layout, shape, r, hw, fw)
         times.append(same[key])
     busiest = max(range(layout.pp), key=lambda r: sum(times[r]))
-    return (busiest, *times[busiest])
+    return StageTimes(busiest, *times[busiest], sum(f + b for f, b in times) / layout.pp)
 
 
 def attention_seconds(cfg, layout: Layout, shape, layers: int, hw: Hardware, fw: Framework) -> float:
@@ -277,32 +329,33 @@ def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) 
 
 
 def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True, *,
-            shape=None, times: tuple[int, float, float] | None = None) -> Prediction:
+            shape=None, times: StageTimes | None = None) -> Prediction:
     """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg` on `hw` (a
     CPU node shared by the layout's ranks: hardware.per_rank). `shape` (model_shape) and `times` (stage_times on
     the rank's device) may be given by a caller that prices many layouts of one model."""
     layout, shape = Layout.from_config(cfg), shape or model_shape(cfg)
     node, hw = hw, per_rank(hw, layout.world_size)
     m = batch_accumulation(cfg)
-    busiest, forward, backward = times or stage_times(cfg, layout, shape, hw, fw)
-    held, held_layers, _ = held_by_rank(shape, layout, busiest)
+    t = times or stage_times(cfg, layout, shape, hw, fw)
+    held, held_layers, _ = held_by_rank(shape, layout, t.busiest)
     layers, stage = sum(held_layers), cfg.optimizer.zero_stage
-    comm, calls, dp_group = group_seconds(cfg, layout, shape, busiest, m, layers, hw, fw, gpus_per_node)
-    exposed_comm = exposed_seconds(cfg, layout, shape, comm, dp_group, m, forward, backward, layers, hw, fw)
-    hop = comm["pp"] / (2 * m) if m else 0.0
-    bubble = bubble_seconds(layout, m, forward, backward, hop)
+    comm, calls, dp_group = group_seconds(cfg, layout, shape, t.busiest, m, layers, hw, fw, gpus_per_node)
+    exposed_comm = exposed_seconds(cfg, layout, shape, comm, dp_group, m, t, layers, hw, fw)
+    bubble = bubble_seconds(layout, m, t.forward, t.backward, comm["pp"] / (2 * m) if m else 0.0)
     shard = held / (layout.shard_size if stage >= 1 else 1)
     update = UPDATE_BYTES * shard / (hw.memory_gbps * GB)
     messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
                 + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.shard_size > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
-    step = m * (forward + backward) + bubble + exposed_comm + update + overhead
+    fixed = FIXED_STEP_OPS * hw.launch_us * 1e-6   # the update's, clipping's and zeroing's ops, issued by the host
+    step = m * (t.forward + t.backward) + bubble + exposed_comm + update + overhead + fixed
     if node.cores and layout.world_size > node.cores:
         # more ranks than cores: a rank idle in the bubble lends its core to the others (the scheduler is
         # work-conserving), so the bubble costs no time, down to the critical path of a core each
         step = max(step - bubble, step * node.cores / layout.world_size)
-    breakdown = {"compute": m * (forward + backward), "exposed_comm": exposed_comm, "bubble": bubble,
-                 "optimizer": update} | ({"cpu_overhead": overhead} if overhead else {})
+    breakdown = {"compute": m * (t.forward + t.backward), "uneven": m * (t.forward + t.backward - t.mean),
+                 "exposed_comm": exposed_comm, "bubble": bubble, "optimizer": update, "fixed": fixed} | (
+                     {"cpu_overhead": overhead} if overhead else {})
     prediction = prediction_of(cfg, layout, shape, step, breakdown, hw)
     return with_memory_of(prediction, cfg, hw, shape) if with_memory else prediction
 
@@ -311,10 +364,15 @@ def group_seconds(cfg, layout: Layout, shape, busiest: int, m: int, layers: int,
                   gpus_per_node: int) -> tuple[dict[str, float], dict[str, float], str]:
     """(seconds a step of each group's bytes, its calls a step, the group ZeRO runs on) of the busiest rank."""
     sent = sent_bytes(cfg, layout, shape, busiest, m)
+    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
     # ZeRO's group: dp x cp, or the shard group under hybrid sharding (dp x cp then carries only the loss scalars)
     dp_group = "shard" if layout.replicas > 1 else "dp" if layout.cp == 1 else "dp_cp"
+    narrow = gathered_bytes(cfg) if cfg.optimizer.zero_stage == 3 else None   # the number format's (registry)
     for group in (dp_group, "replica", "expert_shard"):
         sent[group] *= fw.dp_bytes_per_value / 4
+    if narrow is not None:   # ZeRO-3 gathers the layers' matrices in `narrow` bytes an element, not float32's 4
+        gathers = shares.get(dp_group, {}).get("all_gather", 0.0)
+        sent[dp_group] *= 1 - gathers * (1 - narrow / 4) * matrix_share(shape, layout, busiest)
     bucket = BUCKET_MB * 2 ** 20
     calls = {"tp": m * (TP_CALLS_PER_LAYER * layers + TP_CALLS_OUTSIDE), "cp": m * layers * CP_CALLS_PER_LAYER,
              "ep": m * layers * EP_CALLS_PER_LAYER, "pp": PP_CALLS_PER_MICRO_BATCH * m,
@@ -322,45 +380,51 @@ def group_seconds(cfg, layout: Layout, shape, busiest: int, m: int, layers: int,
              dp_group: m * ZERO3_CALLS_PER_LAYER * layers if cfg.optimizer.zero_stage == 3
              else max(1.0, sent[dp_group] / bucket),
              "replica": max(1.0, sent["replica"] / bucket)}
-    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
     comm = {g: comm_seconds(b * hw.slowdown(shares.get(g, {})), calls.get(g, 1), group_size(layout, g),
                             crosses_nodes(layout, g, gpus_per_node), hw) if b > 0 else 0.0 for g, b in sent.items()}
     return comm, calls, dp_group
 
 
-def exposed_seconds(cfg, layout: Layout, shape, comm: dict[str, float], dp_group: str, m: int, forward: float,
-                    backward: float, layers: int, hw: Hardware, fw: Framework) -> float:
-    """What the step waits for of each group's time, after what overlaps (the module docstring says what)."""
+def exposed_seconds(cfg, layout: Layout, shape, comm: dict[str, float], dp_group: str, m: int, t: StageTimes,
+                    layers: int, hw: Hardware, fw: Framework) -> float:
+    """What the step waits for of each group's time, after what overlaps (the module docstring says what). The
+    attention a ring's transfers hide behind is not counted again in ZeRO's window: each second of compute
+    hides one collective's time once."""
+    attention = attention_seconds(cfg, layout, shape, layers, hw, fw) if hw.overlaps_comm else 0.0
+    tp_time, cp_time, ring = layer_comm_seconds(comm, m, t, attention, hw, fw)
     stage = cfg.optimizer.zero_stage
-    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
-    tp_time, cp_time = layer_comm_seconds(cfg, layout, shape, comm, m, forward, backward, layers, hw, fw)
+    window = {0: t.backward, 1: t.backward, 2: m * t.backward, 3: m * (t.forward + t.backward)}[stage]
+    inside = {0: ATTENTION_BACKWARD, 1: ATTENTION_BACKWARD, 2: m * ATTENTION_BACKWARD,
+              3: m * (1 + ATTENTION_BACKWARD)}[stage] * attention   # of it, attention
+    window = max(window - ring * inside, 0.0) if hw.overlaps_comm else 0.0
     # the replicas' all-reduce runs once a step after the backward (Sharding.finish): nothing to hide it behind
     return (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
             + cp_time + comm["ep"] + comm["model_parallel"])
 
 
-def layer_comm_seconds(cfg, layout: Layout, shape, comm: dict[str, float], m: int, forward: float, backward: float,
-                       layers: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
-    """(tp's, the ring's) exposed seconds a step: the collectives inside the layers, whatever the ZeRO stage."""
-    # forward and backward: the ring's window
-    attention = m * (1 + ATTENTION_BACKWARD) * attention_seconds(cfg, layout, shape, layers, hw, fw)
-    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
-    return tp_time, exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
+def layer_comm_seconds(comm: dict[str, float], m: int, t: StageTimes, attention: float, hw: Hardware,
+                       fw: Framework) -> tuple[float, float, float]:
+    """(tp's, the ring's exposed seconds a step, the share of the attention's time the ring's transfers fill):
+    the collectives inside the layers, whatever the ZeRO stage. `attention`: one micro-batch's forward."""
+    window = m * (1 + ATTENTION_BACKWARD) * attention   # the ring's: forward and backward
+    tp_time = exposed(comm["tp"], m * (t.forward + t.backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
+    return tp_time, exposed(comm["cp"], window), min(comm["cp"], window) / window if window else 0.0
 
 
 def bound_terms(cfg, hw: Hardware, gpus_per_node: int, fw: Framework, shape,
-                times: tuple[int, float, float]) -> tuple[float, float, float]:
-    """(compute, the collectives inside the layers, one p2p hop) seconds a step of the layout, schedule,
-    micro-batch and recomputation of `cfg` at any ZeRO stage and sharding: what a search bounds a step by before
-    it prices it (no ZeRO variant's step is below compute + bubble + these collectives: predict's sum)."""
+                times: StageTimes) -> tuple[float, float, float]:
+    """(compute and the host's fixed cost, the collectives inside the layers, one p2p hop) seconds a step of the
+    layout, schedule, micro-batch and recomputation of `cfg` at any ZeRO stage and sharding: what a search bounds a
+    step by before it prices it (no ZeRO variant's step is below these and the bubble: predict's sum)."""
     layout, m = Layout.from_config(cfg), batch_accumulation(cfg)
     hw = per_rank(hw, layout.world_size)
-    busiest, forward, backward = times
-    layers = sum(held_by_rank(shape, layout, busiest)[1])
-    comm, _, _ = group_seconds(cfg, layout, shape, busiest, m, layers, hw, fw, gpus_per_node)
-    tp_time, cp_time = layer_comm_seconds(cfg, layout, shape, comm, m, forward, backward, layers, hw, fw)
+    layers = sum(held_by_rank(shape, layout, times.busiest)[1])
+    comm, _, _ = group_seconds(cfg, layout, shape, times.busiest, m, layers, hw, fw, gpus_per_node)
+    attention = attention_seconds(cfg, layout, shape, layers, hw, fw) if hw.overlaps_comm else 0.0
+    tp_time, cp_time, _ = layer_comm_seconds(comm, m, times, attention, hw, fw)
     hop = comm["pp"] / (2 * m) if m else 0.0
-    return m * (forward + backward), tp_time + cp_time + comm["ep"] + comm["model_parallel"], hop
+    compute = m * (times.forward + times.backward) + FIXED_STEP_OPS * hw.launch_us * 1e-6
+    return compute, tp_time + cp_time + comm["ep"] + comm["model_parallel"], hop
 
 
 def bubble_seconds(layout: Layout, m: int, forward: float, backward: float, hop: float) -> float:
@@ -374,7 +438,8 @@ def prediction_of(cfg, layout: Layout, shape, step: float, breakdown: dict[str, 
     """The Prediction of a step of `step` seconds on `hw` (one rank's device; memory not estimated: with_memory_of)."""
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
-    mfu = model_flops(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
+    peak = hw.peak_tflops(fp8_products(cfg, hw))   # as the run's MFU: against the peak its products run at
+    mfu = model_flops(shape, cfg.tokens.sequence_length) * per_gpu / (peak * 1e12)
     p = cfg.parallelism
     return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, cfg.optimizer.zero_stage,
                       layout.schedule, layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer),
@@ -382,7 +447,7 @@ def prediction_of(cfg, layout: Layout, shape, step: float, breakdown: dict[str, 
 
 
 def with_memory_of(prediction: Prediction, cfg, hw: Hardware, shape=None) -> Prediction:
-    """`prediction` with the memory of its busiest GPU (memory.device_gib) and whether it fits on `hw` (one rank's
-    device: hardware.per_rank)."""
-    memory = device_gib(cfg, hw.cuda_context_gb, shape)
-    return dataclasses.replace(prediction, memory_gb=memory, fits=memory <= limit_gib(hw.memory_gb))
+    """`prediction` with the memory of its busiest GPU (memory.device_gib), how far below what fits on `hw` (one
+    rank's device: hardware.per_rank) it sits, and whether it fits."""
+    memory, limit = device_gib(cfg, hw.cuda_context_gb, shape), limit_gib(hw.memory_gb)
+    return dataclasses.replace(prediction, memory_gib=memory, margin_gib=limit - memory, fits=memory <= limit)

@@ -49,9 +49,19 @@ class Hardware:
     # (collective, its bytes' rate over the all-reduce's): measured on gloo, whose reduce-scatter runs at a fraction
     # of its all-reduce's rate; empty on GPUs (NCCL's rings move each collective's bytes at one bus bandwidth)
     collective_speed: tuple = ()
+    cpu: bool = False              # this machine, calibrated (calibrate_cpu), not a GPU of the table
+    # eager PyTorch's host time an op on a GPU's host: its dispatch, 2.5 us measured here for an add_ on a CPU tensor
+    # (benchmarks/bench_plan_speed.py --host), plus a CUDA launch's few us (NVIDIA, "Getting Started with CUDA
+    # Graphs", 2019); 0 on a CPU, whose host costs are the fitted overheads above
+    launch_us: float = 6.0
 
     def peak_tflops(self, fp8: bool = False) -> float:
         return self.fp8_tflops if fp8 else self.bf16_tflops
+
+    @property
+    def fp8_units(self) -> bool:
+        """Whether it multiplies FP8 operands faster than bf16 ones (an A100 or a CPU does not: fp8 = bf16)."""
+        return self.fp8_tflops > self.bf16_tflops
 
     def slowdown(self, shares: dict[str, float]) -> float:
         """Time of a group's bytes, sent in these shares by collective, over the time at the all-reduce's rate."""
@@ -191,7 +201,8 @@ def calibrate_cpu(threads: int | None = None, dtype: str = "float32") -> Hardwar
     peak, elementwise, attention = rates[-1][1:]
     memory = psutil.virtual_memory().total / GB
     return Hardware("this CPU", peak, peak, memory, elementwise, link, link, intra_latency_us=50.0,
-                    inter_latency_us=50.0, cuda_context_gb=CPU_RUNTIME_GB, cores=threads, gemm_efficiency=1.0, overlaps_comm=False,
+                    inter_latency_us=50.0, cuda_context_gb=CPU_RUNTIME_GB, cores=threads, gemm_efficiency=1.0,
+                    overlaps_comm=False, cpu=True, launch_us=0.0,
                     attention_efficiency=attention / peak, rates=rates,
                     collective_speed=tuple((kind, gloo[kind] / link) for kind in COLLECTIVES[1:]), **CPU_OVERHEADS)
 

@@ -35,6 +35,7 @@ from nanoexp.plan.cost import (
     NANOEXP,
     Framework,
     Prediction,
+    StageTimes,
     bound_terms,
     bubble_seconds,
     predict,
@@ -203,7 +204,7 @@ class Search:
         self.reasons: dict[str, int] = {}
         self.priced = 0
         self.problems: dict[int, str | None] = {}   # a structure's problem by its index (both halves ask)
-        self.stage_times: dict[tuple[int, bool], tuple] = {}   # (index, recompute) -> cost.stage_times
+        self.cache: dict[tuple, tuple] = {}   # (index, recompute[, "terms"]) -> cost.stage_times (bound_terms)
 
     def count(self, reason: str, n: int = 1) -> None:
         self.reasons[reason] = self.reasons.get(reason, 0) + n
@@ -244,7 +245,7 @@ class Search:
             try:
                 times = self.times(index)
                 m = batch_accumulation(self.cfg)
-                bound = -self.tokens(m * (times[1] + times[2]) * (1 - 1e-9)
+                bound = -self.tokens(m * (times.forward + times.backward) * (1 - 1e-9)
                                      * min(1.0, self.hw.cores / self.gpus if self.hw.cores else 1.0))
             except (ValueError, ZeroDivisionError, KeyError):
                 bound = -math.inf
@@ -272,10 +273,10 @@ class Search:
             if self.hw.cores or level == 2:   # a CPU's bound is its compute alone (cost.predict lends idle cores)
                 bubble = 0.0
             elif level == 0:
-                bubble = (structure.pp - 1) / structure.virtual_stages * times[1]   # the fill: bubble_seconds
+                bubble = (structure.pp - 1) / structure.virtual_stages * times.forward   # the fill: bubble_seconds
             else:
                 layout = Layout.from_config(self.cfg)
-                bubble = bubble_seconds(layout, batch_accumulation(self.cfg), times[1], times[2], hop)
+                bubble = bubble_seconds(layout, batch_accumulation(self.cfg), times.forward, times.backward, hop)
         except (ValueError, ZeroDivisionError, KeyError):
             if self.problem(index) is None:
                 raise
@@ -288,17 +289,17 @@ class Search:
 
     def terms(self, index: int, recompute: bool, times) -> tuple[float, float, float]:
         """cost.bound_terms of the half applied now, once a half."""
-        if (index, recompute, "terms") not in self.stage_times:
-            self.stage_times[index, recompute, "terms"] = bound_terms(self.cfg, self.hw, self.gpus_per_node, self.fw,
+        if (index, recompute, "terms") not in self.cache:
+            self.cache[index, recompute, "terms"] = bound_terms(self.cfg, self.hw, self.gpus_per_node, self.fw,
                                                                       self.shape, times)
-        return self.stage_times[index, recompute, "terms"]
+        return self.cache[index, recompute, "terms"]
 
-    def times(self, index: int, recompute: bool = False) -> tuple[int, float, float]:
+    def times(self, index: int, recompute: bool = False) -> StageTimes:
         """cost.stage_times of the structure applied now (with `recompute`), once a half."""
-        if (index, recompute) not in self.stage_times:
+        if (index, recompute) not in self.cache:
             layout = Layout.from_config(self.cfg)
-            self.stage_times[index, recompute] = stage_times(self.cfg, layout, self.shape, self.device, self.fw)
-        return self.stage_times[index, recompute]
+            self.cache[index, recompute] = stage_times(self.cfg, layout, self.shape, self.device, self.fw)
+        return self.cache[index, recompute]
 
     def problem(self, index: int) -> str | None:
         """The problem of the structure applied now (validate's), once a structure."""

@@ -44,6 +44,14 @@ def held_by_rank(shape, layout: Layout, pp_rank: int) -> tuple[int, tuple[int, .
     return _HELD[key]
 
 
+def matrix_share(shape, layout: Layout, pp_rank: int) -> float:
+    """Of the parameters ZeRO shards over dp x cp on this rank (not the routed experts), the share in the decoder
+    layers' matrices: what a number format gathers narrower at ZeRO-3 (memory_estimate.gathered_narrow's)."""
+    held, _, experts = held_by_rank(shape, layout, pp_rank)
+    matrices = sum(max(u.hidden_matrices - u.experts, 0) for u in held_modules(shape, layout, pp_rank))
+    return matrices / (held - experts) if held > experts else 0.0
+
+
 def ring(n: int) -> float:
     """What an all-reduce sends per byte of its tensor."""
     return 2 * (n - 1) / n
