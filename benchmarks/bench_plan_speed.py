@@ -4,12 +4,16 @@
     python benchmarks/bench_plan_speed.py --only 8b-4096 70b-4096  # some of them
     python benchmarks/bench_plan_speed.py --answers answers.json    # also every ANSWERS case's top 10, kept in a file
     python benchmarks/bench_plan_speed.py --compare answers.json   # the ANSWERS again, compared with the file's
+    python benchmarks/bench_plan_speed.py --host                   # the host's ops and their cost (cost.py's)
 
 Each case runs `python scripts/plan.py <case> --json` in a fresh process (what a user waits for: imports and
 composing included) and prints its wall time and the number of layouts it returned. --answers keeps each case's
 JSON; --compare runs the same cases and says, row by row, whether the layout, schedule, ZeRO stage, micro-batch,
 recomputation, tokens/s and memory are the same (the rankings of two versions of the planner, or of two machines:
-the model is deterministic). Times depend on the machine and its load: say both with them.
+the model is deterministic). --host counts the ops eager PyTorch issues for a decoder block's forward and
+backward (bf16 autocast) and for a step's clipping, foreach AdamW and zero_grad, with a TorchDispatchMode on
+model=tiny, and times a small op's dispatch on this CPU: cost.OPS_FORWARD, OPS_BACKWARD, FIXED_STEP_OPS and
+hardware.Hardware.launch_us come from it. Times depend on the machine and its load: say both with them.
 """
 from __future__ import annotations
 
@@ -78,12 +82,62 @@ def differences(before: list[dict], after: list[dict]) -> list[str]:
     return lines
 
 
+def host_ops() -> dict[str, float]:
+    """{forward, backward: ops of model=tiny's block 0 under bf16 autocast; step: ops of clip_grad_norm_, foreach
+    AdamW and zero_grad of its parameters; dispatch_us: the best mean of an add_ on a small CPU tensor}."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanoexp.config import compose, normalize
+    from nanoexp.model.attention import Causal
+    from nanoexp.model.llama import DecoderLayer, LlamaBody, rotary_tables
+    from nanoexp.model.shape import model_shape
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = compose(["model=tiny"])
+    normalize(cfg)
+    shape = model_shape(cfg)
+    layer, x = DecoderLayer(shape, 0), torch.randn(2, 64, shape.hidden_size, requires_grad=True)
+    cos, sin = rotary_tables(shape, 64, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), Count() as forward:
+        y = layer(x, cos, sin, Causal(0))
+    with Count() as backward:
+        y.float().sum().backward()
+    params = list(LlamaBody(shape).parameters())
+    optimizer = torch.optim.AdamW(params, foreach=True)
+    for _ in range(2):   # the first step makes the state
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with Count() as step:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    t, best = torch.ones(8), float("inf")
+    for _ in range(20):
+        start = time.perf_counter()
+        for _ in range(1000):
+            t.add_(1)
+        best = min(best, (time.perf_counter() - start) / 1000)
+    return {"forward": forward.n, "backward": backward.n, "step": step.n, "dispatch_us": best * 1e6}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help=f"cases of {', '.join(TIMED)} (or of ANSWERS with --answers)")
     parser.add_argument("--answers", help="run the ANSWERS cases and write their rows to this JSON file")
     parser.add_argument("--compare", help="run the ANSWERS cases and compare their rows with this file's")
+    parser.add_argument("--host", action="store_true", help="count the host's ops and time one (cost.py's figures)")
     args = parser.parse_args()
+    if args.host:
+        sys.path.insert(0, ROOT)
+        print(host_ops())
+        return
     if args.answers or args.compare:
         kept = json.load(open(args.compare)) if args.compare else {}
         found = {}

@@ -35,7 +35,7 @@ def base_config(overrides: list[str], seq: int | None, batch_tokens: int | None,
 
 COLUMNS = (f"{'#':>3} {'layout':<22}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'vs #1':>7}"
            f"{'MFU':>6}{'GiB/GPU':>8}{'margin':>7}  {'compute':>7}{'uneven':>7}{'comm':>6}{'bubble':>7}{'optim':>6}"
-           f"{'fixed':>6}  (% of the step)")
+           f"{'host':>6}  (% of the step)")
 
 
 def row(i: int, p, first) -> str:
@@ -44,11 +44,12 @@ def row(i: int, p, first) -> str:
     share = {k: 100 * v / p.step_time_s for k, v in p.breakdown.items()}
     tie = "~" if i > 1 and p.tied_with(first) else " "
     behind = 100 * (p.tokens_per_s_per_gpu / first.tokens_per_s_per_gpu - 1)
+    host = share.get("host", 0) + share.get("cpu_overhead", 0)   # waiting for the host's launches, its fixed ops
+    uneven = 100 * p.uneven_s / p.step_time_s
     return (f"{i:>2}{tie} {p.name:<22}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} "
             f"{'y' if p.recompute else 'n':>3}{p.tokens_per_s_per_gpu:>11,.0f}{behind:>+6.1f}%{100 * p.mfu:>5.1f}%"
-            f"{p.memory_gib:>8.1f}{p.margin_gib:>7.1f}  {share['compute'] - share.get('uneven', 0):>6.0f}%"
-            f"{share.get('uneven', 0):>6.0f}%{share['exposed_comm']:>5.0f}%{share['bubble']:>6.0f}%"
-            f"{share['optimizer']:>5.0f}%{share.get('fixed', 0) + share.get('cpu_overhead', 0):>5.0f}%")
+            f"{p.memory_gib:>8.1f}{p.margin_gib:>7.1f}  {share['compute'] - uneven:>6.0f}%{uneven:>6.0f}%"
+            f"{share['exposed_comm']:>5.0f}%{share['bubble']:>6.0f}%{share['optimizer']:>5.0f}%{host:>5.0f}%")
 
 
 def print_table(ranking, gpus: int, hw) -> None:

@@ -1,41 +1,38 @@
-"""A layout's predicted step time and memory on a cluster: the cost model behind scripts/plan.py.
+"""The time half of the cost model behind scripts/plan.py (memory.py is the memory half, comm.py the collectives').
 
 One optimizer step on the busiest pipeline rank is
-    m x (F + B)  +  bubble  +  exposed communication  +  optimizer update
-- F, B: one micro-batch's forward and backward on this rank. Matmuls take their FLOPs (metrics.layer_matmul_params,
-  split over tp) at the peak of their dtype times an efficiency that grows with the GEMM's smallest sizes
-  (`gemm_efficiency`); causal flash attention its FLOPs (half the s x s square; backward 2.5 forwards) at
-  ATTENTION_EFFICIENCY; everything else (norms, SwiGLU, rotary, residuals, FP8 casts) the bytes it moves at HBM
-  bandwidth. Backward is two forwards of matmuls; recomputation adds a forward of each block but its down
-  projection (metrics.hardware_flops_per_token's rule).
-- bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule with these F and B (and W = half of B
-  for zb_h1/zbv), one p2p hop added to each.
-- communication: the bytes of each group from nanoexp/plan/traffic.py (the comm counter's formulas) over the
-  link the group crosses (NVLink inside a node, the network across: the rank grid is (pp, dp, cp, tp), tp
-  innermost), plus a latency per ring step; on gloo, a reduce-scatter's or all-gather's bytes at its measured rate
-  (Hardware.collective_speed). Under hybrid sharding (parallelism.dp_shard) ZeRO's collectives run
-  on the shard group (a block of tp x shard_size ranks) and the replicas' all-reduce once a step, exposed. What can overlap does, up to the compute it overlaps: gradient
-  buckets with the last backward (ZeRO-0/1), reduce-scatters with every backward (ZeRO-2), prefetched gathers
-  with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
-  layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
-  collective still costs (1 - OVERLAP) of its hidden time (it shares SMs and memory bandwidth).
-- on a CPU only (`cpu_overhead`, zero on GPUs): Python's cost per step and per micro-batch and layer, and gloo's
-  latency per blocking message, fitted by benchmarks/bench_plan_cpu.py --calibrate (docs/planning.md, "This CPU").
-- memory: nanoexp/launch/planner.estimate (the busiest rank's estimate, weight copies, the CUDA context).
+    m x (F + B)  +  bubble  +  exposed communication  +  optimizer update  +  the host's fixed ops
+- F, B: one micro-batch's forward and backward on the slowest stage (the last carries the LM head), at which the
+  whole schedule is priced (`stage_times`; the breakdown's "uneven" is what that costs over the mean stage).
+  Matmuls take their FLOPs (metrics.layer_matmul_params, split over tp) at the peak of the dtype their number
+  format multiplies in (the numerics registry's planned_product_dtype: FP8 on FP8 units, with its casts) times an
+  efficiency that grows with the GEMM's sizes (`gemm_efficiency`); causal attention its FLOPs (half the s x s
+  square; backward ATTENTION_BACKWARD forwards) at ATTENTION_EFFICIENCY; the other ops (norms, SwiGLU, rotary,
+  residuals) the bytes they move at HBM bandwidth. Recomputation adds a forward of each block but its down
+  projection (metrics.hardware_flops_per_token's rule). Eager PyTorch's host issues every op: a micro-batch takes
+  at least OPS x Hardware.launch_us.
+- bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule (its registry entry: chunks, W apart)
+  with these F and B, one p2p hop added to each.
+- communication (comm.py): each group's bytes (traffic.py) over the link it crosses, hidden behind the compute
+  it overlaps, up to it: gradient buckets behind the last backward (ZeRO-0/1), reduce-scatters behind every
+  backward (ZeRO-2), prefetched gathers behind every forward and backward (ZeRO-3), ring attention behind the
+  attention. A second of compute hides one collective's time once: the attention the ring fills leaves ZeRO's
+  window. tp's collectives and the experts' all-to-alls are exposed in nanoexp.
+- on a CPU only (`cpu_overhead`): Python's fitted cost per step and per micro-batch and layer
+  (benchmarks/bench_plan_cpu.py --calibrate; docs/planning.md, "This CPU").
 
-Global constants fitted on published rows (docs/planning.md says which) are GEMM_EFFICIENCY and OVERLAP; the
-others are stated guesses or datasheet figures.
+Fitted on published rows (docs/planning.md says which): GEMM_EFFICIENCY, ATTENTION_EFFICIENCY and comm.OVERLAP.
+Every other number is counted from the code, a datasheet's, or measured, and says so where it is defined.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nanoexp.config import ConfigError, batch_accumulation
-from nanoexp.numerics.converters import gathered_bytes, planned_product_dtype
+from nanoexp.numerics.converters import planned_product_dtype
 from nanoexp.observe.metrics import (
     down_projection_params,
     flops_per_token,
@@ -43,32 +40,26 @@ from nanoexp.observe.metrics import (
 )
 from nanoexp.parallel.layout import Layout, split_layers
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.plan.comm import exposed, group_seconds
 from nanoexp.plan.hardware import GB, Hardware, per_rank
 from nanoexp.plan.memory import device_gib, limit_gib
-from nanoexp.plan.traffic import collective_shares, held_by_rank, matrix_share, sent_bytes
+from nanoexp.plan.traffic import held_by_rank
 from nanoexp.model.shape import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
 GEMM_EFFICIENCY = 0.52        # fitted: the best share of peak a large GEMM reaches
-GEMM_KNEE = 512               # a GEMM whose smallest size (harmonic mean of M, K, N) is this reaches half of it
+GEMM_KNEE = 512               # a GEMM whose size d (harmonic mean of M, K, N) is this reaches half of it: where
+#   moving its bf16 operands and result once (3 x 2 bytes an element; d/3 FLOPs a byte) takes as long at HBM bandwidth
+#   as its FLOPs at GEMM_EFFICIENCY of the peak (the additive roofline, d/(d + 3 x 0.52 x 989/3.35): 460 on an H100),
+#   rounded to a tile multiple; not fitted
 ATTENTION_EFFICIENCY = 0.20   # fitted: causal attention's share of the bf16 peak, forward and backward (SDPA)
 FUSED_ATTENTION = 0.50        # cuDNN / FlashAttention-3 kernels (FA3 paper: ~75 % forward, ~55 % backward, causal less)
-OVERLAP = 0.85                # fitted: the share of an overlapped collective's time that is hidden
-LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
 ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
 ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
 ATTENTION_BACKWARD = 2.5      # flash attention's backward over its forward: 5 matmuls of the s x s tile to 2 (FA2
 #                               paper, Dao 2023, section 3.1), counted as metrics.py and hardware.measure_rates do
 UPDATE_BYTES = 28             # AdamW's bytes a parameter of the rank's shard: reads and writes the float32 weight
 #                               and both moments (4 + 4 + 2 x (4 + 4)), reads the float32 gradient (4)
-BUCKET_MB = 25                # GradientSync's buckets on NCCL (model.ddp_bucket_cap_mb null; memory_estimate's too)
-# Calls a step, each paying the link's latency (comm_seconds), counted from the code that makes them:
-TP_CALLS_PER_LAYER = 4        # tp: 2 all-reduces a block forward (attention, MLP), 2 backward (traffic.sent_bytes)
-TP_CALLS_OUTSIDE = 2          # tp: the embedding's output and the head's input, once a micro-batch each
-CP_CALLS_PER_LAYER = 2        # cp: the attention's forward and its backward, each one exchange of K/V (CP_KERNELS)
-EP_CALLS_PER_LAYER = 4        # ep: dispatch and combine all-to-alls, forward and backward
-PP_CALLS_PER_MICRO_BATCH = 2  # pp: the activation forward, its gradient back
-ZERO3_CALLS_PER_LAYER = 3     # ZeRO-3: a layer's gather before forward, before backward, its reduce-scatter (units.py)
 # Ops eager PyTorch issues, each costing the host Hardware.launch_us, counted with a TorchDispatchMode on
 # model=tiny under bf16 autocast (benchmarks/bench_plan_speed.py --host): a decoder block's forward and backward,
 # and a step's clip_grad_norm_, foreach AdamW and zero_grad (a foreach op is one whatever the tensors)
@@ -80,11 +71,13 @@ MODEL_ERROR = 0.07            # the median |error| of the published rows (publis
 
 
 class StageTimes(NamedTuple):
-    """One micro-batch on the busiest pipeline rank (`stage_times`), and the mean over the ranks of its F + B."""
+    """One micro-batch on the busiest pipeline rank (`stage_times`), the mean over the ranks of its F + B, and of
+    it the time the busiest waits for the host to issue its ops (a launch-bound micro-batch)."""
     busiest: int
     forward: float
     backward: float
     mean: float
+    waiting: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +126,7 @@ class Prediction:
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per step: compute, exposed comm, bubble, ...
     dp_shard: int | None = None   # hybrid sharding: ZeRO over dp_shard x cp ranks, replicated across (None: all dp)
     margin_gib: float = float("nan")
+    uneven_s: float = 0.0   # of compute: what pricing every stage at the slowest costs over the mean stage
 
     @property
     def name(self) -> str:
@@ -157,7 +151,7 @@ class Prediction:
     def as_dict(self) -> dict:
         keys = ("dp", "cp", "ep", "tp", "pp", "dp_shard", "zero_stage", "schedule", "virtual_stages", "micro_batch",
                 "recompute", "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gib", "margin_gib", "fits",
-                "breakdown")
+                "breakdown", "uneven_s")
         return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
 
 
@@ -251,7 +245,9 @@ def stage_times(cfg, layout: Layout, shape, hw: Hardware, fw: Framework) -> Stag
             same[key] = micro_batch_times(cfg, layout, shape, r, hw, fw)
         times.append(same[key])
     busiest = max(range(layout.pp), key=lambda r: sum(times[r]))
-    return StageTimes(busiest, *times[busiest], sum(f + b for f, b in times) / layout.pp)
+    kernels = sum(micro_batch_times(cfg, layout, shape, busiest, dataclasses.replace(hw, launch_us=0.0), fw))
+    return StageTimes(busiest, *times[busiest], sum(f + b for f, b in times) / layout.pp,
+                      sum(times[busiest]) - kernels)
 
 
 def attention_seconds(cfg, layout: Layout, shape, layers: int, hw: Hardware, fw: Framework) -> float:
@@ -268,40 +264,6 @@ def attention_efficiency(fw: Framework, hw: Hardware) -> float:
     if fw.attention_efficiency is not None:
         return fw.attention_efficiency
     return ATTENTION_EFFICIENCY if hw.attention_efficiency is None else hw.attention_efficiency
-
-
-def crosses_nodes(layout: Layout, group: str, gpus_per_node: int) -> bool:
-    """Whether a group of `group` spans nodes: the ranks it reaches, (pp, dp, cp, tp) with tp innermost. A shard
-    group of hybrid sharding (and the experts' inside it) lies in a block of tp x shard_size consecutive ranks;
-    its replica group reaches across all of dp, as the dp group does."""
-    inner = layout.tp * layout.cp * layout.dp
-    block = layout.tp * layout.shard_size
-    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.tp * layout.ep, "dp": inner, "dp_cp": inner,
-            "edp": inner, "pp": inner * layout.pp, "model_parallel": layout.world_size,
-            "embedding": layout.world_size, "shard": block, "expert_shard": block, "replica": inner}[group]
-    return span > gpus_per_node
-
-
-def group_size(layout: Layout, group: str) -> int:
-    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "dp_cp": layout.dp_cp,
-            "edp": layout.edp, "pp": 2, "model_parallel": layout.tp * layout.pp, "embedding": 2,
-            "shard": layout.shard_size, "expert_shard": layout.shard_size // layout.ep,
-            "replica": layout.replicas}[group]
-
-
-def comm_seconds(nbytes: float, calls: float, n: int, crosses: bool, hw: Hardware) -> float:
-    """A group's time: bytes over its link at LINK_EFFICIENCY, plus per call a latency per step of a tree
-    (2 log2 n: NCCL pipelines a ring's steps, so large messages do not pay n - 1 latencies)."""
-    if nbytes <= 0:
-        return 0.0
-    bandwidth = (hw.inter_gbps if crosses else hw.intra_gbps) * GB * LINK_EFFICIENCY
-    latency = (hw.inter_latency_us if crosses else hw.intra_latency_us) * 1e-6
-    return nbytes / bandwidth + calls * 2 * max(math.ceil(math.log2(n)), 1) * latency
-
-
-def exposed(comm: float, window: float) -> float:
-    """What a collective overlapped with `window` seconds of compute adds to the step."""
-    return max(comm - window, 0.0) + (1 - OVERLAP) * min(comm, window)
 
 
 def cpu_overhead(hw: Hardware, micro_batches: int, layers: int, messages: float) -> float:
@@ -353,36 +315,13 @@ def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with
         # more ranks than cores: a rank idle in the bubble lends its core to the others (the scheduler is
         # work-conserving), so the bubble costs no time, down to the critical path of a core each
         step = max(step - bubble, step * node.cores / layout.world_size)
-    breakdown = {"compute": m * (t.forward + t.backward), "uneven": m * (t.forward + t.backward - t.mean),
-                 "exposed_comm": exposed_comm, "bubble": bubble, "optimizer": update, "fixed": fixed} | (
+    # parts of the step that add up to it (before a CPU's cores are shared): kernels, waiting for the host, ...
+    breakdown = {"compute": m * (t.forward + t.backward - t.waiting), "host": m * t.waiting + fixed,
+                 "exposed_comm": exposed_comm, "bubble": bubble, "optimizer": update} | (
                      {"cpu_overhead": overhead} if overhead else {})
-    prediction = prediction_of(cfg, layout, shape, step, breakdown, hw)
+    uneven = min(m * (t.forward + t.backward - t.mean), breakdown["compute"])   # of compute: the slowest stage's
+    prediction = dataclasses.replace(prediction_of(cfg, layout, shape, step, breakdown, hw), uneven_s=uneven)
     return with_memory_of(prediction, cfg, hw, shape) if with_memory else prediction
-
-
-def group_seconds(cfg, layout: Layout, shape, busiest: int, m: int, layers: int, hw: Hardware, fw: Framework,
-                  gpus_per_node: int) -> tuple[dict[str, float], dict[str, float], str]:
-    """(seconds a step of each group's bytes, its calls a step, the group ZeRO runs on) of the busiest rank."""
-    sent = sent_bytes(cfg, layout, shape, busiest, m)
-    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
-    # ZeRO's group: dp x cp, or the shard group under hybrid sharding (dp x cp then carries only the loss scalars)
-    dp_group = "shard" if layout.replicas > 1 else "dp" if layout.cp == 1 else "dp_cp"
-    narrow = gathered_bytes(cfg) if cfg.optimizer.zero_stage == 3 else None   # the number format's (registry)
-    for group in (dp_group, "replica", "expert_shard"):
-        sent[group] *= fw.dp_bytes_per_value / 4
-    if narrow is not None:   # ZeRO-3 gathers the layers' matrices in `narrow` bytes an element, not float32's 4
-        gathers = shares.get(dp_group, {}).get("all_gather", 0.0)
-        sent[dp_group] *= 1 - gathers * (1 - narrow / 4) * matrix_share(shape, layout, busiest)
-    bucket = BUCKET_MB * 2 ** 20
-    calls = {"tp": m * (TP_CALLS_PER_LAYER * layers + TP_CALLS_OUTSIDE), "cp": m * layers * CP_CALLS_PER_LAYER,
-             "ep": m * layers * EP_CALLS_PER_LAYER, "pp": PP_CALLS_PER_MICRO_BATCH * m,
-             # ZeRO-3 moves a layer a call (units.py); the others buckets
-             dp_group: m * ZERO3_CALLS_PER_LAYER * layers if cfg.optimizer.zero_stage == 3
-             else max(1.0, sent[dp_group] / bucket),
-             "replica": max(1.0, sent["replica"] / bucket)}
-    comm = {g: comm_seconds(b * hw.slowdown(shares.get(g, {})), calls.get(g, 1), group_size(layout, g),
-                            crosses_nodes(layout, g, gpus_per_node), hw) if b > 0 else 0.0 for g, b in sent.items()}
-    return comm, calls, dp_group
 
 
 def exposed_seconds(cfg, layout: Layout, shape, comm: dict[str, float], dp_group: str, m: int, t: StageTimes,

@@ -195,22 +195,23 @@ def check(row: Row) -> dict:
 
 
 def fit_constants(rows: list[Row], grid: dict[str, list[float]]) -> dict[str, float]:
-    """The values of cost.py's constants named in `grid` (every combination tried) that minimise the mean squared
-    log error of `rows`; cost.py is left as it was."""
+    """The values of the cost model's constants named in `grid` (cost.py's or comm.py's; every combination tried)
+    that minimise the mean squared log error of `rows`; the modules are left as they were."""
     import itertools
 
-    from nanoexp.plan import cost
-    saved = {name: getattr(cost, name) for name in grid}
+    from nanoexp.plan import comm, cost
+    owner = {name: comm if hasattr(comm, name) else cost for name in grid}
+    saved = {name: getattr(owner[name], name) for name in grid}
     configs = [config_of(row) for row in rows]
     best, best_loss = saved, math.inf
     try:
         for values in itertools.product(*grid.values()):
             for name, value in zip(grid, values):
-                setattr(cost, name, value)
+                setattr(owner[name], name, value)
             loss = sum(math.log(predicted(r, c) / r.value) ** 2 for r, c in zip(rows, configs)) / len(rows)
             if loss < best_loss:
                 best, best_loss = dict(zip(grid, values)), loss
     finally:
         for name, value in saved.items():
-            setattr(cost, name, value)
+            setattr(owner[name], name, value)
     return best

@@ -166,13 +166,16 @@ class Ranking:
     predictions: list[Prediction]
     reasons: dict[str, int] = field(default_factory=dict)
     priced: int = 0
+    examples: dict[str, str] = field(default_factory=dict)   # a reason (its numbers masked): one as it was said
 
     def reason_lines(self) -> list[str]:
         return [f"{count:>6} {reason}" for reason, count in sorted(self.reasons.items(), key=lambda kv: -kv[1])]
 
     def most_common(self) -> tuple[str, int]:
-        """(the reason most candidates are out for, how many), ("", 0) when none is out."""
-        return max(self.reasons.items(), key=lambda kv: kv[1], default=("", 0))
+        """(the reason most candidates are out for, one instance of it with its numbers, how many), ("", 0) when
+        none is out."""
+        reason, count = max(self.reasons.items(), key=lambda kv: kv[1], default=("", 0))
+        return self.examples.get(reason, reason), count
 
 
 def rank(cfg, gpus: int, gpus_per_node: int, gpu: str | Hardware, top: int | None = 5,
@@ -202,12 +205,18 @@ class Search:
         self.cfg, self.gpus, self.gpus_per_node, self.hw, self.fw = plain_copy(cfg), gpus, gpus_per_node, hw, fw
         self.shape, self.device = model_shape(self.cfg), per_rank(hw, gpus)   # every layout has `gpus` ranks
         self.reasons: dict[str, int] = {}
+        self.examples: dict[str, str] = {}   # an invalid reason as counted (masked): one instance of it
         self.priced = 0
         self.problems: dict[int, str | None] = {}   # a structure's problem by its index (both halves ask)
         self.cache: dict[tuple, tuple] = {}   # (index, recompute[, "terms"]) -> cost.stage_times (bound_terms)
 
     def count(self, reason: str, n: int = 1) -> None:
         self.reasons[reason] = self.reasons.get(reason, 0) + n
+
+    def invalid(self, problem: str, n: int = 1) -> None:
+        """Count `n` candidates `validate` refuses: one line a kind of problem (its numbers masked), one kept whole."""
+        self.count("invalid: " + masked(problem), n)
+        self.examples.setdefault("invalid: " + masked(problem), "invalid: " + problem)
 
     def run(self, top: int | None) -> Ranking:
         frontier, heap, fitting = self.frontier(), [], []
@@ -226,7 +235,7 @@ class Search:
         left = len(heap) + sum(len(self.half(structure, recompute)) for _, _, recompute, structure, _ in frontier)
         if left:
             self.count(f"could not beat the top {top} (bounded: not validated or priced in full)", left)
-        return Ranking(fitting, self.reasons, self.priced)
+        return Ranking(fitting, self.reasons, self.priced, self.examples)
 
     def half(self, structure: Choice, recompute: bool) -> list[Choice]:
         return [c for c in variants(structure, self.gpus_per_node) if c.recompute == recompute]
@@ -265,7 +274,7 @@ class Search:
         `expand`). Neither for an invalid one (counted)."""
         apply(self.cfg, structure._replace(recompute=recompute))
         if level == 1 and self.problem(index) is not None:
-            self.count("invalid: " + masked(self.problems[index]), len(self.half(structure, recompute)))
+            self.invalid(self.problems[index], len(self.half(structure, recompute)))
             return [], []
         try:
             times = self.times(index, recompute)
@@ -326,7 +335,7 @@ class Search:
         apply(self.cfg, choice)
         problem = choice.dp_shard is not None and problem_of(self.cfg, self.gpus, each_key=False)
         if problem:
-            self.count("invalid: " + masked(problem))
+            self.invalid(problem)
             return None
         self.priced += 1
         limit = limit_gib(self.device.memory_gb)
