@@ -112,7 +112,7 @@ def argument_problem(args) -> tuple[str, str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser_of().parse_args(argv)
+    args = parser_of().parse_intermixed_args(argv)   # overrides before, between or after the options
     problem = argument_problem(args)
     if problem:
         return fail(*problem)
