@@ -7,7 +7,8 @@
     python benchmarks/bench_plan_speed.py --host                   # the host's ops and their cost (cost.py's)
 
 Each case runs `python scripts/plan.py <case> --json` in a fresh process (what a user waits for: imports and
-composing included) and prints its wall time and the number of layouts it returned. --answers keeps each case's
+composing included) and prints its wall and CPU time (the process's user and system seconds: what other load
+changes least) and the number of layouts it returned. --answers keeps each case's
 JSON; --compare runs the same cases and says, row by row, whether the layout, schedule, ZeRO stage, micro-batch,
 recomputation, tokens/s and memory are the same (the rankings of two versions of the planner, or of two machines:
 the model is deterministic). --host counts the ops eager PyTorch issues for a decoder block's forward and
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -62,13 +64,16 @@ def figure(row: dict, key: str) -> float:
     return row[key] if key in row else row["memory_gb"]   # memory_gib was memory_gb before issue 63
 
 
-def run(argv: list[str]) -> tuple[float, list[dict]]:
-    """(wall seconds, the rows) of scripts/plan.py --json with these arguments."""
+def run(argv: list[str]) -> tuple[float, float, list[dict]]:
+    """(wall seconds, CPU seconds, the rows) of scripts/plan.py --json with these arguments. The CPU seconds (user
+    and system, of the process) are what other load on the machine changes least."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *argv, "--json"], env=env,
                          capture_output=True, text=True, check=True).stdout
-    return time.perf_counter() - start, json.loads(out)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return time.perf_counter() - start, cpu, json.loads(out)
 
 
 def differences(before: list[dict], after: list[dict]) -> list[str]:
@@ -144,9 +149,9 @@ def main() -> None:
         for name, argv in ANSWERS.items():
             if args.only and name not in args.only:
                 continue
-            seconds, found[name] = run(argv)
+            seconds, cpu, found[name] = run(argv)
             verdict = "" if not args.compare else "; ".join(differences(kept[name], found[name])) or "the same"
-            print(f"{name:<12} {seconds:7.1f} s  {len(found[name])} rows  {verdict}", flush=True)
+            print(f"{name:<12} {seconds:7.1f} s ({cpu:.1f} s CPU)  {len(found[name])} rows  {verdict}", flush=True)
         if args.answers:
             with open(args.answers, "w") as f:
                 json.dump(found, f, indent=1)
@@ -154,9 +159,9 @@ def main() -> None:
     for name, argv in TIMED.items():
         if args.only and name not in args.only:
             continue
-        seconds, rows = run(argv)
+        seconds, cpu, rows = run(argv)
         best = rows[0] if rows else {}
-        print(f"{name:<10} {seconds:7.1f} s  {len(rows)} rows  best {best.get('layout')} "
+        print(f"{name:<10} {seconds:7.1f} s wall {cpu:7.1f} s CPU  {len(rows)} rows  best {best.get('layout')} "
               f"{best.get('tokens_per_s_per_gpu', 0):,.0f} tok/s/GPU   {' '.join(argv)}", flush=True)
 
 
