@@ -22,7 +22,7 @@ from nanoexp.plan.cost import (
     predict,
 )
 from nanoexp.plan.hardware import GPUS, Hardware
-from nanoexp.plan.search import Choice, apply, checked_structures, problem_of, variants
+from nanoexp.plan.search import Choice, apply, checked_structures, plain_copy, problem_of, variants
 
 MEGATRON_README = "NVIDIA/Megatron-LM README.md (images/model_table.png)"
 TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
@@ -166,10 +166,10 @@ def layout_rank(row: Row) -> tuple[int, int, list[str]]:
     """(rank, layouts, the faster layouts' names): where the row's layout stands among the distinct dp x cp x tp x pp layouts of its GPU
     count that are valid and fit, each at its fastest schedule, ZeRO stage and recomputation, with the row's
     micro-batch and framework. Memory is estimated only for candidates faster than the row's own prediction."""
-    cfg = config_of(row)
+    cfg = plain_copy(config_of(row))   # read ~10^4 times: a plain copy (search.Plain), its keys checked by compose
     own = predict(cfg, row.hw, 8, row.framework, with_memory=False).tokens_per_s_per_gpu
     faster, layouts = set(), set()
-    for structure, problem in checked_structures(cfg, row.gpus, 8, (row.micro_batch,)):
+    for structure, problem in checked_structures(cfg, row.gpus, 8, (row.micro_batch,), each_key=False):
         if problem:
             continue
         key = structure[:5]

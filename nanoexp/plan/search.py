@@ -130,14 +130,15 @@ def structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...
                 yield Choice(dp, cp, ep, tp, pp, schedule, v, mb, 0, False)
 
 
-def checked_structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...] = MICRO_BATCHES):
-    """(structure, its problem or None) of every structure (tp wider than a node is one)."""
+def checked_structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...] = MICRO_BATCHES,
+                       each_key: bool = True):
+    """(structure, its problem or None) of every structure (tp wider than a node is one); `each_key`: problem_of's."""
     for choice in structures(cfg, gpus, gpus_per_node, micro_batches):
         if choice.tp > gpus_per_node:
             yield choice, f"tensor parallelism wider than a node (tp > {gpus_per_node})"
             continue
         apply(cfg, choice)
-        yield choice, problem_of(cfg, gpus)
+        yield choice, problem_of(cfg, gpus, each_key)
 
 
 def shard_degrees(choice: Choice, gpus_per_node: int) -> list[int | None]:
