@@ -296,6 +296,11 @@ class FaultInjectionConfig:
     hold_checkpoint_write: int = 0                 # async_save: rank 0's write of step S waits for step S + this
     kill_group: Optional[int] = None               # fault_tolerance: this replica group's rank 0 is SIGKILLed
     kill_at_step: int = 3                          # in its compute at this step (a restarted group heals past it)
+    slow_rank: Optional[int] = None                # this rank sleeps `slow_rank_s` in each micro-batch's forward
+    slow_rank_s: float = 0.05
+    spike_at_step: Optional[int] = None            # the batch this step reads in a fresh run: its loss x 10
+    flip_gradient_rank: Optional[int] = None       # this rank flips one bit of a gradient at `flip_gradient_step`
+    flip_gradient_step: int = 2
 
 
 @dataclass
@@ -315,6 +320,27 @@ class FaultToleranceConfig:
     sync_every: int = 20             # diloco: inner steps between syncs (H)
     outer_lr: float = 0.7            # diloco: the outer Nesterov SGD's learning rate (DiLoCo's paper)
     outer_momentum: float = 0.9      # diloco: its momentum
+
+
+@dataclass
+class SpikeConfig:
+    """A loss above the median of the last `window` steps by `z` robust deviations (docs/health.md)."""
+    action: str = "warn"      # off | warn | skip (drop the step's update) | rollback (to the last checkpoint)
+    window: int = 50
+    z: float = 6.0
+    max_rollbacks: int = 3    # rollback: the run stops after this many
+
+
+@dataclass
+class HealthConfig:
+    """Stragglers, loss spikes and replay checks (nanoexp/health/, docs/health.md)."""
+    stragglers: bool = True
+    every: int = 10                 # the ranks' compute times are compared every this many steps (a window)
+    straggler_factor: float = 1.5   # a rank this many times slower than its stage's median...
+    straggler_windows: int = 3      # ...for this many windows in a row is named
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    replay_every: int = 0           # every N steps forward and backward twice, gradients compared (0: off)
+    replay_action: str = "stop"     # stop | skip (drop the step's update)
 
 
 @dataclass
@@ -341,6 +367,7 @@ class NanoexpConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

@@ -25,6 +25,12 @@ class Effect:
     besides: tuple[str, ...] = ()         # a group's keys that this entry does not cover
 
 
+def compares_ranks(cfg: Any) -> bool:
+    """Whether the straggler detector runs: on, with ranks doing the same work to compare (nanoexp/health/)."""
+    p = cfg.parallelism
+    return bool(cfg.health.stragglers) and p.dp * p.cp * p.tp > 1
+
+
 EFFECTS = (
     Effect("optimizer.optimizer_factory.muon_*", uses_muon, "optimizer.optimizer_factory.name=muon"),
     Effect("model.fp8.*", lambda cfg: cfg.model.fp8.enabled, "model.fp8.enabled=true",
@@ -46,6 +52,13 @@ EFFECTS = (
            "fault_tolerance.semi_sync=diloco"),
     Effect("fault_tolerance.outer_*", lambda cfg: cfg.fault_tolerance.semi_sync == "diloco",
            "fault_tolerance.semi_sync=diloco"),
+    *(Effect(key, compares_ranks, "health.stragglers=true and two or more ranks per pipeline stage (dp x cp x tp)")
+      for key in ("health.every", "health.straggler_*")),
+    Effect("health.spike.*", lambda cfg: cfg.health.spike.action != "off", "health.spike.action other than off",
+           besides=("action", "max_rollbacks")),
+    Effect("health.spike.max_rollbacks", lambda cfg: cfg.health.spike.action == "rollback",
+           "health.spike.action=rollback"),
+    Effect("health.replay_action", lambda cfg: cfg.health.replay_every > 0, "health.replay_every > 0"),
 )
 
 

@@ -86,6 +86,7 @@ def worker(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak
 
 def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: Peak | None) -> dict:
     """This rank's context and peak, then its trainer under the stall watchdog (and the faults asked for)."""
+    from nanoexp import health
     from nanoexp.launch.fault_injection import FaultInjection
     from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
@@ -103,6 +104,7 @@ def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: 
         # Each wraps the trainer's phases only when on: by default the loop runs with nothing of them.
         watchdog.watch(trainer)   # heartbeat marks
         FaultInjection(cfg.fault_injection, rank).install(trainer)   # the robustness tests' faults
+        health.install(cfg, trainer)   # stragglers, loss spikes, replay checks (nanoexp/health/)
         return trainer.train()
 
 
@@ -194,10 +196,13 @@ def check_resume_point(cfg, run_dir: str) -> str | None:
 
 def debug_environment(cfg):
     """What torch reads when process groups are made, for this run only (a context): the flight recorder's size
-    (debug.flight_recorder_entries) and, with debug.collectives=check, TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    (debug.flight_recorder_entries), with debug.collectives=check TORCH_DISTRIBUTED_DEBUG=DETAIL, and with
+    health.replay_every on CUDA cuBLAS's deterministic workspace."""
     wanted = recorder_env(cfg.debug.flight_recorder_entries)
     if cfg.debug.collectives == "check":
         wanted["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if cfg.health.replay_every and torch.cuda.is_available():   # nanoexp/health/replay.py
+        wanted["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     return environment(**wanted)
 
 

@@ -9,13 +9,15 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
+import torch
+
 from nanoexp.config import (ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size,
                             replica_groups, stage_data)
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.config_effects import effect_rules
 from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS, balance_rules, routes_with_bias
-from nanoexp.model.attention import ATTENTION_KERNELS, kernel_problems
+from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func, kernel_problems
 from nanoexp.numerics.converters import format_problems
 from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
@@ -29,14 +31,16 @@ LR_SCHEDULER, ADAM = "optimizer.learning_rate_scheduler.", "optimizer.optimizer_
 
 
 def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None,
-             unread_keys: bool = True) -> None:
+             unread_keys: bool = True, each_key: bool = True) -> None:
     """Check every rule; raise one ConfigError listing each problem with its fix (one line for one problem).
-    `unread_keys=False` lets keys without effect pass (the planner tries layouts under which some have none)."""
-    rules = schema_rules(cfg)
+    `unread_keys=False` lets keys without effect pass (the planner tries layouts under which some have none);
+    `each_key=False` skips the checks of each key on its own, for a plain copy (not a DictConfig) of a config
+    whose keys were checked and of which only values in their domains changed (the planner's layouts)."""
+    rules = schema_rules(cfg) if each_key else []
     if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
                  + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
-                 + fault_rules(cfg) + replica_rules(cfg) + debug_rules(cfg))
+                 + fault_rules(cfg) + replica_rules(cfg) + health_rules(cfg) + debug_rules(cfg))
     problems = [message for ok, message in rules if not ok]
     if not problems and unread_keys:   # every value is valid: is each one read? (a wrong value is said once)
         problems = [message for ok, message in effect_rules(cfg) if not ok]
@@ -314,8 +318,9 @@ def logging_rules(cfg: Any) -> list[Rule]:
 
 def fault_rules(cfg: Any) -> list[Rule]:
     world, f = Layout.from_config(cfg).world_size, cfg.fault_injection
-    ranks = ["hang_rank"] + [key for key in ("stall_rank", "sigstop_rank", "skip_collective_rank",
-                                              "wrong_shape_rank", "short_pipeline_rank", "raise_rank") if getattr(f, key) is not None]
+    ranks = ["hang_rank"] + [key for key in ("stall_rank", "sigstop_rank", "skip_collective_rank", "wrong_shape_rank",
+                                              "short_pipeline_rank", "raise_rank", "slow_rank", "flip_gradient_rank")
+                             if getattr(f, key) is not None]
     rules = [must(cfg, f"fault_injection.{key}", lambda rank: rank < world, f"below dp*cp*tp*pp = {world} (a rank "
                   "of the run)") for key in ranks]
     if f.hold_checkpoint_write:
@@ -325,6 +330,24 @@ def fault_rules(cfg: Any) -> list[Rule]:
         rules.append((cfg.parallelism.pp > 1 and batch_accumulation(cfg) > 1,
                       f"fault_injection.short_pipeline_rank={f.short_pipeline_rank}: needs a pipeline (pp > 1) "
                       "with at least two micro-batches a step, to drop one of them"))
+    return rules
+
+
+def health_rules(cfg: Any) -> list[Rule]:
+    """The detectors' actions; a rollback needs checkpoints, a replay kernels that repeat to the bit."""
+    h = cfg.health
+    rules = [one_of(cfg, "health.spike.action", ("off", "warn", "skip", "rollback")),
+             one_of(cfg, "health.replay_action", ("stop", "skip"))]
+    if h.spike.action == "rollback":
+        rules.append((cfg.checkpoint.checkpoint_interval > 0, "health.spike.action=rollback returns to the last "
+                      "checkpoint: set checkpoint.checkpoint_interval (0 saves only at the end)"))
+    kernel = cfg.model.attention_kernel
+    if h.replay_every and cfg.parallelism.cp == 1 and kernel != "sdpa":
+        flash = kernel == "flash" or (flash_attn_func is not None and torch.cuda.is_available()
+                                      and cfg.model.dtype != "float32")   # "auto" picks flash-attn here
+        rules.append((not flash, f"health.replay_every={h.replay_every} compares two backwards to the bit: "
+                      f"model.attention_kernel={kernel} runs flash-attn, whose backward adds in no fixed order; "
+                      "set model.attention_kernel=sdpa"))
     return rules
 
 

@@ -28,7 +28,7 @@ Promises:
   without --tokenizer the experiment leaves `tokenizer.tokenizer_name_or_path: ???` (a run stops at start, in one
   line, until it is set) and the command it prints sets it.
 
-The planner is nanoexp/launch/planner.py; its estimate (bytes per GPU) is nanoexp/observe/memory_estimate.py's for
+The chooser is nanoexp/plan/chooser.py; its estimate (bytes per GPU, nanoexp/plan/memory.py) is nanoexp/observe/memory_estimate.py's for
 the busiest pipeline stage (parameters, gradients, AdamW state, activations of the micro-batches the engine holds,
 counted from what autograd saves; see scripts/estimate_memory.py; ZeRO-2/3's gathered units and gradients in flight
 included), plus what a GPU adds: under bf16 autocast the bf16 copies of the weights it keeps during a step (2 B per
@@ -46,7 +46,7 @@ import sys
 from omegaconf import OmegaConf
 
 from nanoexp.config import CONF_DIR, ConfigError, compose, normalize, num_kv_heads, padded_vocab_size
-from nanoexp.launch.planner import HEADROOM, choose, explain
+from nanoexp.plan.chooser import HEADROOM, choose, explain
 from nanoexp.optim.lr_table import lr_table
 from nanoexp.validation import validate
 

@@ -29,8 +29,8 @@ import os
 import sys
 
 from nanoexp.launch.sweep_plots import plot, plot_lr_transfer
-from nanoexp.launch.sweep_report import (COLUMNS, add_rank, best_lr_table, busy_note, collect, lr_sweep, plan_table,
-                                         rank_note, table, write_csv)
+from nanoexp.launch.sweep_report import (COLUMNS, add_rank, best_lr_table, busy_note, collect, health_note, lr_sweep,
+                                         plan_table, rank_note, table, write_csv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     add_rank(rows, metric)
     print(table(rows, COLUMNS if metric in COLUMNS else COLUMNS[:-2] + [metric] + COLUMNS[-2:]))
     print(rank_note(metric))
-    if busy_note(rows):
-        print(busy_note(rows))
+    for note in (busy_note(rows), health_note(rows)):
+        if note:
+            print(note)
     if plan_table(args.sweep_dir, rows):
         print(plan_table(args.sweep_dir, rows))
     write_csv(rows, os.path.join(out, "summary.csv"))

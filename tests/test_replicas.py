@@ -54,6 +54,8 @@ CASES = [
     ("diloco over shards", TORCHFT + [FT + "semi_sync=diloco", "optimizer.zero_stage=1", "parallelism=dp2tp1pp1"],
      "fault_tolerance.semi_sync=diloco"),
     ("kill without groups", ["fault_injection.kill_group=0"], "fault_injection.kill_group=0"),
+    ("rollback across groups", TORCHFT + ["health.spike.action=rollback", "checkpoint.checkpoint_interval=10"],
+     "health.spike.action=rollback"),
     ("restarts of a group started elsewhere", TORCHFT + [FT + "group=0", FT + "lighthouse=http://localhost:1",
                                                          FT + "max_restarts=5"], "fault_tolerance.max_restarts=5"),
     ("group under torchrun without its number", TORCHFT, "fault_tolerance.group=null under torchrun"),

@@ -37,7 +37,10 @@ class FaultInjection:
     inside each checkpoint write (in the background writer under checkpoint.async_save). `hold_checkpoint_write`:
     rank 0's background write of step S's checkpoint waits until step S + that many has begun, so that it is in
     flight while those steps train however fast the machine (at most HOLD_LIMIT_S: a run that ends sooner
-    waits that long)."""
+    waits that long). The health checks' faults (nanoexp/health/): `slow_rank` sleeps `slow_rank_s` in each
+    micro-batch's forward; the batch step `spike_at_step` reads in a fresh run has its loss (and gradients) x 10,
+    wherever a run reads it; `flip_gradient_rank` flips one bit of its first parameter's gradient once at
+    `flip_gradient_step`."""
 
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
@@ -55,8 +58,12 @@ class FaultInjection:
             wrap_method(trainer, name, getattr(self, name))
         if f.slow_checkpoint_s > 0 or f.hold_checkpoint_write:   # inside the write, in the writer's thread if any
             wrap_method(trainer.checkpoints, "save", self.save)
-        if f.nonfinite_loss_at_step is not None:   # the loss stage's denominator: its losses and gradients
-            wrap_method(trainer.runner, "loss_denominator", self.loss_denominator)
+        if f.nonfinite_loss_at_step is not None or f.spike_at_step is not None:   # the loss stage's denominator:
+            wrap_method(trainer.runner, "loss_denominator", self.loss_denominator)   # its losses and gradients
+        if f.slow_rank == self.rank:
+            wrap_method(trainer.runner, "forward", self.slow_forward)
+        if f.flip_gradient_rank == self.rank:
+            self.flip_a_gradient_bit(trainer)
 
     def train(self, original):
         time.sleep(self.faults.slow_start_up_s)   # before the run's first step, as a slow start-up
@@ -128,8 +135,36 @@ class FaultInjection:
                     log.warning("fault injection: step %d never began; checkpoint %d is written", step + hold, step)
 
     def loss_denominator(self, original, micro_batches: list[dict]) -> torch.Tensor:
-        denominator = original(micro_batches)
-        return denominator * float("nan") if self.trainer.step == self.faults.nonfinite_loss_at_step else denominator
+        denominator, trainer = original(micro_batches), self.trainer
+        if trainer.step == self.faults.nonfinite_loss_at_step:
+            return denominator * float("nan")
+        spike = self.faults.spike_at_step   # the batch of that step in a fresh run: where it is read now
+        if spike is not None and trainer.batches.consumed_samples == spike * trainer.global_batch:
+            log.warning("fault injection: the batch of samples %d-%d (step %d) spikes: its loss x 10",
+                        (spike - 1) * trainer.global_batch, spike * trainer.global_batch - 1, trainer.step)
+            return denominator / 10
+        return denominator
+
+    def slow_forward(self, original, *args, **kwargs):
+        time.sleep(self.faults.slow_rank_s)   # a slow rank's compute: a throttled GPU, a busy host
+        return original(*args, **kwargs)
+
+    def flip_a_gradient_bit(self, trainer) -> None:
+        """At flip_gradient_step, once, flip bit 20 (a mantissa bit) of the first element of this rank's first
+        parameter's gradient, as silent data corruption would: in one backward of the step only."""
+        name, param = next((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+        flipped = set()
+
+        def flip(grad: torch.Tensor) -> torch.Tensor:
+            step = trainer.step
+            if step != self.faults.flip_gradient_step or step in flipped:
+                return grad
+            flipped.add(step)
+            log.warning("fault injection: rank %d flips bit 20 of %s's gradient at step %d", self.rank, name, step)
+            grad = grad.clone()
+            grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+            return grad
+        param.register_hook(flip)
 
 
 def trainer_group(trainer) -> int | None:

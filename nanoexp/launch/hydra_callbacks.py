@@ -57,7 +57,7 @@ class SweepReport(Callback):
 
 
 def print_sweep_report(sweep_dir: str) -> None:
-    from nanoexp.launch.sweep_report import busy_note, collect, plan_table, table
+    from nanoexp.launch.sweep_report import busy_note, collect, health_note, plan_table, table
 
     if not sweep_dir or not os.path.isdir(sweep_dir):
         return
@@ -67,8 +67,9 @@ def print_sweep_report(sweep_dir: str) -> None:
     columns = ["job", "overrides", "state", "final_loss", "eval_loss", "tokens_per_sec", "load"]
     failed = sum(row["state"] == "failed" for row in rows)
     print(f"\nsweep {os.path.abspath(sweep_dir)}: {len(rows)} jobs, {failed} failed\n{table(rows, columns)}")
-    if busy_note(rows):
-        print(busy_note(rows))
+    for note in (busy_note(rows), health_note(rows)):
+        if note:
+            print(note)
     if plan_table(sweep_dir, rows):
         print(plan_table(sweep_dir, rows))
     for row in rows:

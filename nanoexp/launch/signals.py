@@ -131,10 +131,11 @@ def received_signal_name() -> str | None:
     return None if signum is None else signal.Signals(signum).name
 
 
-def stop_flag(ctx, *more: bool):
+def stop_flag(ctx, *more: bool, maxima=None):
     """[1 on every rank if any rank has received a stop signal, else 0, then each of `more` likewise: 1 if it is
-    true on any rank], on the device: one all-reduce (a collective: call it on all ranks; the trainer reads it with
-    the step's other scalars, and agrees its checkpoint writes in the same call)."""
+    true on any rank, then `maxima` (a tensor on the device, maximum over the ranks)], on the device: one all-reduce
+    (a collective: call it on all ranks; the trainer reads it with the step's other scalars, and agrees its
+    checkpoint writes in the same call)."""
     import torch   # here, not at the top: train.py imports this module before torch (stop_during_start_up)
     import torch.distributed as dist
 
@@ -142,6 +143,8 @@ def stop_flag(ctx, *more: bool):
     for i, raised in enumerate([stop_requested(), *more]):
         if raised:
             flags[i] = 1.0   # a fill on the device: no copy from the host, no wait for it
+    if maxima is not None and maxima.numel():
+        flags = torch.cat([flags, maxima.float()])
     if ctx.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags

@@ -30,14 +30,13 @@ import yaml
 
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.metrics import read_metrics
-from nanoexp.observe.summary import machine_was_busy, read_json, read_summary
+from nanoexp.observe.summary import PLAN_FILE, machine_was_busy, read_json, read_summary
 
 COLUMNS = ["job", "rank", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "load", "state", "reason"]
 # One format per column (None: as is).
 FORMATS = {"rank": "{:d}", "lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
            "mfu": "{:.2%}", "peak_memory_mb": "{:,.0f}"}
-PLAN_FILE = "plan.json"
 SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
 
 
@@ -101,6 +100,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
     for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
         row[key] = summary.get(key)
     row.update({key: value for key, value in summary.items() if is_task_score(key)})   # eval/<task>/<metric>
+    row["health"] = health_findings(summary)
     load, row["busy"] = summary.get("machine_load"), machine_was_busy(summary)
     row["load"] = f"{load['start']:.1f}/{load['end']:.1f}{' busy' if row['busy'] else ''}" if load else None
     row["state"], row["reason"] = job_state(sweep_dir, folder, summary, job_id)
@@ -191,6 +191,18 @@ def busy_note(rows: list[dict]) -> str | None:
         return None
     return (f"jobs {busy} ran while other work kept the machine's cores busy (load average before/after the job "
             "in column load): their tokens/s and MFU are not comparable with the others'")
+
+
+def health_findings(summary: dict) -> str | None:
+    """What summary.json's `health` found, counted by kind ("stragglers 1, spikes 2"); None: nothing."""
+    found = [f"{kind} {len(entries)}" for kind, entries in (summary.get("health") or {}).items() if entries]
+    return ", ".join(found) or None
+
+
+def health_note(rows: list[dict]) -> str | None:
+    """The line under a table naming the jobs whose runs found a straggler, a loss spike or a replay mismatch."""
+    found = [f"job {row['job']}: {row['health']}" for row in rows if row.get("health")]
+    return f"health findings (summary.json's health): {'; '.join(found)}" if found else None
 
 
 def cell(column: str, value) -> str:

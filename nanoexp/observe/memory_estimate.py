@@ -3,16 +3,18 @@ model state by ZeRO stage, the activations of the micro-batches the engine holds
 they work and gloo's copies. The terms, their derivations and their measurements: docs/memory.md."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 from nanoexp.config import batch_accumulation, optimizer_name
+from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
 from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, compute_order
 from nanoexp.optim.registry import OPTIMIZERS
 
 MB = 2**20
@@ -73,9 +75,22 @@ def gathered_narrow(module: HeldModule, wire_bytes: int) -> HeldModule:
     return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=wire_bytes)
 
 
-def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
+def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[HeldModule, ...]:
     """The modules pp rank `pp_rank` holds, in forward order: the embedding (first stage), each decoder layer of
-    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage)."""
+    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage). Kept by
+    shape (this object: shapes are never changed in place) and layout, for the planner, which asks often."""
+    key = (id(shape), layout, pp_rank)
+    if key not in _HELD or _HELD[key][0] is not shape:
+        if len(_HELD) > 4096:
+            _HELD.clear()
+        _HELD[key] = shape, tuple(_held_modules(shape, layout, pp_rank))   # the shape kept: its id stays its own
+    return _HELD[key][1]
+
+
+_HELD: dict[tuple, tuple] = {}
+
+
+def _held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
     tied, sp = shape.tie_word_embeddings, layout.sequence_parallel
     embedding = shape.vocab_size * h // layout.tp
@@ -113,18 +128,26 @@ def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tu
     """(most layers' activations held at once, most loss-chunk micro-batches held at once) on this
     pp rank, replaying its engine's schedule for one step. A schedule with W steps holds a micro-batch until its
     W (the linears' inputs and output gradients wait for it; the rest is freed at B: an upper bound)."""
-    m = batch_accumulation(cfg)
-    held, most, heads, most_heads = set(), 0, 0, 0
     loss_chunk = len(chunks) - 1 if pp_rank == layout.head_rank else None
-    freed_at = "W" if SCHEDULES[layout.schedule].splits_backward else "B"
-    for step in schedule(layout.schedule, layout.pp, layout.virtual_stages, m, pp_rank):
+    return _in_flight(layout.schedule, layout.pp, layout.virtual_stages, batch_accumulation(cfg), pp_rank,
+                      tuple(chunks), loss_chunk)
+
+
+@functools.lru_cache(maxsize=4096)   # the planner asks for the same schedules many times
+def _in_flight(engine: str, pp: int, v: int, m: int, pp_rank: int, chunks: tuple[int, ...],
+               loss_chunk: int | None) -> tuple[int, int]:
+    held, layers, most, heads, most_heads = set(), 0, 0, 0, 0
+    freed_at = "W" if SCHEDULES[engine].splits_backward else "B"
+    for step in compute_order(engine, pp, v, m, pp_rank):
         if step[0] == "F":
             held.add(step[1:])
+            layers += chunks[step[1]]
             heads += step[1] == loss_chunk
-        elif step[0] == freed_at:
+        elif step[0] == freed_at and step[1:] in held:
             held.discard(step[1:])
+            layers -= chunks[step[1]]
             heads -= step[1] == loss_chunk
-        most = max(most, sum(chunks[c] for c, _ in held))
+        most = max(most, layers)
         most_heads = max(most_heads, heads)
     return most, most_heads
 
@@ -142,7 +165,22 @@ def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
 
 
 def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
-    """What autograd holds for backward at most, on this pp rank (docs/memory.md)."""
+    """What autograd holds for backward at most, on this pp rank (docs/memory.md). Kept by shape, layout and the
+    keys it reads: the planner asks for every ZeRO stage of a layout."""
+    t = cfg.tokens
+    key = (id(shape), layout, pp_rank, tuple(chunks), bool(cfg.parallelism.recompute_layer), cfg.model.dtype,
+           t.micro_batch_size, t.sequence_length, batch_accumulation(cfg), cfg.model.attention_mask)
+    if key not in _ACTIVATIONS or _ACTIVATIONS[key][0] is not shape:
+        if len(_ACTIVATIONS) > 4096:
+            _ACTIVATIONS.clear()
+        _ACTIVATIONS[key] = shape, _activation_bytes(cfg, layout, shape, pp_rank, chunks)
+    return _ACTIVATIONS[key][1]
+
+
+_ACTIVATIONS: dict[tuple, tuple] = {}
+
+
+def _activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
     recompute = cfg.parallelism.recompute_layer
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -151,17 +189,18 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
                   ep=layout.ep)
     ids = [n for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in layers]
     # Dense and MoE layers save different amounts: a layer in flight counts as the stage's mean layer.
-    per_layer = sum(layer_floats_per_token(shape, recompute=recompute, moe=shape.is_moe_layer(n), **floats)
-                    for n in ids) / len(ids)
+    kinds = {shape.is_moe_layer(n) for n in ids}   # a layer's kind (MoE or dense) decides what it saves
+    saved = {moe: layer_floats_per_token(shape, recompute=recompute, moe=moe, **floats) for moe in kinds}
+    per_layer = sum(saved[shape.is_moe_layer(n)] for n in ids) / len(ids)
     # Recomputation re-materialises one full layer at a time during backward; the all-to-all of a MoE layer
     # under ep holds its rows twice at once (sent and received), k per token.
-    def transient(n: int) -> float:
-        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=shape.is_moe_layer(n), **floats)
-        if layout.ep == 1 or not shape.is_moe_layer(n):
+    def transient(moe: bool) -> float:
+        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=moe, **floats)
+        if layout.ep == 1 or not moe:
             return recomputed
         return recomputed + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
-    return (act_bytes * tokens * (layers * per_layer + max(map(transient, ids)) + heads * head)
+    return (act_bytes * tokens * (layers * per_layer + max(map(transient, kinds)) + heads * head)
             + context_workspace(cfg, layout, shape))
 
 
@@ -279,3 +318,16 @@ def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> t
     """(pp rank, its estimate) of the rank with the largest total."""
     estimates = [(r, estimate(cfg, shape, r, device_type)) for r in range(Layout.from_config(cfg).pp)]
     return max(estimates, key=lambda item: total(item[1]))
+
+
+def device_estimate(cfg, shape: LlamaShape) -> dict[str, float]:
+    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: the busiest pipeline stage's estimate, the
+    bf16 copies of the weights autocast keeps during a step (2 B a parameter held, whatever the stage: each matmul
+    saves its weight's cast for backward) and the CUDA context (a nominal allowance: memory.CUDA_CONTEXT_MB).
+    `transient` is the largest of what a step's moments add (`total`). The planner (plan/memory.py) and the
+    start-up check (checks.py) both ask it."""
+    pp_rank, parts = busiest_rank_estimate(cfg, shape, "cuda")
+    held, _ = held_parameters(shape, Layout.from_config(cfg), pp_rank)
+    state = {kind: parts[kind] for kind in ("parameters", "gradients", "optimizer")}
+    return {**state, "weight_copies": 2 * held if cfg.model.dtype == "bfloat16" else 0,
+            "transient": total(parts) - sum(state.values()), "cuda_context": CUDA_CONTEXT_MB * MB}

@@ -104,6 +104,15 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def event(self, record: dict, title: str, text: str) -> None:
+        """A finding (nanoexp/health/): its record as `write`'s, and its text as an event: TensorBoard's text, a W&B
+        alert."""
+        self.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.add_text(title, text, record["step"])
+        if self.wandb is not None:
+            self.wandb.alert(title=title, text=text, level="WARN")
+
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()

@@ -55,6 +55,10 @@ def replica_rules(cfg: Any) -> list[tuple[bool, str]]:
         (cfg.fault_injection.kill_group is None or cfg.fault_injection.kill_group < f.replica_groups,
          f"fault_injection.kill_group={cfg.fault_injection.kill_group}: must be below {FT}replica_groups="
          f"{f.replica_groups}"),
+        (cfg.health.spike.action != "rollback", f"health.spike.action=rollback with {FT}method=torchft: each group "
+         "would go back to a checkpoint on its own; use skip (every group drops the same step) or warn"),
+        (cfg.health.replay_every == 0, f"health.replay_every={cfg.health.replay_every} with {FT}method=torchft: a "
+         "replayed step's gradients would be averaged across groups again; not built yet"),
         (cfg.logging.wandb.mode == "disabled", f"logging.wandb.mode={cfg.logging.wandb.mode} with {FT}method=torchft:"
          " each group writes its own metrics.jsonl and TensorBoard folder; one W&B run for all is not there yet"),
     ]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.checkpoint.save import persistent_buffers
-from nanoexp.data.stages import StagedBatches
+from nanoexp.checkpoint.manager import Resume
 from nanoexp.parallel.replicas import to_safetensors
 from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
 from nanoexp.runtime.trainer import Trainer
@@ -38,24 +38,23 @@ class ReplicaTrainer(Trainer):
         self.done = self.resume.step   # the last step committed
         self.checkpoints.abandon_after = None   # later checkpoints in the shared folder are other groups'
         self.committed, self.retried_steps, self.heals, self.bytes_recorded = False, 0, 0, 0
+        if self.diloco is not None:
+            self.start_semi_synchronous()
 
     def data_position(self) -> tuple[int, int]:
         """Group g's dp rank r reads share g x dp + r of the R x dp shares of each global batch."""
         ft = self.cfg.fault_tolerance
         return ft.group * self.ctx.dp + self.ctx.dp_rank, ft.replica_groups * self.ctx.dp
 
-    def steps(self):
-        """The step after the last committed one, until tokens.train_steps: each once its quorum is formed (under
-        DiLoCo the quorum comes at each sync, inside the optimizer's step, after one at the start that waits for
-        every group)."""
-        if self.diloco is not None:
-            self.start_semi_synchronous()
-        while True:
-            if self.diloco is None and self.groups.start_step():
-                log.info("took a live group's state: going on at step %d", self.done + 1)
-            if self.done >= self.cfg.tokens.train_steps:
-                return
-            yield self.done + 1
+    def run_step(self, step: int) -> bool:
+        """The step after the last committed one, once its quorum is formed (under DiLoCo the quorum comes at each
+        sync, inside the optimizer's step): a step not committed is trained again, a group that took a live one's
+        state goes on from that one's step. The loop goes on from the last committed step."""
+        if self.diloco is None and self.groups.start_step():
+            log.info("took a live group's state: going on at step %d", self.done + 1)
+        stopped = super().run_step(self.done + 1) if self.done < self.cfg.tokens.train_steps else False
+        self.step = self.done
+        return stopped
 
     def start_semi_synchronous(self) -> None:
         """DiLoCo's first quorum: the groups that start together commit it (it counts as a sync, so that a group
@@ -156,18 +155,13 @@ class ReplicaTrainer(Trainer):
         for name, buffer in persistent_buffers(self.model):
             buffer.copy_(state["buffers"][name])
         load_optimizer_state(self.optimizer, state["optimizer"], self.ctx.device)
-        progress = state["progress"]
-        step = self.done = progress["step"]
+        p = state["progress"]
+        self.done = p["step"]
         self.committed = False   # under DiLoCo this comes inside a step: the peer's state supersedes it
-        self.progress.consumed_samples, self.progress.consumed_tokens = (progress["consumed_samples"],
-                                                                         progress["consumed_tokens"])
-        self.progress.skipped_steps = progress["skipped_steps"]
-        self.progress.stage_consumed_samples = dict(progress.get("stage_consumed_samples", {}))
-        self.resume.lr_step_offset = progress["lr_step_offset"]
+        self.resume = Resume(p["step"], p["consumed_samples"], p["lr_step_offset"], p["skipped_steps"],
+                             p["consumed_tokens"], dict(p.get("stage_consumed_samples", {})))
         self.batches.close()
-        self.batches = StagedBatches(self.cfg, self.global_batch, *self.data_position(), step + 1,
-                                     self.progress.consumed_samples, self.progress.stage_consumed_samples,
-                                     on_stage_start=self.announce_stage)
+        self.start_data()   # the data and the progress from the peer's position
         self.pending, self.heals = None, self.heals + 1
         self.checkpoints.last_saved, self.checkpoints.abandon_after = None, None   # the peers' checkpoints stay
 

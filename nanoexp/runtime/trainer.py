@@ -4,8 +4,9 @@ The trainer does not know which engine, data source or logger it drives; it asks
 and records what happened. It runs on every rank; only global rank 0 writes the run folder's shared files.
 Each phase of a step is a short method (train_step reads as the list of them), and the phases are the loop's seams:
 what watches or disturbs the loop wraps them on the instance from outside, installed once at start-up by the entry
-point (nanoexp/run.py) and only when it is on — the stall watchdog's heartbeat marks (nanoexp/launch/seams.py) and
-the robustness tests' faults (nanoexp/launch/fault_injection.py). With both off the loop runs as written here.
+point (nanoexp/run.py) and only when it is on — the stall watchdog's heartbeat marks (nanoexp/launch/seams.py), the
+robustness tests' faults (nanoexp/launch/fault_injection.py) and the health checks (nanoexp/health/). With all off
+the loop runs as written here.
 """
 from __future__ import annotations
 
@@ -60,13 +61,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
         self.global_batch, self.accumulation = global_batch_size(cfg), batch_accumulation(cfg)
-        # The data of the stage being trained (data_stages; without them the data group), switched by step.
-        self.batches = StagedBatches(cfg, self.global_batch, *self.data_position(), self.resume.step + 1,
-                                     self.resume.consumed_samples, self.resume.stage_consumed_samples,
-                                     on_stage_start=self.announce_stage)
+        self.start_data()
         self.baseline_mb = start_measuring(ctx.device, cfg.model.dtype)   # the runtime and the data, before the model
         self.build_model_and_optimizer()
-        self.progress = Progress(self.resume.consumed_samples, self.resume.consumed_tokens, self.resume.skipped_steps)
         t = cfg.tokens
         self.tokens_per_step = self.global_batch * t.sequence_length
         self.flops_per_step = flops_per_token(self.shape, t.sequence_length) * self.tokens_per_step
@@ -79,16 +76,24 @@ class Trainer:
         self.downstream = self.downstream_eval() if cfg.eval.tasks else None
         self.downstream_scores: dict[str, float] = {}
 
+    def start_data(self) -> None:
+        """The data (of the stage being trained; data_stages switch it by step) and the progress at self.resume:
+        the start, or a rollback's checkpoint (nanoexp/health/)."""
+        r = self.resume
+        self.batches = StagedBatches(self.cfg, self.global_batch, *self.data_position(), r.step + 1,
+                                     r.consumed_samples, r.stage_consumed_samples, on_stage_start=self.announce_stage)
+        self.progress = Progress(r.consumed_samples, r.consumed_tokens, r.skipped_steps)
+
+    def data_position(self) -> tuple[int, int]:
+        """Which share of each global batch this rank reads, of how many: its dp rank of dp."""
+        return self.ctx.dp_rank, self.ctx.dp
+
     def downstream_eval(self):
         """The eval group's harness tasks, on this model as it is sharded (nanoexp/evaluation/)."""
         from nanoexp.evaluation.downstream import DownstreamEval
         from nanoexp.evaluation.scorer import ShardedScorer
         tokenizer = build_tokenizer(self.cfg.tokenizer.tokenizer_name_or_path)
         return DownstreamEval(self.cfg.eval, ShardedScorer(self.runner, tokenizer.eod_id), tokenizer)
-
-    def data_position(self) -> tuple[int, int]:
-        """Which share of each global batch this rank reads, of how many: its dp rank of dp."""
-        return self.ctx.dp_rank, self.ctx.dp
 
     def build_model_and_optimizer(self) -> None:
         """This rank's runtime (nanoexp/runtime/build.py), and the checkpoint's state if resuming."""
@@ -141,27 +146,38 @@ class Trainer:
 
     def read_scalars(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
         """The step's loss and norm on the host, in one read with the MoE metrics and the flags every rank agrees
-        on: a stop signal (every rank stops after the same step) and a background checkpoint write to publish
-        (once no rank is writing)."""
+        on: a stop signal (every rank stops after the same step), a background checkpoint write to publish
+        (once no rank is writing) and step_maxima's values."""
         moe = self.model.moe_losses
         names, moe_values, self.moe_loads = (moe_step_values(moe, self.ctx, self.ctx.dp * self.accumulation) if moe
                                              else ([], loss.new_zeros(0), None))
-        flags = stop_flag(self.ctx, self.checkpoints.writing())   # a collective
+        flags = stop_flag(self.ctx, self.checkpoints.writing(), maxima=self.step_maxima())   # a collective
         values = torch.cat([torch.stack([loss, grad_norm.float()]).float(), flags, moe_values.float()]).tolist()
         self.stop_after_step, self.checkpoint_writing = bool(values[2]), bool(values[3])
-        self.moe_metrics = dict(zip(names, values[4:]))
+        moe_start = 2 + len(flags)
+        self.maxima, self.moe_metrics = values[4:moe_start], dict(zip(names, values[moe_start:]))
         return values[0], values[1]
+
+    def step_maxima(self) -> torch.Tensor:
+        """Values each rank adds to read_scalars' all-reduce (their maximum over the ranks lands in self.maxima):
+        none here; what watches the loop (nanoexp/health/) wraps this phase to add its own."""
+        return torch.zeros(0, device=self.ctx.device)
 
     def skip_step(self, loss: float, grad_norm: float) -> tuple[float, float]:
         """A non-finite loss or gradient norm: no update; the run stops unless optimizer.skip_nonfinite_steps."""
-        self.grad_sync.zero_grad()
         if not self.cfg.optimizer.skip_nonfinite_steps:
+            self.grad_sync.zero_grad()
             raise self.raised_together(FloatingPointError(
                 f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
                 "(set optimizer.skip_nonfinite_steps=true to skip such steps)"))
-        self.progress.skipped_steps += 1
-        log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
+        self.drop_update("non-finite loss or gradient")
         return loss, grad_norm
+
+    def drop_update(self, why: str) -> None:
+        """No update this step (counted in skipped_steps): its gradients are dropped."""
+        self.grad_sync.zero_grad()
+        self.progress.skipped_steps += 1
+        log.warning("step %d: %s, update skipped", self.step, why)
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -200,11 +216,9 @@ class Trainer:
         self.clock, self.step_times, self.last_record, self.eval_loss = StepClock(), [], {}, None
         training_started()   # a stop signal from here on ends the run after a step, with its checkpoint
         try:
-            stopped = False
-            for step in self.steps():
-                stopped = self.run_step(step)
-                if stopped:   # SIGTERM/SIGUSR2: checkpoint written, leave cleanly
-                    break
+            stopped, self.step = False, self.resume.step
+            while self.step < self.cfg.tokens.train_steps and not stopped:   # SIGTERM/SIGUSR2: checkpoint written
+                stopped = self.run_step(self.step + 1)   # a rollback (nanoexp/health/) sets self.step back
             self.finish_checkpoint_write("the run ends")   # checkpoint.async_save: the last write
             summary["status"] = "stopped" if stopped else "completed"
             summary.update(self.memory_of_every_rank())
@@ -216,14 +230,6 @@ class Trainer:
             self.profiler.close()
             self.finish(summary)
         return summary
-
-    def steps(self):
-        """The steps to train, in order: from the resumed one to tokens.train_steps."""
-        return range(self.resume.step + 1, self.cfg.tokens.train_steps + 1)
-
-    def next_batches(self, step: int) -> list[dict]:
-        """This rank's micro-batches of step `step` (the next of the data)."""
-        return self.batches.next_step()
 
     def run_step(self, step: int) -> bool:
         """Step `step`: train, record, checkpoint and evaluate when due. True: a stop signal came."""
@@ -242,6 +248,10 @@ class Trainer:
             return True
         self.evaluate_when_due(step, stage)
         return False
+
+    def next_batches(self, step: int) -> list[dict]:
+        """This rank's micro-batches of step `step` (the next of the data)."""
+        return self.batches.next_step()
 
     def record_step(self, step: int, loss: float, lr: float, grad_norm: float, start: float) -> dict:
         """The step's progress, time and metrics record (logged when due); returns its data stage ({} without)."""
