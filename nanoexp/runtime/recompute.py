@@ -1,0 +1,97 @@
+"""What each decoder layer keeps for backward: activation recomputation and offload (parallelism.recompute,
+recompute_every, selective_ops, offload_activations; docs/memory.md#activation-recomputation).
+
+`apply_recompute(model, policy, device)` replaces the forward of each layer the policy names by one that runs under
+torch.utils.checkpoint (non-reentrant): `full` keeps the layer's input and runs its forward again in backward;
+`selective` keeps besides the outputs of the ops `selective_ops` names (torch's selective checkpoint policy) and runs
+the others again; `every_k` recomputes layers k-1, 2k-1, ... in full and leaves the others alone. The module stays
+where it was (parameter names, hooks, ZeRO units), and model.compile, applied after, compiles the checkpoint with
+the layer, so the compiled backward follows the same policy. Recomputation repeats the same ops on the same inputs:
+the gradients are `none`'s, bit for bit. With offload, a layer that keeps its activations (none, every_k's others)
+moves them to pinned host memory as the forward saves them and back ahead of its backward (ActivationOffload).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from nanoexp.config import recompute_mode
+from nanoexp.model.saved_ops import saved_ops
+from nanoexp.runtime.offload import ActivationOffload
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """Which layers run their forward again in backward, and what the recomputed ones keep."""
+    mode: str = "none"                          # none | full | selective | every_k
+    every: int = 2                              # every_k: layers every-1, 2·every-1, ... are recomputed
+    saved: tuple[str, ...] = ("matmul", "attention")   # selective: the op groups kept (model/saved_ops.py)
+    offload: bool = False                       # the layers that keep their activations keep them on the host
+
+    @classmethod
+    def from_config(cls, cfg) -> "RecomputePolicy":
+        p = cfg.parallelism
+        return cls(recompute_mode(cfg), int(p.get("recompute_every", 2)),
+                   tuple(p.get("selective_ops", cls.saved)), bool(p.get("offload_activations", False)))
+
+    def recomputes(self, n: int) -> bool:
+        """Whether layer n (its global index) runs its forward again in backward."""
+        return self.mode in ("full", "selective") or (self.mode == "every_k" and n % self.every == self.every - 1)
+
+    def context_fn(self):
+        """checkpoint's context_fn: selective's caching of the kept ops; full's none (torch's default)."""
+        if self.mode != "selective":
+            return torch.utils.checkpoint.noop_context_fn
+        return functools.partial(create_selective_checkpoint_contexts,
+                                 functools.partial(keep_ops, saved_ops(self.saved)))
+
+
+def keep_ops(kept: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """torch's selective policy: the output of a kept op is stored in forward; every other op runs again."""
+    return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed:
+    """A layer's forward run under activation checkpointing while autograd records (plain in evaluation)."""
+
+    def __init__(self, forward, context_fn):
+        self.forward, self.context_fn = forward, context_fn
+
+    def __call__(self, *inputs):
+        if not torch.is_grad_enabled():
+            return self.forward(*inputs)
+        return checkpoint(self.forward, *inputs, use_reentrant=False, context_fn=self.context_fn)
+
+
+class Offloaded:
+    """A layer's forward whose saved tensors go to the host (ActivationOffload) while autograd records."""
+
+    def __init__(self, forward, offload: ActivationOffload, n: int):
+        self.forward, self.offload, self.n = forward, offload, n
+
+    def __call__(self, *inputs):
+        if not torch.is_grad_enabled():
+            return self.forward(*inputs)
+        with self.offload.saving(self.n):
+            return self.forward(*inputs)
+
+
+def apply_recompute(model, policy: RecomputePolicy, device: torch.device) -> None:
+    """Give each decoder layer of `model` the forward `policy` asks for (before model.compile)."""
+    offload = ActivationOffload(device) if policy.offload else None
+    for n, layer in model.model.layers.items():
+        if policy.recomputes(int(n)):
+            layer.forward = Checkpointed(layer.forward, policy.context_fn())
+        elif offload is not None:
+            layer.forward = Offloaded(layer.forward, offload, int(n))
+
+
+def offload_problem(cfg, device_type: str) -> str | None:
+    """Why parallelism.offload_activations cannot run on `device_type` (None: it can)."""
+    if cfg.parallelism.get("offload_activations", False) and device_type != "cuda":
+        return (f"parallelism.offload_activations=true: this run's device is the {device_type}, whose memory is the "
+                "host's already (nothing to offload to): set it false, or run on a GPU")
+    return None
