@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from nanoexp.checkpoint.manager import check_checkpoint_folder
 from nanoexp.config import ConfigError, normalize
 from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
+from nanoexp.runtime.recompute import offload_problem
 from nanoexp.validation import validate
 
 
 def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> None:
     """Every config check, before any process group or training work: normalise `cfg` in place (nanotron's
-    spellings), validate it, then check what it points to (tokenizer, data files, eval tasks, and with `run_dir`
+    spellings), validate it, what the device must offer (a GPU to offload activations to), then check what it points to (tokenizer, data files, eval tasks, and with `run_dir`
     the checkpoints folder: a writable folder with room for a checkpoint)."""
     normalize(cfg)
     vocab = None
@@ -26,6 +29,9 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
     except (FileNotFoundError, OSError, ValueError) as error:
         raise ConfigError(f"tokenizer.tokenizer_name_or_path={cfg.tokenizer.tokenizer_name_or_path}: {error}")
     validate(cfg, world_size=world_size, tokenizer_vocab_size=vocab)
+    offload = offload_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")   # the device workers will take
+    if offload:
+        raise ConfigError(offload)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     for stage in training_stages(cfg):   # each stage's data files: a missing folder, a bad Nanoset, a wrong column, ...
         try:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import NanoexpConfig, uses_muon
+from nanoexp.config import NanoexpConfig, recompute_mode, uses_muon
 from nanoexp.config_domains import Rule
 
 
@@ -35,6 +35,13 @@ EFFECTS = (
            "parallelism.cp=1 (with cp > 1 attention runs parallelism.cp_mode's kernel)"),
     Effect("parallelism.cp_mode", lambda cfg: cfg.parallelism.cp > 1, "parallelism.cp > 1"),
     Effect("parallelism.tp_mode", lambda cfg: cfg.parallelism.tp > 1, "parallelism.tp > 1"),
+    Effect("parallelism.recompute_every", lambda cfg: recompute_mode(cfg) == "every_k", "parallelism.recompute=every_k"),
+    Effect("parallelism.selective_ops", lambda cfg: recompute_mode(cfg) == "selective",
+           "parallelism.recompute=selective"),
+    # a recomputed layer keeps only what checkpoint holds itself (its input, the kept ops' outputs): nothing to move
+    Effect("parallelism.offload_activations", lambda cfg: recompute_mode(cfg) == "none" or (
+        recompute_mode(cfg) == "every_k" and cfg.parallelism.recompute_every > 1),
+           "parallelism.recompute=none, or every_k with recompute_every > 1 (the layers it does not recompute)"),
 )
 
 

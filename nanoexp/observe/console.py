@@ -17,6 +17,7 @@ from nanoexp.model.llama import count_active_parameters
 from nanoexp.model.mup import describe, parametrization_of
 from nanoexp.numerics.converters import console_lines
 from nanoexp.instruments.moe_metrics import LOAD_IMBALANCE
+from nanoexp.runtime.recompute import RecomputePolicy
 
 
 def duration(seconds: float) -> str:
@@ -119,6 +120,8 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     if cfg.model.parametrization == "mup":
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
     lines += console_lines(cfg, converted_linears, device, layout.pp)
+    recompute = RecomputePolicy.from_config(cfg).describe(shape.num_hidden_layers)
+    lines += [recompute] if recompute else []
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
     parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]

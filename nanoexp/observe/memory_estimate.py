@@ -14,25 +14,56 @@ from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
 from nanoexp.optim.registry import OPTIMIZERS
+from nanoexp.runtime.recompute import RecomputePolicy
 
 MB = 2**20
 
 
-def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
-                           cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1) -> float:
-    """Floats one decoder layer saves for backward per token on a rank (docs/memory.md); under
-    cp > 1 per token of the rank's s/cp, with cp_mode's attention (its CP_KERNELS entry's saved_floats); `moe`:
-    a MoE layer's (moe_floats_per_token in place of the MLP's 4i / tp)."""
+def layer_floats_per_token(shape: LlamaShape, tp: int, recompute, sequence_parallel: bool = False,
+                           cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1,
+                           kept: tuple[str, ...] = ("matmul", "attention")) -> float:
+    """Floats one decoder layer keeps for backward per token on a rank (docs/memory.md), under `recompute`: the
+    layer's mode of parallelism.recompute (none, full, selective with the op groups `kept`; True: full, False: none,
+    as parallelism.recompute_layer); under cp > 1 per token of the rank's s/cp, with cp_mode's attention (its
+    CP_KERNELS entry's saved_floats); `moe`: a MoE layer's (moe_floats_per_token in place of the MLP's 4i / tp)."""
+    mode = {False: "none", True: "full"}.get(recompute, recompute)
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
-    if recompute:
-        return h / (tp if sequence_parallel else 1)
+    layer_input = h / (tp if sequence_parallel else 1)
+    if mode == "full":
+        return layer_input
+    if mode == "selective":
+        return layer_input + kept_floats_per_token(shape, tp, kept, cp, moe)[0]
     # The two residual inputs, their normalised values and norms' 1/rms (sharded along the sequence
     # under SP); the column layers' full inputs; q, k, v, attention output and its log-sum-exp; the MLP.
     norms = 4 * h + 2
     context = CP_KERNELS[cp_mode].saved_floats(rank_attention(shape, tp, cp)) if cp > 1 else 0
     mlp = moe_floats_per_token(shape, ep) / (tp if sequence_parallel else 1) if moe else 4 * i / tp
     return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads) / tp + mlp + context
+
+
+def kept_floats_per_token(shape: LlamaShape, tp: int, kept: tuple[str, ...], cp: int = 1,
+                          moe: bool = False) -> tuple[float, float]:
+    """(floats per token of the op outputs a selectively recomputed layer keeps, of them those its plain backward
+    saves too): `matmul` keeps each projection's output (q, k, v; o and down before their tp reduction, whole
+    sequence; gate, up; a MoE layer's router logits and each routed and shared expert's three), `attention` its
+    output and log-sum-exp; under cp > 1 attention is a context-parallel kernel, which no group keeps. Of these, v,
+    gate and up, the router logits and attention's output are what the plain layer saves as well."""
+    h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    kv = shape.num_key_value_heads * shape.head_dim
+    held = also_saved = 0.0
+    if "attention" in kept and cp == 1:
+        held, also_saved = (h + heads) / tp, (h + heads) / tp
+    if "matmul" in kept:
+        if moe:
+            m = shape.moe
+            width = m.top_k * 2 * m.intermediate_size + 2 * m.num_shared_experts * m.intermediate_size
+            mlp, mlp_saved = m.num_experts + width + m.top_k * h + (h if m.num_shared_experts else 0), m.num_experts + width
+        else:
+            mlp, mlp_saved = 2 * i / tp + h, 2 * i / tp
+        held += (h + 2 * kv) / tp + h + mlp
+        also_saved += kv / tp + mlp_saved
+    return held, also_saved
 
 
 def rank_attention(shape: LlamaShape, tp: int, cp: int, **micro_batch) -> RankAttention:
@@ -141,26 +172,40 @@ def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
         act_bytes=2 if cfg.model.dtype == "bfloat16" else 4, documents=cfg.model.attention_mask == "document"))
 
 
-def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
-    """What autograd holds for backward at most, on this pp rank (docs/memory.md)."""
-    recompute = cfg.parallelism.recompute_layer
+def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int],
+                     device_type: str = "cpu") -> float:
+    """What autograd holds for backward at most, on this pp rank (docs/memory.md): the in-flight layers' kept floats
+    (each layer as the stage's mean), one recomputed layer re-materialised whole during its backward (selective: but
+    what it kept), the loss head's. Offload (CUDA) keeps a layer that is not recomputed on the host but while its
+    backward runs, beside the one prefetched."""
+    policy = RecomputePolicy.from_config(cfg)
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     tokens = cfg.tokens.micro_batch_size * layout.local_tokens(cfg.tokens.sequence_length)
     floats = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, cp_mode=layout.cp_mode,
                   ep=layout.ep)
+    offloaded = policy.offload and device_type == "cuda"
     ids = [n for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in layers]
-    # Dense and MoE layers save different amounts: a layer in flight counts as the stage's mean layer.
-    per_layer = sum(layer_floats_per_token(shape, recompute=recompute, moe=shape.is_moe_layer(n), **floats)
-                    for n in ids) / len(ids)
-    # Recomputation re-materialises one full layer at a time during backward; the all-to-all of a MoE layer
-    # under ep holds its rows twice at once (sent and received), k per token.
+
+    def kept(n: int) -> float:   # dense and MoE layers keep different amounts
+        mode = policy.layer_mode(n)
+        if mode == "none" and offloaded:
+            return 0.0
+        return layer_floats_per_token(shape, recompute=mode, moe=shape.is_moe_layer(n), kept=policy.saved, **floats)
+
+    # the all-to-all of a MoE layer under ep holds its rows twice at once (sent and received), k per token
     def transient(n: int) -> float:
-        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=shape.is_moe_layer(n), **floats)
+        plain = layer_floats_per_token(shape, recompute="none", moe=shape.is_moe_layer(n), **floats)
+        if policy.recomputes(n):
+            held = plain - (kept_floats_per_token(shape, layout.tp, policy.saved, layout.cp, shape.is_moe_layer(n))[1]
+                            if policy.mode == "selective" else 0)
+        else:
+            held = 2 * plain if offloaded else 0.0
         if layout.ep == 1 or not shape.is_moe_layer(n):
-            return recomputed
-        return recomputed + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+            return held
+        return held + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
+    per_layer = sum(map(kept, ids)) / len(ids)
     return (act_bytes * tokens * (layers * per_layer + max(map(transient, ids)) + heads * head)
             + context_workspace(cfg, layout, shape))
 
@@ -260,7 +305,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
         stage >= 2 and batch_accumulation(cfg) == 1) else 0
     return {**model_state(stage, held, shard_size, edp, layout.sequence_parallel, state_bytes),
             "unlanded_gradients": unlanded,
-            "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
+            "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks, device_type),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}
 

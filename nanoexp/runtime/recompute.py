@@ -41,6 +41,28 @@ class RecomputePolicy:
         """Whether layer n (its global index) runs its forward again in backward."""
         return self.mode in ("full", "selective") or (self.mode == "every_k" and n % self.every == self.every - 1)
 
+    def describe(self, layers: int) -> str | None:
+        """The console's line for a model of `layers` layers (None: none without offload, the default)."""
+        offload = "; the layers not recomputed keep their activations in pinned host memory" if self.offload else ""
+        if self.mode == "none":
+            return f"activations: every layer keeps its own{offload}" if offload else None
+        if self.mode == "every_k":
+            chosen = [n for n in range(layers) if self.recomputes(n)]
+            return (f"activations: recomputed in backward for layers {', '.join(map(str, chosen))} (every "
+                    f"{self.every}), each keeping its input; the others keep their own{offload}")
+        kept = f" and the outputs of its {' and '.join(self.saved)} ops" if self.mode == "selective" else ""
+        return f"activations: recomputed in backward ({self.mode}): each layer keeps its input{kept}"
+
+    def layer_mode(self, n: int) -> str:
+        """What layer n does: none, full or selective (every_k's chosen layers are full, the others none)."""
+        if self.mode == "every_k":
+            return "full" if self.recomputes(n) else "none"
+        return self.mode
+
+    def keeps(self, group: str) -> bool:
+        """Whether a recomputed layer keeps the outputs of op group `group` (model/saved_ops.py)."""
+        return self.mode == "selective" and group in self.saved
+
     def context_fn(self):
         """checkpoint's context_fn: selective's caching of the kept ops; full's none (torch's default)."""
         if self.mode != "selective":
