@@ -63,29 +63,31 @@ class RecomputePolicy:
         """Whether a recomputed layer keeps the outputs of op group `group` (model/saved_ops.py)."""
         return self.mode == "selective" and group in self.saved
 
-    def context_fn(self):
-        """checkpoint's context_fn: selective's caching of the kept ops; full's none (torch's default)."""
+    def checkpoint(self):
+        """torch.utils.checkpoint as this policy runs it: non-reentrant, with selective's caching of the kept ops
+        (a partial, as model.compile's tracing of checkpoint takes it)."""
         if self.mode != "selective":
-            return torch.utils.checkpoint.noop_context_fn
-        return functools.partial(create_selective_checkpoint_contexts,
-                                 functools.partial(keep_ops, saved_ops(self.saved)))
+            return functools.partial(checkpoint, use_reentrant=False)
+        kept = saved_ops(self.saved)
 
+        def keep(ctx, op, *args, **kwargs) -> CheckpointPolicy:   # torch's selective policy: kept ops are stored
+            return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
-def keep_ops(kept: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """torch's selective policy: the output of a kept op is stored in forward; every other op runs again."""
-    return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+        def contexts():
+            return create_selective_checkpoint_contexts(keep)
+        return functools.partial(checkpoint, use_reentrant=False, context_fn=contexts)
 
 
 class Checkpointed:
     """A layer's forward run under activation checkpointing while autograd records (plain in evaluation)."""
 
-    def __init__(self, forward, context_fn):
-        self.forward, self.context_fn = forward, context_fn
+    def __init__(self, forward, checkpoint_fn):
+        self.forward, self.checkpoint = forward, checkpoint_fn
 
     def __call__(self, *inputs):
         if not torch.is_grad_enabled():
             return self.forward(*inputs)
-        return checkpoint(self.forward, *inputs, use_reentrant=False, context_fn=self.context_fn)
+        return self.checkpoint(self.forward, *inputs)
 
 
 class Offloaded:
@@ -106,7 +108,7 @@ def apply_recompute(model, policy: RecomputePolicy, device: torch.device) -> Non
     offload = ActivationOffload(device) if policy.offload else None
     for n, layer in model.model.layers.items():
         if policy.recomputes(int(n)):
-            layer.forward = Checkpointed(layer.forward, policy.context_fn())
+            layer.forward = Checkpointed(layer.forward, policy.checkpoint())
         elif offload is not None:
             layer.forward = Offloaded(layer.forward, offload, int(n))
 
