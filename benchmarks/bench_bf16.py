@@ -14,7 +14,6 @@ tests/test_bf16_parity.py holds a subset of layouts to 2e-3.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 
 from nanoexp.config import CONF_DIR, compose  # noqa: E402
+from nanoexp.observe.metrics import read_metrics  # noqa: E402
 
 
 def train_losses(overrides: list[str]) -> list[float]:
@@ -30,8 +30,7 @@ def train_losses(overrides: list[str]) -> list[float]:
     cfg = compose(overrides)
     with tempfile.TemporaryDirectory() as run_dir:
         run(cfg, run_dir)
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+        return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 
 from benchmarks.harness import compose, in_turns  # noqa: E402
+from nanoexp.observe.metrics import read_metrics  # noqa: E402
 
 SETTINGS = ["parallelism=dp2tp1pp1", "tokens.val_check_interval=0", "checkpoint.save_final_state=false",
             "logging.tensorboard=false", "tokens.sequence_length=128", "tokens.global_batch_size=8",
@@ -48,8 +49,7 @@ def run_case(model: str, zero: int, background: bool, args, extra: list[str]) ->
                             f"checkpoint.async_save={str(background).lower()}"] + extra
     try:
         run(compose(overrides), folder)
-        with open(os.path.join(folder, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
+        records = read_metrics(folder)
         with open(os.path.join(folder, "summary.json")) as f:
             summary = json.load(f)
     finally:

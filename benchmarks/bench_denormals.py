@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import in_turns, matmul_peak
+from nanoexp.observe.metrics import read_metrics
 from nanoexp.observe.peak import cpu_model
 
 CASES = {"flushed (default)": [], "not flushed": ["model.flush_denormals=false"]}
@@ -38,8 +39,7 @@ def run_case(model: str, steps: int, overrides: list[str], folder: str) -> dict:
     command = [sys.executable, os.path.join(ROOT, "train.py"), f"model={model}", f"tokens.train_steps={steps}",
                "logging.iteration_step_info_interval=1", f"hydra.run.dir={folder}", *overrides]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(folder)
     with open(os.path.join(folder, "summary.json")) as f:
         summary = json.load(f)
     steps_seen = {r["step"]: r for r in records if "loss" in r}

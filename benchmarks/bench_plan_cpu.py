@@ -33,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 from benchmarks.harness import compose
+from nanoexp.observe.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = "parallelism"
@@ -74,8 +75,7 @@ def measure(name: str, model: str, steps: int, batch: int, folder: str) -> dict:
     if code:
         with open(os.path.join(folder, "stderr.txt")) as f:
             raise RuntimeError(f"{name}: train.py exited {code}:\n{f.read()[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(run_dir)
     times = [r["step_time_sec"] for r in records if "step_time_sec" in r and r["step"] > 1]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)

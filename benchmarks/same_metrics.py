@@ -9,12 +9,13 @@ The earlier commit runs from a `git worktree` of it in a temporary folder (remov
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+
+from nanoexp.observe.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = "parallelism"
@@ -43,8 +44,7 @@ def run(tree: str, name: str, steps: int, out: str) -> list[dict]:
     done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{name} in {tree}: exit {done.returncode}\n{done.stderr[-2000:]}")
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in TIMING)} for line in f]
+    return [{k: v for k, v in record.items() if not any(t in k for t in TIMING)} for record in read_metrics(folder)]
 
 
 def main() -> None:

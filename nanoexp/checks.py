@@ -1,11 +1,13 @@
 """The start-up checks: the config normalised and validated, and what it names there to be read (the tokenizer,
-each stage's data, the eval tasks, a writable checkpoints folder), before any process group or training work.
-What train.py, the converters and offline evaluation run first (run.py, interop/hf_checkpoint.py,
-evaluation/offline.py)."""
+each stage's data, the eval tasks), and for a training run the memory it needs and a writable checkpoints folder,
+before any process group or training work. What train.py, the converters and offline evaluation run first (run.py,
+interop/hf_checkpoint.py, evaluation/offline.py)."""
 from __future__ import annotations
 
+import os
 import re
 
+import psutil
 import torch
 
 from nanoexp.checkpoint.manager import check_checkpoint_folder
@@ -14,14 +16,22 @@ from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
+from nanoexp.launch.planner import estimate as gpu_estimate
+from nanoexp.launch.workers import launcher_env, start_method
+from nanoexp.model.shape import model_shape
+from nanoexp.observe.memory_estimate import estimate, total
+from nanoexp.parallel.layout import Layout
 from nanoexp.runtime.recompute import offload_problem
 from nanoexp.validation import validate
+
+GIB = 2**30
 
 
 def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> None:
     """Every config check, before any process group or training work: normalise `cfg` in place (nanotron's
-    spellings), validate it, what the device must offer (a GPU to offload activations to), then check what it points to (tokenizer, data files, eval tasks, and with `run_dir`
-    the checkpoints folder: a writable folder with room for a checkpoint)."""
+    spellings), validate it, what the device must offer (a GPU to offload activations to), then check what it
+    points to (tokenizer, data files, eval tasks, and with `run_dir`, a training run's: the memory it needs, and the
+    checkpoints folder: writable, with room for a checkpoint)."""
     normalize(cfg)
     vocab = None
     try:
@@ -40,7 +50,37 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
             raise ConfigError(stage_error(stage, str(error))) from None
     check_eval_tasks(cfg)
     if run_dir is not None:
+        check_memory(cfg)
         check_checkpoint_folder(cfg, run_dir)
+
+
+def check_memory(cfg) -> None:
+    """Refuse a run whose memory estimate (nanoexp/observe/memory_estimate.py) exceeds what it has, before anything
+    is allocated: on GPUs the busiest rank's (with autocast's weight copies and the CUDA context, as the layout
+    planner counts it) against the smallest GPU's memory; on CPU, where a machine's ranks share it, those of this
+    machine's ranks against the host memory available now. The estimate counts tensors, not the runtime or the
+    allocator's slack (it lies below the measured peak: docs/memory.md), so a run it refuses cannot fit. Not checked:
+    general.check_memory=false, and GPUs of forked local workers (which cannot use CUDA once their parent has)."""
+    layout, env = Layout.from_config(cfg), launcher_env()
+    if not cfg.general.check_memory:
+        return
+    if torch.cuda.is_available():
+        if env is None and start_method(cfg.parallelism.start_method) == "fork":
+            return
+        gpu = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
+                  key=lambda device: device.total_memory)
+        need, have = sum(gpu_estimate(cfg).values()), gpu.total_memory
+        where = f"per GPU, above the {have / GIB:.1f} GiB of {gpu.name}"
+    else:
+        shape = model_shape(cfg)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"])) if env else layout.world_size
+        stages = [total(estimate(cfg, shape, stage, "cpu")) for stage in range(layout.pp)]
+        need, have = ranks * sum(stages) / layout.pp, psutil.virtual_memory().available
+        where = f"for its {ranks} rank(s) on this machine, above the {have / GIB:.1f} GiB of host memory available now"
+    if need > have:
+        raise ConfigError(f"general.check_memory: the memory estimate of this run is {need / GIB:.1f} GiB {where} "
+                          "(scripts/estimate_memory.py itemises it): use a smaller model or micro-batch, shard it "
+                          "(optimizer.zero_stage, parallelism.*), or set general.check_memory=false to start anyway")
 
 
 def check_eval_tasks(cfg) -> None:

@@ -20,6 +20,7 @@ class GeneralConfig:
     seed: int = 42
     project: str = "nanoexp"
     run: str = "default"
+    check_memory: bool = True   # refuse at start a run whose memory estimate exceeds the machine's (false: start it)
 
 
 @dataclass

@@ -28,7 +28,8 @@ from nanoexp.numerics.precision import denormals_flushed, set_tf32
 from nanoexp.instruments.flight_recorder import recorder_env
 from nanoexp.instruments.memory import return_freed_memory
 from nanoexp.parallel.layout import Layout
-from nanoexp.observe.peak import Peak, job_peak, node_peak, peak_dtype, slow_dtype_warning, sum_of_node_peaks
+from nanoexp.observe.peak import (Peak, job_peak, mfu_peak, node_peak, peak_dtype, slow_dtype_warning,
+                                  sum_of_node_peaks)
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
 from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
 from nanoexp.launch.sweep import place_job_checkpoints
@@ -112,15 +113,19 @@ def fill_wandb_identity(cfg, job: HydraJob) -> None:
 
 def node_cpu_peak(cfg) -> Peak | None:
     """This node's matmul peak (nanoexp/observe/peak.py), measured with all its cores before any worker starts, when MFU
-    on CPU needs it (no GPU, no logging.peak_tflops); a warning when model.dtype is far slower than float32."""
+    on CPU needs it (no GPU, no logging.peak_tflops); a warning when model.dtype is far slower than float32, and no
+    peak (its reason instead) for FP8 products that run in software."""
     if torch.cuda.is_available() or cfg.logging.peak_tflops:
         return None
-    threads = os.cpu_count() or 1
-    peak = node_peak(peak_dtype(cfg), threads)
-    warning = slow_dtype_warning(peak_dtype(cfg), threads, peak)
+    threads, dtype = os.cpu_count() or 1, peak_dtype(cfg)
+    peak = node_peak(dtype, threads)
+    if dtype == "float32":
+        return peak
+    float32 = node_peak("float32", threads)   # what another dtype's speed is told against
+    warning = slow_dtype_warning(dtype, peak, float32)
     if warning:
         log.warning("%s", warning)
-    return peak
+    return mfu_peak(dtype, peak, float32)
 
 
 def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:

@@ -9,20 +9,26 @@ else the built-in byte tokenizer. Training can also start from the HF folder dir
 """
 import argparse
 import os
+import sys
 
+from nanoexp.failures import run_tool
 from nanoexp.interop.hf_checkpoint import convert_from_hf
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hf_dir")
     parser.add_argument("out", help="checkpoints folder: the checkpoint is written to OUT/0")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. make_vocab_size_divisible_by)")
     args = parser.parse_args()
-    overrides = convert_from_hf(args.hf_dir, args.out, args.overrides)
-    print(f"wrote {os.path.join(args.out, '0')}; train from it with:\n  python train.py "
-          f"checkpoint.resume_checkpoint_path={os.path.join(args.out, '0')} " + " ".join(overrides))
+    overrides = []
+    code = run_tool("convert_from_hf.py",
+                    lambda: overrides.extend(convert_from_hf(args.hf_dir, args.out, args.overrides)))
+    if code == 0:
+        print(f"wrote {os.path.join(args.out, '0')}; train from it with:\n  python train.py "
+              f"checkpoint.resume_checkpoint_path={os.path.join(args.out, '0')} " + " ".join(overrides))
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

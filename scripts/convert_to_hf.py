@@ -14,18 +14,22 @@ as a Qwen3MoeForCausalLM: no shared experts; neither with balance=bias (otherwis
 The conversion is nanoexp/interop/hf_checkpoint.py's.
 """
 import argparse
+import sys
 
+from nanoexp.failures import run_tool
 from nanoexp.interop.hf_checkpoint import convert_to_hf
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint folder <checkpoints_path>/<step>")
-    parser.add_argument("out", help="the Hugging Face folder to write")
+    parser.add_argument("out", help="the Hugging Face folder to write (new or empty)")
     args = parser.parse_args()
-    convert_to_hf(args.checkpoint, args.out)
-    print(f"wrote {args.out}")
+    code = run_tool("convert_to_hf.py", lambda: convert_to_hf(args.checkpoint, args.out))
+    if code == 0:
+        print(f"wrote {args.out}")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

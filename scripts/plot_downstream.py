@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 
+from nanoexp.observe.metrics import read_metrics
+
 CHANCE = {"shakespeare_choice": 0.25}   # four choices
-
-
-def read_records(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def curves(records: list[dict]) -> dict[str, dict[str, list[tuple[int, float, float]]]]:
@@ -85,7 +81,7 @@ def main() -> None:
     parser.add_argument("--out", default="evaluation_curve.png")
     parser.add_argument("--title", help="the figure's title (default: the run folder's name)")
     args = parser.parse_args()
-    records = read_records(args.run_dir)
+    records = read_metrics(args.run_dir)
     tasks = curves(records)
     if not tasks:
         parser.error(f"{args.run_dir}/metrics.jsonl has no downstream scores (run with eval=shakespeare)")

@@ -18,11 +18,12 @@ layer's mean and largest imbalance over the last sixth of the run, and each run'
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
+
+from nanoexp.observe.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMBALANCE = "moe_load_imbalance/layer_"
@@ -33,14 +34,6 @@ BALANCES = {   # --balances: each run's overrides
     "bias": ["model.moe.balance=bias", "model.moe.aux_loss_coef=0"],
     "none": ["model.moe.balance=none", "model.moe.aux_loss_coef=0"],
 }
-
-
-def read_metrics(folder: str) -> list[dict]:
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def finished(records: list[dict], steps: int) -> bool:

@@ -13,16 +13,17 @@ import argparse
 import json
 import os
 
+from nanoexp.observe.metrics import read_metrics
+
 
 def read(run_dir: str) -> tuple[dict[int, float], dict[int, float], dict]:
     """(step -> training loss, step -> eval loss, summary) of a run folder."""
     train, evals = {}, {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for record in map(json.loads, filter(str.strip, f)):
-            if "loss" in record:
-                train[record["step"]] = record["loss"]
-            if "eval_loss" in record:
-                evals[record["step"]] = record["eval_loss"]
+    for record in read_metrics(run_dir):
+        if "loss" in record:
+            train[record["step"]] = record["loss"]
+        if "eval_loss" in record:
+            evals[record["step"]] = record["eval_loss"]
     summary_path = os.path.join(run_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     return train, evals, summary

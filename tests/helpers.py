@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import importlib
-import json
 import os
 
 import pytest
 
 from nanoexp.config import CONF_DIR, ConfigError, compose, register_configs  # noqa: F401 - CONF_DIR for the tests
+from nanoexp.observe.metrics import read_metrics  # noqa: F401 - the tests read metrics.jsonl as the package does
 
 register_configs()   # also for tests that compose from their own copy of conf/ with Hydra directly
 
@@ -28,11 +28,6 @@ def train(run_dir: str, overrides: list[str]) -> list[dict]:
     from nanoexp.run import run
     run(compose_config(overrides), str(run_dir))
     return read_metrics(run_dir)
-
-
-def read_metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def train_losses(records: list[dict]) -> list[float]:

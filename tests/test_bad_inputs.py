@@ -54,6 +54,8 @@ CASES = [
      "tokens.sequence_length / parallelism.cp = 12/2 is not divisible by parallelism.tp=4"),
     ("unknown tp mode", ["parallelism.tp_mode=ring"], {}, "parallelism.tp_mode=ring"),
     ("unknown optimizer", ["optimizer.optimizer_factory.name=sgd"], {}, "optimizer.optimizer_factory.name=sgd"),
+    ("muon coefficients that diverge", [A + "name=muon", A + "muon_ns_coefficients=[1e30,1e30,1e30]"], {},
+     A + "muon_ns_coefficients=[1e+30, 1e+30, 1e+30]: the Newton–Schulz iteration diverges"),
     ("unknown decay style", [T + "lr_decay_style=exp"], {}, "lr_decay_style=exp"),
     ("unknown warmup style", [T + "lr_warmup_style=cubic"], {}, "lr_warmup_style=cubic"),
     ("warm-up longer than training", ["tokens.train_steps=10", T + "lr_warmup_steps=20"], {}, "lr_warmup_steps=20"),
@@ -132,7 +134,7 @@ def test_at_least_25_cases():
 
 def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
     """The cases that need files: a missing or incompatible resume checkpoint, a dataset folder
-    without metadata, data smaller than one batch."""
+    without metadata or with a metadata.json that is not JSON, data smaller than one batch."""
     from tests.helpers import FAST, train
     from tests.test_nanoset import write_nanoset
 
@@ -140,6 +142,8 @@ def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
                                       "optimizer.learning_rate_scheduler.lr_warmup_steps=0"])
     checkpoint = tmp_path / "saved" / "checkpoints" / "1"
     (tmp_path / "no_metadata").mkdir()
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "metadata.json").write_text("garbage\n")
     small = write_nanoset(tmp_path / "small", ["to be or not to be"] * 12)
     capsys.readouterr()   # drop what the set-up run printed (stale handlers of earlier Hydra runs)
     cases = [
@@ -147,6 +151,8 @@ def test_file_dependent_inputs_are_rejected_before_work(tmp_path, capsys):
         (FAST + [f"checkpoint.resume_checkpoint_path={checkpoint}", M + "hidden_size=96"],
          "model.embed_tokens.weight"),
         (["data=nanoset", f"data.dataset_folder=[{tmp_path / 'no_metadata'}]"], "metadata.json"),
+        (["data=nanoset", f"data.dataset_folder=[{tmp_path / 'garbage'}]"],
+         f"{tmp_path / 'garbage' / 'metadata.json'}: not valid JSON"),
         (FAST + ["data=nanoset", f"data.dataset_folder=[{small}]", "data.validation_fraction=0.3"],
          "fewer than one global batch"),
     ]

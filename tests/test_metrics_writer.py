@@ -1,6 +1,7 @@
 """The metric writer with the real wandb package, offline (no network, no account): the W&B run gets
 the whole resolved config, a name, group and tags; a resumed run continues the same W&B run; W&B is
-off unless asked."""
+off unless asked. metrics.jsonl after a crash mid-write: the next record starts a line of its own, and the reader
+skips the lines that are not records, saying how many once."""
 import json
 import os
 import subprocess
@@ -9,9 +10,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from nanoexp.observe.metrics import MetricsWriter
+from nanoexp.observe.metrics import MetricsWriter, read_metrics
 from nanoexp.run import HydraJob, fill_wandb_identity
-from tests.helpers import compose_config
+from tests.helpers import FAST, compose_config, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WANDB_ENV = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
@@ -72,3 +73,34 @@ def test_train_py_with_wandb_offline(tmp_path):
     run_id = (tmp_path / "wandb_run_id.txt").read_text()
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def broken_file(run_dir) -> None:
+    """metrics.jsonl as a crash leaves it: a garbage line in the middle, the last record cut mid-write."""
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\nnot json\n{"step": 2, "loss": 2.')
+
+
+def test_a_record_after_a_partial_line_is_a_line_of_its_own_and_the_reader_skips_the_broken(tmp_path, caplog):
+    broken_file(tmp_path)
+    writer = MetricsWriter(str(tmp_path), compose_config(["logging.tensorboard=false"]))
+    writer.write({"step": 2, "loss": 2.25})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[-2:] == ['{"step": 2, "loss": 2.', '{"step": 2, "loss": 2.25}']
+    with caplog.at_level("WARNING", logger="nanoexp"):
+        assert read_metrics(str(tmp_path)) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}/metrics.jsonl: 2 unreadable lines skipped (not a JSON record: a crash mid-write leaves a "
+        "partial one)"]
+    assert read_metrics(str(tmp_path / "nothing")) == []
+
+
+@pytest.mark.slow
+def test_a_run_resumed_after_a_crash_mid_write_records_its_steps(tmp_path):
+    """The resumed step's record is read back, not glued to the partial line the crash left."""
+    run = FAST + ["tokens.val_check_interval=0", "checkpoint.checkpoint_interval=2"]
+    train(tmp_path, run + ["tokens.train_steps=2"])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.')   # step 3 cut mid-write by the crash
+    steps = [r["step"] for r in train(tmp_path, run + ["tokens.train_steps=4"]) if "loss" in r]
+    assert steps == [1, 2, 3, 4]

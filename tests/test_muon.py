@@ -367,9 +367,28 @@ def test_the_optimizer_bench_times_both_optimizers(tmp_path):
     ("optimizer.optimizer_factory.muon_ns_coefficients=[3.4,-4.7]",
      "optimizer.optimizer_factory.muon_ns_coefficients=[3.4, -4.7]: must be three numbers (a, b, c)"),
     ("parallelism.dp_shard=1", "parallelism.dp_shard=1: Muon gathers its matrices over all of dp x cp and has no "
-     "hybrid sharding; use AdamW or parallelism.dp_shard=null")])
+     "hybrid sharding; use AdamW or parallelism.dp_shard=null"),
+    ("optimizer.optimizer_factory.muon_ns_coefficients=[1e30,1e30,1e30]",
+     "optimizer.optimizer_factory.muon_ns_coefficients=[1e+30, 1e+30, 1e+30]: the Newton–Schulz iteration diverges "
+     "in 5 steps (muon_ns_steps) on a unit-norm matrix, its singular values pass 1000; torch's are "
+     "[3.4445, -4.775, 2.0315]")])
 def test_muons_own_settings_are_checked_by_its_registry_entry(override, message):
     """Muon's OPTIMIZERS entry says what of its settings cannot run (optim/muon.py problems), one line naming the
     key."""
     assert message in start_error(compose_config(FAST + MUON + [override]))
     assert muon.problems(compose_config(FAST + MUON)) == []
+
+
+@pytest.mark.parametrize("coefficients, steps, diverges", [
+    ((3.4445, -4.775, 2.0315), 5, False), ((3.4445, -4.775, 2.0315), 99, False),   # torch's, any number of steps
+    ((1.5, -0.5, 0.0), 5, False), ((1.875, -1.25, 0.375), 5, False),   # cubic and quintic Newton–Schulz
+    ((1e30, 1e30, 1e30), 5, True), ((100.0, 0.0, 0.0), 5, True),
+    ((8.2872, -23.5959, 17.3004), 5, True)])   # Polar Express's first step, repeated: it leaves [0, 1]
+def test_coefficients_whose_iteration_diverges_are_found(coefficients, steps, diverges):
+    """The check iterates the singular values' polynomial; the real orthogonalisation of a unit-norm matrix agrees:
+    bounded (every singular value below 2) where the check passes, past its bound or not finite where it fails."""
+    assert muon.diverges(coefficients, steps) == diverges
+    matrix = torch.linspace(-1, 1, 64 * 32).reshape(64, 32).sin()   # full rank, no random generator
+    update = muon.orthogonalise(matrix, coefficients, steps).float()
+    bounded = bool(update.isfinite().all()) and torch.linalg.svdvals(update).max() < 2
+    assert bounded == (not diverges)

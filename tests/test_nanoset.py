@@ -118,6 +118,16 @@ def test_bad_nanoset_files_are_named(two_folders, tmp_path):
     assert "web/metadata.json: made with tokenizer 'other' (vocab 200" in message
     meta_path.write_text(json.dumps(dict(meta, vocab_size=400)))
     assert "vocab_size 400 exceeds model.model_config.vocab_size=257" in start_error(nanoset_cfg([web]))
+    # A metadata.json of garbage, of another shape, without the keys, with a dtype a Nanoset never has: named.
+    for content, said in [("garbage\n\x00", "not valid JSON (Expecting value: line 1 column 1 (char 0)); re-run "
+                           "scripts/preprocess_data.py"),
+                          ("[1, 2]", "format None version None, this reader needs 'nanoset' version 1"),
+                          (json.dumps({k: meta[k] for k in ("format", "format_version", "tokenizer")}),
+                           "it lacks vocab_size, eod_id, dtype, num_tokens, num_documents"),
+                          (json.dumps(dict(meta, dtype="float32")), "dtype 'float32', a Nanoset's tokens are uint16 "
+                           "or uint32")]:
+        meta_path.write_text(content)
+        assert f"data: data.dataset_folder: {meta_path}: {said}" in start_error(nanoset_cfg([web]))
     meta_path.unlink()
     assert "web/metadata.json is missing" in start_error(nanoset_cfg([web]))
 

@@ -24,7 +24,8 @@ def python_sources():
 # written for torch's analyzer; nanoexp reads the JSON copies (nanoexp/instruments/flight_recorder.py).
 FLIGHT_RECORDER = ROOT / "nanoexp" / "instruments" / "flight_recorder.py"
 # torch.distributed.checkpoint's readers unpickle a DCP folder's .metadata (DCP's own format). nanoexp reads a DCP
-# folder in one function, for scripts/convert_from_dcp.py, from the folder a person names on its command line.
+# folder in one function, for scripts/convert_from_dcp.py, from the folder a person names on its command line, and
+# its .metadata through a restricted unpickler of that file (pickle imported there for that class only).
 DCP_READER, DCP_READER_FUNCTION = ROOT / "nanoexp" / "interop" / "dcp.py", "read_dcp"
 DCP_READS = ("dcp.load", "dcp.load_state_dict", "torch.distributed.checkpoint.load",
              "torch.distributed.checkpoint.load_state_dict")
@@ -65,7 +66,8 @@ def unpickling_calls(path: pathlib.Path, text: str | None = None) -> list[str]:
         else:
             modules = []
         for module in modules:
-            if module.split(".")[0] in UNPICKLERS and not (path == FLIGHT_RECORDER and module == "pickle"):
+            exempt_import = path in (FLIGHT_RECORDER, DCP_READER) and module == "pickle"
+            if module.split(".")[0] in UNPICKLERS and not exempt_import:
                 found.append(f"{where}: import {module}")
             if module.startswith(ANALYZER) or module in ("torch.load", "numpy.load", "torch.serialization.load",
                                                          "pandas.read_pickle"):
@@ -98,6 +100,18 @@ def test_no_unpickling_anywhere():
     assert "pickle.loads(_raw_trace(" in FLIGHT_RECORDER.read_text()   # the scan's one exception is still that
 
 
+def test_the_dcp_reader_uses_pickle_only_for_its_restricted_unpickler():
+    """In the DCP reader's file, pickle serves one class: a pickle.Unpickler whose find_class admits DCP's classes
+    (tests/test_dcp.py reads torch's folders through it and sees crafted ones refused), and the error it raises."""
+    tree = ast.parse(DCP_READER.read_text())
+    uses = {dotted(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and dotted(node).startswith("pickle.")}
+    assert uses == {"pickle.Unpickler", "pickle.UnpicklingError"}, uses
+    [unpickler] = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                   and any(dotted(base) == "pickle.Unpickler" for base in node.bases)]
+    assert "find_class" in {f.name for f in unpickler.body if isinstance(f, ast.FunctionDef)}
+
+
 def test_the_scan_finds_each_way_to_unpickle():
     """The scan above would fail on any of these coming back."""
     cases = ["torch.load(os.path.join(run_dir, 'x.pt'))", "torch.load(p, weights_only=False)",
@@ -116,7 +130,7 @@ def test_the_scan_finds_each_way_to_unpickle():
 
 def test_a_dcp_folder_is_read_only_where_a_person_names_it():
     """The DCP reader's callers: its own module's conversion, which only scripts/convert_from_dcp.py calls (with
-    the folder given on its command line, whose help says the .metadata is unpickled), and the checkpoint benchmark,
+    the folder given on its command line, whose help says how its .metadata is read), and the checkpoint benchmark,
     on the folder it wrote a moment before into a private temporary folder; no run ever reads one."""
     users = {name: set() for name in ("read_dcp", "full_state", "convert_from_dcp")}
     for path in python_sources():
@@ -127,7 +141,7 @@ def test_a_dcp_folder_is_read_only_where_a_person_names_it():
                 users[name].add(str(path.relative_to(ROOT)))
     assert users == {"read_dcp": {"nanoexp/interop/dcp.py", "benchmarks/bench_checkpoint.py"}, "full_state": {"nanoexp/interop/dcp.py"},
                      "convert_from_dcp": {"scripts/convert_from_dcp.py"}}, users
-    assert "unpickles its .metadata" in (ROOT / "scripts" / "convert_from_dcp.py").read_text()
+    assert "restricted unpickler" in (ROOT / "scripts" / "convert_from_dcp.py").read_text()
 
 
 def test_torchs_analyzer_runs_only_over_a_private_folder():

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from nanoexp.checkpoint.save import FORMAT_VERSION, CheckpointError, rank_file
+from nanoexp.config import ConfigError
 from nanoexp.model.llama import buffer_shapes, parameter_shapes
 from nanoexp.checkpoint.save import persistent_buffers
 from nanoexp.model.placement import expert_values, local_slice, stored_names
@@ -175,6 +176,18 @@ class CheckpointReader:
             recorded = f"{list(shape)}" if [a, b] == [0, numel] else f"[{b - a}] (elements {a}:{b} of {list(shape)})"
             raise CheckpointError(f"mismatched shard {os.path.join(self.folder, file)}: {what} has shape {stored}, "
                                   f"meta.json records {recorded}")
+
+
+def checked_input(folder: str) -> CheckpointReader:
+    """A checkpoint a tool was given (a converter's input), checked whole before any work: meta.json, and every
+    shard there with its size and the pieces meta.json indexes; a ConfigError naming the file otherwise (the CRC
+    is checked when a shard is read)."""
+    try:
+        reader = CheckpointReader(folder)
+        reader.check_files()
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    return reader
 
 
 def check_compatible(reader: CheckpointReader, shape, model_cfg=None, strict: bool = True) -> tuple[set, list]:

@@ -26,6 +26,7 @@ from .packed import TokenWindows
 FORMAT = "nanoset"
 FORMAT_VERSION = 1
 TOKENS_FILE, INDEX_FILE, METADATA_FILE = "tokens.bin", "documents.npy", "metadata.json"
+METADATA_KEYS = ("tokenizer", "vocab_size", "eod_id", "dtype", "num_tokens", "num_documents")   # what readers use
 
 
 class NanosetError(ValueError):
@@ -114,10 +115,19 @@ def open_nanoset(folder: Union[str, Path]) -> tuple[np.memmap, np.ndarray, dict[
     if not meta_path.is_file():
         raise NanosetError(f"{meta_path} is missing: {folder} is not a finished Nanoset "
                            "(make one with scripts/preprocess_data.py)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise NanosetError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('format_version')!r}, "
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise NanosetError(f"{meta_path}: not valid JSON ({error}); re-run scripts/preprocess_data.py") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        found = meta if isinstance(meta, dict) else {}
+        raise NanosetError(f"{meta_path}: format {found.get('format')!r} version {found.get('format_version')!r}, "
                            f"this reader needs {FORMAT!r} version {FORMAT_VERSION}")
+    missing = [key for key in METADATA_KEYS if key not in meta]
+    if missing:
+        raise NanosetError(f"{meta_path}: it lacks {', '.join(missing)}; re-run scripts/preprocess_data.py")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise NanosetError(f"{meta_path}: dtype {meta['dtype']!r}, a Nanoset's tokens are uint16 or uint32")
     dtype = np.dtype(meta["dtype"])
     if meta["vocab_size"] - 1 > np.iinfo(dtype).max:
         raise NanosetError(f"{meta_path}: dtype {dtype.name} cannot hold ids of a {meta['vocab_size']}-token "

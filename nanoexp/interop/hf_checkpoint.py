@@ -16,9 +16,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from nanoexp.checkpoint import CheckpointManager, Progress
-from nanoexp.checkpoint.load import CheckpointReader, check_compatible
-from nanoexp.config import compose
+from nanoexp.checkpoint.load import check_compatible, checked_input
+from nanoexp.config import ConfigError, compose
 from nanoexp.data.tokenizer import build_tokenizer
+from nanoexp.interop import check_output_folder
 from nanoexp.interop.hf import (MIXTRAL, QWEN3_MOE, bake_multipliers, hf_architecture, hf_config, hf_mismatch,
                                 hf_name, parameter_shapes, read_hf_config, write_tokenizer)
 from nanoexp.parallel.context import ParallelContext
@@ -29,16 +30,18 @@ from nanoexp.runtime.optim import build_optimizer
 
 
 def convert_to_hf(checkpoint: str, out: str) -> None:
-    """Write the checkpoint folder `checkpoint` (<checkpoints_path>/<step>) as the Hugging Face folder `out`."""
-    reader = CheckpointReader(checkpoint)
+    """Write the checkpoint folder `checkpoint` (<checkpoints_path>/<step>) as the Hugging Face folder `out` (new or
+    empty: nothing is overwritten)."""
+    check_output_folder(out, "the Hugging Face model")
+    reader = checked_input(checkpoint)
     cfg = OmegaConf.create(reader.meta["config"])
     shape = model_shape(cfg)
     if hf_mismatch(shape):
-        raise ValueError(f"{checkpoint} holds a model no Hugging Face architecture holds: {hf_mismatch(shape)}")
+        raise ConfigError(f"{checkpoint} holds a model no Hugging Face architecture holds: {hf_mismatch(shape)}")
     check_compatible(reader, shape)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
-    os.makedirs(out, exist_ok=True)
     tensors = {name: reader.full_tensor(name).contiguous() for name in parameter_shapes(shape)}
+    os.makedirs(out, exist_ok=True)
     tensors, shape = bake_multipliers(tensors, shape)
     architecture = hf_architecture(shape)
     tensors = {hf_name(name, architecture): tensor for name, tensor in tensors.items()}   # its names for MoE blocks
@@ -74,8 +77,18 @@ def model_overrides(hf_dir: str) -> list[str]:
 
 
 def convert_from_hf(hf_dir: str, out: str, overrides: list[str]) -> list[str]:
-    """Write the HF folder `hf_dir` as the checkpoint `out`/0; return the overrides to train from it with."""
-    overrides = model_overrides(hf_dir) + overrides
+    """Write the HF folder `hf_dir` as the checkpoint `out`/0 (`out` new or empty); return the overrides to train
+    from it with."""
+    check_output_folder(out, "the nanoexp checkpoint")
+    config = os.path.join(hf_dir, "config.json")
+    try:
+        overrides = model_overrides(hf_dir) + overrides
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{config}: not valid JSON ({error})") from None
+    except (OSError, ValueError) as error:   # no config.json, an architecture nanoexp's Llama lacks: named already
+        raise ConfigError(str(error)) from None
+    except KeyError as error:
+        raise ConfigError(f"{config} lacks {error}") from None
     cfg = compose(overrides + [f"model.init_method.path={os.path.abspath(hf_dir)}",
                                "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"])
     check_config(cfg, world_size=1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import json
 import math
 import os
 import re
@@ -28,6 +27,7 @@ import subprocess
 import yaml
 
 from nanoexp.parallel.layout import Layout
+from nanoexp.observe.metrics import read_metrics
 from nanoexp.observe.summary import machine_was_busy, read_json, read_summary
 
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
@@ -94,10 +94,7 @@ def job_row(sweep_dir: str, number: int, job_id: str | None) -> tuple[dict, list
         row["width"] = cfg["model"]["model_config"]["hidden_size"]   # for learning-rate transfer plots
         row["parametrization"] = cfg["model"].get("parametrization", "standard")
         row["optimizer"] = cfg["optimizer"].get("optimizer_factory", {}).get("name", "adamW")
-    records = []
-    if os.path.exists(os.path.join(folder, "metrics.jsonl")):
-        with open(os.path.join(folder, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    records = read_metrics(folder)
     summary = read_summary(folder) or {}
     for key in ("final_loss", "eval_loss", "tokens_per_sec", "mfu", "peak_memory_mb"):
         row[key] = summary.get(key)

@@ -79,10 +79,11 @@ def summary_line(summary: dict, summary_path: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
     mfu = summary.get("mfu")
+    mfu = "- (the peak is wrong)" if summary.get("peak_refuted") else "-" if mfu is None else f"{100 * mfu:.1f}%"
     return (f"{summary.get('status', '?')} | {summary.get('train_steps', 0)} steps | final loss "
             f"{number('final_loss', '.4f')} | eval loss {number('eval_loss', '.4f')} | "
             f"{duration(summary.get('wall_seconds') or 0)} | {number('tokens_per_sec', ',.0f')} tokens/s | "
-            f"MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {summary_path}")
+            f"MFU {mfu} | {summary_path}")
 
 
 def resume_command(overrides: list[str], run_dir: str) -> str:

@@ -1,16 +1,21 @@
-"""FLOP count (model and hardware FLOPs per token) and the metric writers (metrics.jsonl, TensorBoard, W&B).
-MFU divides the model FLOP/s by the peak of peak.py.
+"""FLOP count (model and hardware FLOPs per token), the metric writers (metrics.jsonl, TensorBoard, W&B) and the
+one reader of metrics.jsonl (`read_metrics`). MFU divides the model FLOP/s by the peak of peak.py.
 
-Only global rank 0 creates a MetricsWriter; the trainer hands it plain dicts.
+Only global rank 0 creates a MetricsWriter; the trainer hands it plain dicts. A crash mid-write leaves a partial last
+line: a writer appends from a fresh line, and the reader skips what is not a record, saying how many lines.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
 from nanoexp.model.llama import LlamaShape, layer_shapes
 from nanoexp.runtime.recompute import RecomputePolicy
+
+log = logging.getLogger("nanoexp")
+METRICS_FILE = "metrics.jsonl"
 
 
 def flops_per_token(shape: LlamaShape, seq_len: int) -> float:
@@ -82,7 +87,8 @@ class MetricsWriter:
     scalars to TensorBoard and W&B when enabled."""
 
     def __init__(self, run_dir: str, cfg):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        end_partial_line(self.path)
         self.tensorboard = self.wandb = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -107,3 +113,39 @@ class MetricsWriter:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def end_partial_line(path: str) -> None:
+    """End the file's last line if a crash cut it (no newline at the end), so that the next record appended is a
+    line of its own instead of glued to the partial one."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of the run folder's metrics.jsonl, in order ([] without one). A line that is not a record (a JSON
+    object with a step) is skipped: a partial line left by a crash mid-write, garbage; how many, said in one
+    warning. A resumed run repeats the steps after its checkpoint: the later record of a step is the one that
+    counts."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return []
+    records, unreadable = [], 0
+    with open(path, errors="replace") as f:
+        for line in filter(str.strip, f):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+            else:
+                unreadable += 1
+    if unreadable:
+        log.warning("%s: %d unreadable line%s skipped (not a JSON record: a crash mid-write leaves a partial one)",
+                    path, unreadable, "" if unreadable == 1 else "s")
+    return records

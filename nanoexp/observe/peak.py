@@ -13,8 +13,11 @@ an idle one too (1024² matrices gave 84.5 GFLOP/s where 2048² gave 131 on a 2-
 - each machine keeps the best figure it ever measured, per (host, CPU model, threads, dtype), in
   `$XDG_CACHE_HOME/nanoexp/peaks.json` (~/.cache by default), refreshed when a new measurement beats it; the peak
   is the better of the cached and the new figure, and its source says which;
-- a machine measures once a day: a run that finds a figure measured today takes it without measuring (the
-  second run of a day, every run of a sweep or a test session after the first, starts a second sooner).
+- each start measures again until today's figure is stable, its two best measurements of the day within STABLE of
+  each other (or DAILY_MEASUREMENTS made: a machine always busy settles no better); from then on that day's
+  starts take the best without measuring (a second sooner). A first start on a busy machine reads low, and the
+  next idle start replaces it: a busy minute does not spoil the day's MFU.
+FP8 on a CPU runs in software, far slower than float32: its peak gives no MFU (`mfu_peak` says why instead).
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ PEAK_TFLOPS = [
     ("A100", "bfloat16", 312.0), ("A100", "tfloat32", 156.0), ("A100", "float32", 19.5),
 ]
 SLOW_DTYPE = 0.25   # a dtype whose CPU peak is below this share of float32's is worth a warning
+STABLE = 0.05       # a day's two best measurements this close: its figure is stable, and not measured again
+DAILY_MEASUREMENTS = 4   # nor after this many in a day
 
 
 @dataclass
@@ -71,8 +76,8 @@ def job_peak(device: torch.device, dtype: str, override: float | None, world_siz
 def sum_of_node_peaks(peaks: list[Peak | None]) -> Peak | None:
     """The job's CPU peak from each node's (None for ranks that did not measure): their sum."""
     measured = [peak for peak in peaks if peak is not None and peak.tflops]
-    if not measured:
-        return None
+    if not measured:   # none, or a peak withheld with its reason (mfu_peak)
+        return next((peak for peak in peaks if peak is not None), None)
     if len(measured) == 1:
         return Peak(measured[0].tflops, f"{measured[0].source}, x 1 node(s)")
     return Peak(sum(peak.tflops for peak in measured),
@@ -207,20 +212,20 @@ def _measure_and_send(send, dtype: str, threads: int) -> None:
 
 def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
     """The node's CPU peak: the best this machine ever measured for the same CPU, threads and dtype (cached, see the
-    module docstring), as it is when it was measured today; else measured now (in a child process), whichever of
-    the two is higher."""
+    module docstring), measured again now (in a child process) unless today's figure is stable already."""
     path = cache_path or default_cache_path()
     key = f"{platform.node()} | {cpu_model()} | {threads} threads | {dtype}"
-    cache = read_cache(path)
+    cache, today = read_cache(path), datetime.date.today().isoformat()
     best = cache.get(key)
-    if best is not None and best.get("measured") == datetime.date.today().isoformat():
+    figures = best.get("figures", []) if best is not None and best.get("measured") == today else []
+    if best is not None and is_stable(figures):
         return Peak(best["tflops"], f"this machine's best {dtype} measurement on {threads} threads ({best['date']}, "
-                    f"kept in {path}; measured again once a day)")
+                    f"kept in {path}; today's figure is stable, not measured again today)")
     now = measure_apart(dtype, threads)
-    today = datetime.date.today().isoformat()
     if best is None or now.tflops > best["tflops"]:
         best = {"tflops": now.tflops, "date": today}
-    cache[key] = {**best, "measured": today}   # "date": when the best was measured; "measured": the last time
+    cache[key] = {"tflops": best["tflops"], "date": best["date"], "measured": today,
+                  "figures": sorted(figures + [now.tflops], reverse=True)}   # today's, best first
     write_cache(path, cache)
     if math.isclose(best["tflops"], now.tflops):
         return Peak(now.tflops, f"{now.source} (this machine's best so far, kept in {path})")
@@ -228,12 +233,26 @@ def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
                 f"kept in {path}); now {now.tflops:.3g} TFLOP/s ({now.source.removeprefix('measured: ')})")
 
 
-def slow_dtype_warning(dtype: str, threads: int, peak: Peak) -> str | None:
-    """A warning when `dtype`'s CPU peak is far below float32's on this machine (no native bf16), else None."""
-    if dtype == "float32" or not peak.tflops:
-        return None
-    float32 = node_peak("float32", threads)
-    if peak.tflops >= SLOW_DTYPE * float32.tflops:
+def is_stable(figures: list[float]) -> bool:
+    """Whether a day's measurements (best first) settle its figure: the two best within STABLE of each other, or
+    DAILY_MEASUREMENTS of them."""
+    return len(figures) >= DAILY_MEASUREMENTS or (len(figures) >= 2 and figures[1] >= (1 - STABLE) * figures[0])
+
+
+def mfu_peak(dtype: str, peak: Peak, float32: Peak) -> Peak:
+    """The CPU peak MFU divides by: `peak`, except for FP8 products slower than SLOW_DTYPE of `float32`'s (a CPU has
+    no FP8 units: torch._scaled_mm runs in software there), against which an MFU means nothing; that peak is
+    withheld (tflops None) and its source says why."""
+    if dtype != "float8" or not peak.tflops or peak.tflops >= SLOW_DTYPE * float32.tflops:
+        return peak
+    return Peak(None, f"none: this CPU's float8 matmuls run in software at {peak.tflops * 1e3:.3g} GFLOP/s, "
+                f"{float32.tflops / peak.tflops:.0f}x slower than float32's, so no MFU is reported (it would measure "
+                "against no FP8 units); model.fp8.emulate=null computes in float32 and reports it")
+
+
+def slow_dtype_warning(dtype: str, peak: Peak, float32: Peak) -> str | None:
+    """A warning when `dtype`'s CPU peak is far below `float32`'s on this machine (no native bf16), else None."""
+    if dtype == "float32" or not peak.tflops or peak.tflops >= SLOW_DTYPE * float32.tflops:
         return None
     key, fix = ("model.fp8.emulate=false", "model.fp8.emulate=null") if dtype == "float8" else \
         (f"model.dtype={dtype}", "model.dtype=float32")

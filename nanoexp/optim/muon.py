@@ -54,10 +54,30 @@ def problems(cfg) -> list[str]:
         f"{key}muon_adjust_lr_fn={f.muon_adjust_lr_fn}: allowed values are {', '.join(ADJUST_LR_FNS)}"]
     if len(f.muon_ns_coefficients) != 3:
         out.append(f"{key}muon_ns_coefficients={list(f.muon_ns_coefficients)}: must be three numbers (a, b, c)")
+    elif diverges(tuple(f.muon_ns_coefficients), f.muon_ns_steps):
+        out.append(f"{key}muon_ns_coefficients={list(f.muon_ns_coefficients)}: the Newton–Schulz iteration "
+                   f"diverges in {f.muon_ns_steps} steps (muon_ns_steps) on a unit-norm matrix, its singular values "
+                   f"pass {DIVERGED:g}; torch's are {list(NS_COEFFICIENTS)}")
     if cfg.parallelism.dp_shard is not None:
         out.append(f"parallelism.dp_shard={cfg.parallelism.dp_shard}: Muon gathers its matrices over all of dp x cp "
                    "and has no hybrid sharding; use AdamW or parallelism.dp_shard=null")
     return out
+
+
+DIVERGED = 1e3   # a singular value this far past 1 (where the iteration drives them) has diverged
+
+
+def diverges(coefficients: tuple[float, float, float], steps: int) -> bool:
+    """Whether `orthogonalise` blows up: it acts on each singular value s of the unit-norm matrix (0 < s <= 1)
+    alone, s <- a·s + b·s³ + c·s⁵, so that polynomial iterated from every s in (0, 1] (float64, a fine grid)
+    passes DIVERGED or stops being finite. Working coefficients stay below 2 (torch's: 1.21 at most)."""
+    a, b, c = coefficients
+    s = torch.linspace(0, 1, 4097, dtype=torch.float64)
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+        if not bool((s.abs() <= DIVERGED).all()):   # NaN compares false: diverged too
+            return True
+    return False
 
 
 def hidden_lr_scale(cfg, width_multiplier: float) -> float:

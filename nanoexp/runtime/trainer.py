@@ -316,16 +316,17 @@ class Trainer:
                 "hardware_tflops_per_sec": self.hardware_flops_per_step / step_time / 1e12, "mfu": self.mfu(tflops)}
 
     def mfu(self, tflops: float) -> float | None:
-        """Model FLOP/s over the peak; None without a peak, or when above 1: the machine cannot beat its peak,
-        so the peak is wrong (said once in the log)."""
-        if not self.peak.tflops:
+        """Model FLOP/s over the peak; None without a peak, and from the first rate above it on: the machine cannot
+        beat its peak, so the peak is wrong (said once in the log), and no MFU of this run is reported after it,
+        the summary's included (summary.json says `peak_refuted`)."""
+        if not self.peak.tflops or self.peak_refuted:
             return None
         if tflops <= self.peak.tflops:
             return tflops / self.peak.tflops
-        if self.is_writer and not self.peak_refuted:
+        if self.is_writer:
             log.warning("the model runs at %.3g TFLOP/s, above the peak of %.3g TFLOP/s (%s): that peak is wrong "
-                        "(measured on a busy machine?), so MFU is not reported; set logging.peak_tflops",
-                        tflops, self.peak.tflops, self.peak.source)
+                        "(measured on a busy machine?), so this run reports no MFU from here on, its summary "
+                        "included; set logging.peak_tflops", tflops, self.peak.tflops, self.peak.source)
         self.peak_refuted = True
         return None
 
@@ -398,10 +399,10 @@ class Trainer:
         timed = self.step_times[2:] or self.step_times
         record, seconds = self.last_record, sum(timed) / len(timed) if timed else None
         summary.update(self.downstream_scores)
+        mfu = self.mfu(self.flops_per_step / seconds / 1e12) if seconds else None   # of the mean below
         summary.update(final_loss=record.get("loss"), eval_loss=self.eval_loss, train_steps=record.get("step", 0),
                        tokens_per_sec=self.tokens_per_step / seconds if seconds else None,   # after the first two
-                       consumed_tokens=self.progress.consumed_tokens,
-                       mfu=self.mfu(self.flops_per_step / seconds / 1e12) if seconds else None,   # of that mean
+                       consumed_tokens=self.progress.consumed_tokens, mfu=mfu, peak_refuted=self.peak_refuted,
                        peak_tflops=self.peak.tflops, peak_source=self.peak.source, wall_seconds=self.clock.elapsed())
         summary.setdefault("peak_memory_mb", peak_memory_mb(self.ctx.device))   # this rank's, after a failure
         if self.batches.named:
