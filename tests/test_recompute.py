@@ -217,3 +217,17 @@ def test_nanotrons_recompute_layer_imports_as_full():
         map_parallelism(imp)
         assert {k: v for k, v in imp.out["parallelism"].items() if k.startswith("recompute")} == expected
         assert "parallelism.recompute_layer" in imp.taken
+
+
+@pytest.mark.parametrize("mode", ["every_k", "selective-matmul"])
+def test_hardware_flops_count_what_each_mode_reruns(mode, monkeypatch):
+    """FlopCounterMode's count of a forward and backward (test_flops's math attention, whose products it sees)
+    against hardware_flops_per_token: every_k reruns half the layers (all products but down, and attention);
+    selective keeping the matmuls reruns only attention, here products of the math kernel, not an SDPA op."""
+    from tests.test_flops import counted_flops
+    from nanoexp.observe.metrics import hardware_flops_per_token
+    overrides = {"every_k": MODES["every_k"],
+                 "selective-matmul": ["parallelism.recompute=selective", "parallelism.selective_ops=[matmul]"]}[mode]
+    counted, shape, tokens = counted_flops(overrides, monkeypatch)
+    policy = RecomputePolicy.from_config(compose_config(FAST + overrides))
+    assert counted == pytest.approx(hardware_flops_per_token(shape, 32, policy) * tokens, rel=1e-9)
