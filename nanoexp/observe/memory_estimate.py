@@ -175,9 +175,9 @@ def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
 def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int],
                      device_type: str = "cpu") -> float:
     """What autograd holds for backward at most, on this pp rank (docs/memory.md): the in-flight layers' kept floats
-    (each layer as the stage's mean), one recomputed layer re-materialised whole during its backward (selective: but
-    what it kept), the loss head's. Offload (CUDA) keeps a layer that is not recomputed on the host but while its
-    backward runs, beside the one prefetched."""
+    (each layer as the stage's mean), what one layer's backward adds while the later layers of its chunk are freed
+    (`backward_floats_per_token`), and the loss head's. Offload (CUDA) keeps a layer that is not recomputed on the
+    host but while its backward runs, beside the one prefetched."""
     policy = RecomputePolicy.from_config(cfg)
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -185,29 +185,43 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
     floats = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, cp_mode=layout.cp_mode,
                   ep=layout.ep)
     offloaded = policy.offload and device_type == "cuda"
-    ids = [n for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in layers]
+    stage = layout.stage_layers(shape.num_hidden_layers, pp_rank)
 
     def kept(n: int) -> float:   # dense and MoE layers keep different amounts
-        mode = policy.layer_mode(n)
-        if mode == "none" and offloaded:
+        if offloaded and not policy.recomputes(n):
             return 0.0
-        return layer_floats_per_token(shape, recompute=mode, moe=shape.is_moe_layer(n), kept=policy.saved, **floats)
+        return layer_floats_per_token(shape, recompute=policy.layer_mode(n), moe=shape.is_moe_layer(n),
+                                      kept=policy.saved, **floats)
 
-    # the all-to-all of a MoE layer under ep holds its rows twice at once (sent and received), k per token
-    def transient(n: int) -> float:
-        plain = layer_floats_per_token(shape, recompute="none", moe=shape.is_moe_layer(n), **floats)
-        if policy.recomputes(n):
-            held = plain - (kept_floats_per_token(shape, layout.tp, policy.saved, layout.cp, shape.is_moe_layer(n))[1]
-                            if policy.mode == "selective" else 0)
-        else:
-            held = 2 * plain if offloaded else 0.0
-        if layout.ep == 1 or not shape.is_moe_layer(n):
-            return held
-        return held + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
-    head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
+    ids = [n for chunk in stage for n in chunk]
     per_layer = sum(map(kept, ids)) / len(ids)
-    return (act_bytes * tokens * (layers * per_layer + max(map(transient, ids)) + heads * head)
+    backward = max(backward_floats_per_token(shape, layout, policy, n, offloaded) - sum(map(kept, chunk[i + 1:]))
+                   for chunk in stage for i, n in enumerate(chunk))
+    head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
+    return (act_bytes * tokens * (layers * per_layer + max(backward, 0.0) + heads * head)
             + context_workspace(cfg, layout, shape))
+
+
+def backward_floats_per_token(shape: LlamaShape, layout: Layout, policy: RecomputePolicy, n: int,
+                              offloaded: bool = False) -> float:
+    """Floats per token layer n's backward adds to what the layers keep: its gradients of the MLP's intermediate
+    (the down projection's input gradient and one more, 2i/tp; measured with LiveTensorPeak), a recomputed layer
+    re-materialised whole (selective: but the kept outputs its plain backward saves too), an offloaded layer and
+    the one prefetched, and under ep a MoE layer's all-to-all rows (sent and received, k per token)."""
+    sp, moe = layout.sequence_parallel, shape.is_moe_layer(n)
+    floats = dict(tp=layout.tp, sequence_parallel=sp, cp=layout.cp, cp_mode=layout.cp_mode, ep=layout.ep)
+    plain = layer_floats_per_token(shape, recompute="none", moe=moe, **floats)
+    width = shape.moe.intermediate_size * (shape.moe.top_k + shape.moe.num_shared_experts) if moe else \
+        shape.intermediate_size / layout.tp
+    held = 2 * width
+    if policy.recomputes(n):
+        also = kept_floats_per_token(shape, layout.tp, policy.saved, layout.cp, moe)[1] if policy.mode == "selective" else 0
+        held += plain - also
+    elif offloaded:
+        held += 2 * plain
+    if layout.ep > 1 and moe:
+        held += 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if sp else 1)
+    return held
 
 
 def zero_stage(cfg, layout: Layout) -> int:
