@@ -231,3 +231,11 @@ def test_hardware_flops_count_what_each_mode_reruns(mode, monkeypatch):
     counted, shape, tokens = counted_flops(overrides, monkeypatch)
     policy = RecomputePolicy.from_config(compose_config(FAST + overrides))
     assert counted == pytest.approx(hardware_flops_per_token(shape, 32, policy) * tokens, rel=1e-9)
+
+
+def test_the_start_up_line_says_what_each_layer_keeps():
+    assert RecomputePolicy().describe(6) is None   # the default says nothing
+    assert RecomputePolicy("every_k", every=3).describe(6).startswith(
+        "activations: recomputed in backward for layers 2, 5 (every 3), each keeping its input")
+    assert "the outputs of its attention ops" in RecomputePolicy("selective", saved=("attention",)).describe(6)
+    assert "pinned host memory" in RecomputePolicy("none", offload=True).describe(6)
