@@ -9,7 +9,8 @@ only). Each runs in fresh workers (nanoexp.launch.workers.spawn_local), one Trai
 and backward under LiveTensorPeak (nanoexp/instruments/memory.py: the tensors the step creates, counted from the
 tensors, the same on any CPU; parameters and gradient buffers exist before), against the estimate's activations
 for the rank's pipeline stage (nanoexp/observe/memory_estimate.py); then `--warmup` and `--steps` whole training
-steps, timed on rank 0 (the median). Memory is exact and repeatable; times depend on the machine and its load.
+steps, timed on rank 0 (the median wall time, and the CPU time of rank 0's threads, which a loaded machine moves
+less). Memory is exact and repeatable; times depend on the machine and its load.
 """
 from __future__ import annotations
 
@@ -51,15 +52,16 @@ def worker(rank, world_size, device, cfg, args, results) -> None:
                 trainer.forward_backward([trainer.runner.prepare(mb) for mb in steps[0]])
             trainer.sync_gradients()
             trainer.grad_sync.zero_grad()
-            times = []
+            times, cpu_times = [], []
             for i, micro_batches in enumerate(steps[1:], start=1):
                 dist.barrier()   # every rank starts the step together: rank 0's time is the step's
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 trainer.train_step(micro_batches, lr_at(i, cfg))
                 times.append(time.perf_counter() - start)
+                cpu_times.append(time.process_time() - cpu_start)   # its threads' CPU time: less moved by load
             pp_rank = trainer.ctx.layout.position(rank)[0]
             results.put((rank, {"measured": live.peak, "estimated": estimate(cfg, model_shape(cfg), pp_rank)[
-                "activations"], "times": times[args.warmup:]}))
+                "activations"], "times": times[args.warmup:], "cpu_times": cpu_times[args.warmup:]}))
     finally:   # the launcher ends workers with os._exit: let the queue's data through first
         results.close()
         results.join_thread()
@@ -87,22 +89,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'model':<7}{'layout':<11}{'mode':<21}{'rank':>4}{'measured MB':>12}{'estimated MB':>13}{'est/meas':>9}"
-          f"{'step s':>8}{'vs none':>8}")
+          f"{'step s':>8}{'vs none':>8}{'CPU s':>8}{'vs none':>8}")
     for model in args.models:
         for layout in args.layouts:
-            base = None
+            base = cpu_base = None
             for mode in args.modes:
                 try:
                     ranks = run_case(model, layout, mode, args)
                 except WorkerFailed as error:
                     print(f"{model:<7}{layout:<11}{mode:<21} failed: {error}")
                     continue
-                step = statistics.median(ranks[0]["times"])
-                base = step if mode == "none" else base
+                step, cpu = statistics.median(ranks[0]["times"]), statistics.median(ranks[0]["cpu_times"])
+                base, cpu_base = (step, cpu) if mode == "none" else (base, cpu_base)
                 for rank, r in enumerate(ranks):
                     print(f"{model:<7}{layout:<11}{mode:<21}{rank:>4}{r['measured'] / MB:>12.1f}"
                           f"{r['estimated'] / MB:>13.1f}{r['estimated'] / r['measured']:>9.3f}{step:>8.3f}"
-                          f"{(step / base if base else float('nan')):>8.2f}", flush=True)
+                          f"{(step / base if base else float('nan')):>8.2f}{cpu:>8.2f}"
+                          f"{(cpu / cpu_base if cpu_base else float('nan')):>8.2f}", flush=True)
 
 
 if __name__ == "__main__":
