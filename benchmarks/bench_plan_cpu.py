@@ -173,7 +173,7 @@ def table(rows, title) -> None:
 
 
 def rows_of(names, measured, hw, model, steps, batch, idle):
-    from nanoexp.launch.planner import GIB
+    from nanoexp.plan.memory import GIB
     from nanoexp.instruments.memory import MB
     rows = []
     for n in names:
@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="measure again into the --json file's runs, keeping "
                         "each layout's run with the shorter load-free step (a second pass in another order)")
     args = parser.parse_args()
-    from nanoexp.launch.planner import GIB
+    from nanoexp.plan.memory import GIB
     from nanoexp.instruments.memory import MB
     from nanoexp.plan.hardware import calibrate_cpu
     names = args.only.split(",") if args.only else list(LAYOUTS)

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file: the repository root
 
-from nanoexp.plan import cost
+from nanoexp.plan import comm, cost
 from nanoexp.plan.published import ROWS, check, fit_constants, layout_rank, share_within
 
 FIT_GRID = {"GEMM_EFFICIENCY": [round(0.40 + 0.02 * i, 2) for i in range(31)],
@@ -35,9 +35,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.fit:
         print("fitted:", fit_constants([r for r in ROWS if r.fit], FIT_GRID))
-    print(f"constants: GEMM_EFFICIENCY {cost.GEMM_EFFICIENCY}, OVERLAP {cost.OVERLAP}, ATTENTION_EFFICIENCY "
+    print(f"constants: GEMM_EFFICIENCY {cost.GEMM_EFFICIENCY}, OVERLAP {comm.OVERLAP}, ATTENTION_EFFICIENCY "
           f"{cost.ATTENTION_EFFICIENCY} (fitted); GEMM_KNEE {cost.GEMM_KNEE}, FUSED_ATTENTION {cost.FUSED_ATTENTION}, "
-          f"LINK_EFFICIENCY {cost.LINK_EFFICIENCY} (stated)")
+          f"LINK_EFFICIENCY {comm.LINK_EFFICIENCY} (stated)")
     print(f"| row | source | published | predicted | error | set | rank | nanoexp |\n|{'---|' * 8}")
     results = []
     for row in ROWS:

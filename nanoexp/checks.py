@@ -16,10 +16,9 @@ from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
-from nanoexp.launch.planner import estimate as gpu_estimate
 from nanoexp.launch.workers import launcher_env, start_method
 from nanoexp.model.shape import model_shape
-from nanoexp.observe.memory_estimate import estimate, total
+from nanoexp.observe.memory_estimate import device_estimate, estimate, total
 from nanoexp.parallel.layout import Layout
 from nanoexp.runtime.recompute import offload_problem
 from nanoexp.validation import validate
@@ -69,7 +68,7 @@ def check_memory(cfg) -> None:
             return
         gpu = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
                   key=lambda device: device.total_memory)
-        need, have = sum(gpu_estimate(cfg).values()), gpu.total_memory
+        need, have = sum(device_estimate(cfg).values()), gpu.total_memory
         where = f"per GPU, above the {have / GIB:.1f} GiB of {gpu.name}"
     else:
         shape = model_shape(cfg)

@@ -29,10 +29,12 @@ LR_SCHEDULER, ADAM = "optimizer.learning_rate_scheduler.", "optimizer.optimizer_
 
 
 def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None,
-             unread_keys: bool = True) -> None:
+             unread_keys: bool = True, each_key: bool = True) -> None:
     """Check every rule; raise one ConfigError listing each problem with its fix (one line for one problem).
-    `unread_keys=False` lets keys without effect pass (the planner tries layouts under which some have none)."""
-    rules = schema_rules(cfg)
+    `unread_keys=False` lets keys without effect pass (the planner tries layouts under which some have none);
+    `each_key=False` skips the checks of each key on its own, for a plain copy (not a DictConfig) of a config
+    whose keys were checked and of which only values in their domains changed (the planner's layouts)."""
+    rules = schema_rules(cfg) if each_key else []
     if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
                  + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)

@@ -25,7 +25,7 @@ Promises:
   conf/experiment/<--experiment, default <model>_<gpus>gpu>.yaml, or to --out, and prints the command
   that runs it. A model whose vocabulary is not the built-in byte tokenizer's needs --tokenizer.
 
-The planner is nanoexp/launch/planner.py; its estimate (bytes per GPU) is nanoexp/observe/memory_estimate.py's for
+The chooser is nanoexp/plan/chooser.py; its estimate (bytes per GPU, nanoexp/plan/memory.py) is nanoexp/observe/memory_estimate.py's for
 the busiest pipeline stage (parameters, gradients, AdamW state, activations of the micro-batches the engine holds,
 counted from what autograd saves; see scripts/estimate_memory.py; ZeRO-2/3's gathered units and gradients in flight
 included), plus what a GPU adds: under bf16 autocast the bf16 copies of the weights it keeps during a step (2 B per
@@ -43,7 +43,7 @@ import sys
 from omegaconf import OmegaConf
 
 from nanoexp.config import CONF_DIR, ConfigError, compose, normalize, num_kv_heads, padded_vocab_size
-from nanoexp.launch.planner import HEADROOM, choose, explain
+from nanoexp.plan.chooser import HEADROOM, choose, explain
 from nanoexp.optim.lr_table import lr_table
 from nanoexp.validation import validate
 

@@ -4,11 +4,14 @@
         --global-batch-tokens 1048576 --top 5 [--json]
     python scripts/plan.py --hf-config path/to/config.json --gpus 16 --gpu h200      # a Hugging Face model's shape
 
-Positional arguments are Hydra overrides, composed as train.py composes them. For each of the --top fastest
-layouts that fit: memory per GPU, MFU, and where the step's time goes (compute, exposed communication, the
-pipeline bubble, the optimizer update); then one line per reason the other candidates are out. --json prints a
-list of objects (dp, cp, ep, tp, pp, zero_stage, schedule, micro_batch, recompute, tokens_per_s_per_gpu, mfu,
-memory_gb, fits, ...). Bad input: one line naming the argument, exit status 2.
+Positional arguments are Hydra overrides, composed as train.py composes them (anywhere among the options). The
+header names the machine, the model and the framework the prediction assumes; then for each of the --top fastest
+layouts that fit: tokens/s per GPU and how far behind the first (~: within the model's error, a tie), MFU, memory
+per GPU in GiB and its margin to the fit limit, and where the step's time goes (compute, the slowest stage's
+surplus, exposed communication, the pipeline bubble, the optimizer update, the host); then one line per reason the
+other candidates are out. --json prints a list of objects (dp, cp, ep, tp, pp, zero_stage, schedule,
+micro_batch, recompute, tokens_per_s_per_gpu, mfu, memory_gib, margin_gib, fits, ...). Bad input, or a GPU count
+on which nothing runs: one line naming the argument, exit status 2. docs/planning.md says what the model is.
 """
 import os
 import sys

@@ -320,7 +320,7 @@ def llama3_8b():
 
 def stage_totals_gib(base, gpus: int) -> dict[int, float]:
     """make_config's total per ZeRO stage of the data-parallel-only layout of `gpus` GPUs, GiB."""
-    from nanoexp.launch import planner
+    from nanoexp.plan import chooser as planner
     cfg = planner.with_stage(base, 0)
     cfg.parallelism.dp = gpus
     option = planner.stages_of(cfg, gpus, float("inf"))
@@ -331,11 +331,11 @@ def stage_totals_gib(base, gpus: int) -> dict[int, float]:
 def test_make_config_takes_the_lowest_zero_stage_that_fits(llama3_8b, between, expected, capsys):
     """8 GPUs: whatever fits data-parallel only is chosen (no model parallelism), at the lowest stage that
     fits; the GPU's memory is put between two stages' totals."""
-    from nanoexp.launch import planner
+    from nanoexp.plan import chooser as planner
     totals = stage_totals_gib(llama3_8b, 8)
     assert totals[0] > totals[1] > totals[2] > totals[3]
     fits, too_big = (totals[stage] for stage in between)
-    memory_gb = (fits + too_big) / 2 / planner.HEADROOM
+    memory_gb = (fits + too_big) / 2 / planner.HEADROOM * planner.GIB / 1e9   # GiB totals, a GB datasheet figure
     chosen = planner.choose(llama3_8b, 8, 8, memory_gb)
     assert (planner.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", expected)
     assert chosen.cfg.optimizer.zero_stage == expected
@@ -345,7 +345,7 @@ def test_make_config_takes_the_lowest_zero_stage_that_fits(llama3_8b, between, e
 
 
 def test_make_config_takes_zero0_when_it_fits_or_nothing_can_be_sharded(llama3_8b, capsys):
-    from nanoexp.launch import planner
+    from nanoexp.plan import chooser as planner
     chosen = planner.choose(llama3_8b, 8, 8, 1000)   # everything fits: dp8 with no sharding at all
     assert (planner.layout(chosen.cfg), chosen.stage) == ("dp8tp1pp1", 0)
     one = planner.with_stage(llama3_8b, 3)
@@ -355,7 +355,7 @@ def test_make_config_takes_zero0_when_it_fits_or_nothing_can_be_sharded(llama3_8
 def test_dp_traffic_grows_with_the_zero_stage(llama3_8b):
     """Per step: ZeRO-0 and 1 the bytes of one all-reduce, ZeRO-2 a reduce-scatter per micro-batch and one
     all-gather, ZeRO-3 two all-gathers and a reduce-scatter per micro-batch."""
-    from nanoexp.launch import planner
+    from nanoexp.plan import chooser as planner
     cfg = planner.with_stage(llama3_8b, 0)
     cfg.parallelism.dp = 8
     one = 4 * held_parameters(model_shape(cfg), Layout.from_config(cfg), 0)[0] * 7 / 8

@@ -110,7 +110,7 @@ def test_plan_json_schema(capsys):
     rows = json.loads(out)
     assert code == 0 and 1 <= len(rows) <= 3
     keys = {"dp", "cp", "ep", "tp", "pp", "zero_stage", "schedule", "micro_batch", "recompute",
-            "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits"}
+            "tokens_per_s_per_gpu", "mfu", "memory_gib", "margin_gib", "fits"}
     for row in rows:
         assert keys <= set(row) and row["dp"] * row["cp"] * row["tp"] * row["pp"] == 4 and row["fits"]
         assert 0 < row["mfu"] < 1
@@ -118,10 +118,26 @@ def test_plan_json_schema(capsys):
 
 @pytest.mark.parametrize("argv, argument", [(["--gpus", "4", "--gpu", "tpu9"], "--gpu"),
                                             (["--gpus", "12", "--gpus-per-node", "8"], "--gpus"),
-                                            (["--gpus", "0"], "--gpus")])
+                                            (["--gpus", "0"], "--gpus"),
+                                            (["--gpus", "8", "--seq", "0"], "--seq"),   # zero is a value
+                                            (["--gpus", "8", "--seq", "-5"], "--seq"),
+                                            (["--gpus", "8", "--global-batch-tokens", "0"], "--global-batch-tokens"),
+                                            (["--gpus", "8", "--global-batch-tokens", "5"], "--global-batch-tokens"),
+                                            (["--gpus", "7", "--gpus-per-node", "8"], "the most common reason"),
+                                            (["--gpus", "8", "--gpu", "a100", "model.fp8.enabled=true"], "model.fp8")])
 def test_plan_bad_input_is_one_line_naming_the_argument(argv, argument, capsys):
-    code, _, err = _plan(["model=tiny", *argv], capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and argument in err
+    code, out, err = _plan(["model=tiny", *argv], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and argument in err and not out
+    assert "fits in" not in err   # 7 GPUs: nothing runs at all, which is not "nothing fits in memory"
+
+
+def test_plan_says_what_it_assumes_in_gib_with_margins_and_ties(capsys):
+    """The header names the framework assumed; memory is GiB, with the margin to the fit limit; rows within the
+    model's error of the first are marked ~ and the line under the table says what that means."""
+    code, out, _ = _plan(["model=tiny", "--gpus", "8", "--gpu", "h100", "--top", "3"], capsys)
+    assert code == 0 and "assumed: nanoexp: eager" in out and "SDPA" in out
+    assert "GiB/GPU" in out and "margin" in out and " GB/GPU" not in out
+    assert "\n 2~" in out and "within the model's error of #1" in out
 
 
 def test_published_errors_and_share():
@@ -157,11 +173,11 @@ def test_a_hugging_face_config_plans(model_type, tmp_path, capsys):
 # -- hybrid sharding (parallelism.dp_shard) in the planner --------------------------------------------------------
 @pytest.mark.parametrize("stage", [1, 3])
 def test_make_config_traffic_is_the_counted_formula_under_hybrid_sharding(stage):
-    """launch.planner.dp_traffic_bytes (scripts/make_config.py) of dp4 as 2 x 2 is traffic.sent_bytes' shard and
+    """plan.chooser.dp_traffic_bytes (scripts/make_config.py) of dp4 as 2 x 2 is traffic.sent_bytes' shard and
     replica groups (test_model_bytes_equal_the_counters counts those), and full sharding's is its dp group less the
     loss scalars: one formula in two places, equal to rounding."""
     from benchmarks.harness import compose as compose_plain
-    from nanoexp.launch.planner import dp_traffic_bytes
+    from nanoexp.plan.chooser import dp_traffic_bytes
     for sharding, groups in ((["parallelism.dp_shard=2"], ("shard", "replica")), ([], ("dp",))):
         cfg = compose_plain(FAST + ["parallelism=dp4tp1pp1", f"optimizer.zero_stage={stage}", *sharding])
         model = sent_bytes(cfg, Layout.from_config(cfg), model_shape(cfg), 0, batch_accumulation(cfg))

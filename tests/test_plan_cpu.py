@@ -11,7 +11,7 @@ from nanoexp.plan.cost import cpu_overhead, predict
 from nanoexp.parallel.layout import Layout
 from nanoexp.plan.hardware import GPUS, Hardware, cpu_share, per_rank
 
-CPU = Hardware("a CPU", 0.5, 0.5, 16.0, 10.0, 1.5, 1.5, 50.0, 50.0, cuda_context_gb=0.0)
+CPU = Hardware("a CPU", 0.5, 0.5, 16.0, 10.0, 1.5, 1.5, 50.0, 50.0, cuda_context_gb=0.0, cpu=True, launch_us=0.0)
 
 
 def _config(overrides):

@@ -97,7 +97,7 @@ def test_an_unknown_gpu_names_the_key():
 def test_plan_table_puts_predicted_beside_measured(tmp_path):
     """Job 0 measured at half the predicted tokens/s: its step took twice as long (ratio 2.00); job 1 has no
     measurement (failed): dashes; job 2 has no prediction (not a planned job): no line."""
-    record = {"layout": "dp2tp1pp1", "step_time_s": 0.1, "tokens_per_s": 40960.0, "mfu": 0.1, "memory_gb": 0.1,
+    record = {"layout": "dp2tp1pp1", "step_time_s": 0.1, "tokens_per_s": 40960.0, "mfu": 0.1, "memory_gib": 0.1,
               "zero_stage": 1, "micro_batch": 4, "recompute": False, "tokens_per_step": 4096, "rank": 1}
     write_plan(str(tmp_path), [record, record | {"rank": 2}], 2, 2, GPUS["h100"])
     assert read_plan(str(tmp_path))["jobs"]["1"]["rank"] == 2

@@ -160,7 +160,7 @@ def test_make_config_estimate_matches_a_hand_count():
     counted here by hand from conf/model/tiny.yaml (h 96, MLP 288, 4 heads / 4 KV heads of 24, vocab 320)."""
     from nanoexp.observe.memory_estimate import estimate as stage_estimate, total
     from nanoexp.model.shape import model_shape
-    from nanoexp.launch.planner import estimate
+    from nanoexp.plan.memory import estimate
     cfg = compose_config(["parallelism=dp1tp1pp2", "tokens.sequence_length=128", "tokens.micro_batch_size=4"])
     h, kv, mlp, vocab, heads, tokens = 96, 4 * 24, 288, 320, 4, 4 * 128
     layer = 2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h

@@ -28,14 +28,13 @@ import yaml
 
 from nanoexp.parallel.layout import Layout
 from nanoexp.observe.metrics import read_metrics
-from nanoexp.observe.summary import machine_was_busy, read_json, read_summary
+from nanoexp.observe.summary import PLAN_FILE, machine_was_busy, read_json, read_summary
 
 COLUMNS = ["job", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "load", "state", "reason"]
 # One format per column (None: as is).
 FORMATS = {"lr": "{:.3g}", "final_loss": "{:.4f}", "eval_loss": "{:.4f}", "tokens_per_sec": "{:,.0f}",
            "mfu": "{:.2%}", "peak_memory_mb": "{:,.0f}"}
-PLAN_FILE = "plan.json"
 SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
 
 

@@ -30,6 +30,8 @@ class Converter:
     #                                                 device, pp) -> the line the run's start prints about the format
     problems: Callable[[object], list[str]] | None = None   # cfg -> why its keys cannot run, one line each naming
     #                                                 the key (asked on or off: a key set for it while off is its own)
+    planned_dtype: Callable[[object, bool], str] | None = None   # (cfg, whether the device has FP8 units) -> the
+    #                                                 dtype its products run in on a device not here (the planner's)
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -65,6 +67,15 @@ def product_dtype(cfg, device=None) -> str | None:
     for converter in CONVERTERS.values():
         if converter.enabled(cfg) and converter.product_dtype:
             return converter.product_dtype(cfg, device)
+    return None
+
+
+def planned_product_dtype(cfg, fp8_units: bool) -> str | None:
+    """product_dtype on a device that is not here, which has FP8 units or not (nanoexp/plan/cost.py prices a
+    GPU from its datasheet), or None when no enabled format says (the products run in model.dtype)."""
+    for converter in CONVERTERS.values():
+        if converter.enabled(cfg) and converter.planned_dtype:
+            return converter.planned_dtype(cfg, fp8_units)
     return None
 
 

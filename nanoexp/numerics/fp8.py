@@ -66,12 +66,24 @@ def emulated(cfg, device: torch.device | None = None) -> bool:
     device = device or torch.device("cpu")
     forced = getattr(cfg.model.fp8, "emulate", None)   # absent from configs saved before the key existed
     if forced is None:
-        return not has_fp8_units(device)
+        return emulates(cfg, has_fp8_units(device))
     if not forced and device.type == "cuda" and not has_fp8_units(device):
         capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
         raise ConfigError(f"model.fp8.emulate=false needs FP8 units, which {torch.cuda.get_device_name(device)} "
                           f"(compute capability {capability}, below 8.9) lacks: set model.fp8.emulate=null")
     return bool(forced)
+
+
+def emulates(cfg, fp8_units: bool) -> bool:
+    """Whether the products are emulated on a device with (or without) FP8 units: model.fp8.emulate, whose null
+    means where there are none."""
+    forced = getattr(cfg.model.fp8, "emulate", None)
+    return not fp8_units if forced is None else bool(forced)
+
+
+def planned_dtype(cfg, fp8_units: bool) -> str:
+    """product_dtype on a device that is not here (the planner's): float8 on FP8 units, else emulated in float32."""
+    return "float32" if emulates(cfg, fp8_units) else "float8"
 
 
 def float8_config(recipe: str, emulate: bool):
@@ -298,4 +310,5 @@ def gather_problems(cfg) -> list[str]:
     return [message for ok, message in needs if not ok]
 
 
-CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype, gathered_bytes, console_line, problems)
+CONVERTERS["fp8"] = Converter(enabled, convert, gather_format, product_dtype, gathered_bytes, console_line, problems,
+                              planned_dtype)

@@ -3,20 +3,22 @@ model state by ZeRO stage, the activations of the micro-batches the engine holds
 they work and gloo's copies. The terms, their derivations and their measurements: docs/memory.md."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 from nanoexp.config import batch_accumulation, optimizer_name
+from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
+from nanoexp.model.shape import model_shape
 from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.pipeline.schedules import SCHEDULES, schedule
+from nanoexp.parallel.pipeline.schedules import SCHEDULES, compute_order
 from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.runtime.recompute import RecomputePolicy
 
-MB = 2**20
 
 
 def layer_floats_per_token(shape: LlamaShape, tp: int, recompute, sequence_parallel: bool = False,
@@ -104,9 +106,22 @@ def gathered_narrow(module: HeldModule, wire_bytes: int) -> HeldModule:
     return module._replace(sharded=matrices, whole=module.whole + module.sharded - matrices, wire_bytes=wire_bytes)
 
 
-def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
+def held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> tuple[HeldModule, ...]:
     """The modules pp rank `pp_rank` holds, in forward order: the embedding (first stage), each decoder layer of
-    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage)."""
+    its chunks, the final norm and the LM head (last stage; none of its own when tied on one stage). Kept by
+    shape (this object: shapes are never changed in place) and layout, for the planner, which asks often."""
+    key = (id(shape), layout, pp_rank)
+    if key not in _HELD or _HELD[key][0] is not shape:
+        if len(_HELD) > 4096:
+            _HELD.clear()
+        _HELD[key] = shape, tuple(_held_modules(shape, layout, pp_rank))   # the shape kept: its id stays its own
+    return _HELD[key][1]
+
+
+_HELD: dict[tuple, tuple] = {}
+
+
+def _held_modules(shape: LlamaShape, layout: Layout, pp_rank: int) -> list[HeldModule]:
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * shape.head_dim
     tied, sp = shape.tie_word_embeddings, layout.sequence_parallel
     embedding = shape.vocab_size * h // layout.tp
@@ -144,18 +159,26 @@ def in_flight_layers(cfg, layout: Layout, pp_rank: int, chunks: list[int]) -> tu
     """(most layers' activations held at once, most loss-chunk micro-batches held at once) on this
     pp rank, replaying its engine's schedule for one step. A schedule with W steps holds a micro-batch until its
     W (the linears' inputs and output gradients wait for it; the rest is freed at B: an upper bound)."""
-    m = batch_accumulation(cfg)
-    held, most, heads, most_heads = set(), 0, 0, 0
     loss_chunk = len(chunks) - 1 if pp_rank == layout.head_rank else None
-    freed_at = "W" if SCHEDULES[layout.schedule].splits_backward else "B"
-    for step in schedule(layout.schedule, layout.pp, layout.virtual_stages, m, pp_rank):
+    return _in_flight(layout.schedule, layout.pp, layout.virtual_stages, batch_accumulation(cfg), pp_rank,
+                      tuple(chunks), loss_chunk)
+
+
+@functools.lru_cache(maxsize=4096)   # the planner asks for the same schedules many times
+def _in_flight(engine: str, pp: int, v: int, m: int, pp_rank: int, chunks: tuple[int, ...],
+               loss_chunk: int | None) -> tuple[int, int]:
+    held, layers, most, heads, most_heads = set(), 0, 0, 0, 0
+    freed_at = "W" if SCHEDULES[engine].splits_backward else "B"
+    for step in compute_order(engine, pp, v, m, pp_rank):
         if step[0] == "F":
             held.add(step[1:])
+            layers += chunks[step[1]]
             heads += step[1] == loss_chunk
-        elif step[0] == freed_at:
+        elif step[0] == freed_at and step[1:] in held:
             held.discard(step[1:])
+            layers -= chunks[step[1]]
             heads -= step[1] == loss_chunk
-        most = max(most, sum(chunks[c] for c, _ in held))
+        most = max(most, layers)
         most_heads = max(most_heads, heads)
     return most, most_heads
 
@@ -174,10 +197,26 @@ def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
 
 def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int],
                      device_type: str = "cpu") -> float:
-    """What autograd holds for backward at most, on this pp rank (docs/memory.md): the in-flight layers' kept floats
-    (each layer as the stage's mean), what one layer's backward adds while the later layers of its chunk are freed
-    (`backward_floats_per_token`), and the loss head's. Offload (CUDA) keeps a layer that is not recomputed on the
-    host but while its backward runs, beside the one prefetched."""
+    """What autograd holds for backward at most, on this pp rank (docs/memory.md). Kept by shape, layout and the
+    keys it reads: the planner asks for every ZeRO stage of a layout."""
+    t = cfg.tokens
+    key = (id(shape), layout, pp_rank, tuple(chunks), RecomputePolicy.from_config(cfg), device_type, cfg.model.dtype,
+           t.micro_batch_size, t.sequence_length, batch_accumulation(cfg), cfg.model.attention_mask)
+    if key not in _ACTIVATIONS or _ACTIVATIONS[key][0] is not shape:
+        if len(_ACTIVATIONS) > 4096:
+            _ACTIVATIONS.clear()
+        _ACTIVATIONS[key] = shape, _activation_bytes(cfg, layout, shape, pp_rank, chunks, device_type)
+    return _ACTIVATIONS[key][1]
+
+
+_ACTIVATIONS: dict[tuple, tuple] = {}
+
+
+def _activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int],
+                      device_type: str) -> float:
+    """The in-flight layers' kept floats (each layer as the stage's mean), what one layer's backward adds while the
+    later layers of its chunk are freed (`backward_floats_per_token`), and the loss head's. Offload (CUDA) keeps a
+    layer that is not recomputed on the host but while its backward runs, beside the one prefetched."""
     policy = RecomputePolicy.from_config(cfg)
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -187,34 +226,42 @@ def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunk
     offloaded = policy.offload and device_type == "cuda"
     stage = layout.stage_layers(shape.num_hidden_layers, pp_rank)
 
-    def kept(n: int) -> float:   # dense and MoE layers keep different amounts
-        if offloaded and not policy.recomputes(n):
+    @functools.cache
+    def kept(mode: str, moe: bool) -> float:   # dense and MoE layers keep different amounts
+        if offloaded and mode == "none":
             return 0.0
-        return layer_floats_per_token(shape, recompute=policy.layer_mode(n), moe=shape.is_moe_layer(n),
-                                      kept=policy.saved, **floats)
+        return layer_floats_per_token(shape, recompute=mode, moe=moe, kept=policy.saved, **floats)
+
+    @functools.cache
+    def backward_of(recomputed: bool, moe: bool) -> float:
+        return backward_floats_per_token(shape, layout, policy, recomputed, moe, offloaded)
 
     ids = [n for chunk in stage for n in chunk]
-    per_layer = sum(map(kept, ids)) / len(ids)
-    backward = max(backward_floats_per_token(shape, layout, policy, n, offloaded) - sum(map(kept, chunk[i + 1:]))
-                   for chunk in stage for i, n in enumerate(chunk))
+    per_layer = sum(kept(policy.layer_mode(n), shape.is_moe_layer(n)) for n in ids) / len(ids)
+    backward = 0.0
+    for chunk in stage:   # a layer's backward runs once the later layers of its chunk are freed
+        later = 0.0
+        for n in reversed(chunk):
+            backward = max(backward, backward_of(policy.recomputes(n), shape.is_moe_layer(n)) - later)
+            later += kept(policy.layer_mode(n), shape.is_moe_layer(n))
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
-    return (act_bytes * tokens * (layers * per_layer + max(backward, 0.0) + heads * head)
+    return (act_bytes * tokens * (layers * per_layer + backward + heads * head)
             + context_workspace(cfg, layout, shape))
 
 
-def backward_floats_per_token(shape: LlamaShape, layout: Layout, policy: RecomputePolicy, n: int,
-                              offloaded: bool = False) -> float:
-    """Floats per token layer n's backward adds to what the layers keep: its gradients of the MLP's intermediate
-    (the down projection's input gradient and one more, 2i/tp; measured with LiveTensorPeak), a recomputed layer
+def backward_floats_per_token(shape: LlamaShape, layout: Layout, policy: RecomputePolicy, recomputed: bool,
+                              moe: bool = False, offloaded: bool = False) -> float:
+    """Floats per token a layer's backward adds to what the layers keep: its gradients of the MLP's intermediate
+    (the down projection's input gradient and one more, 2i/tp; measured with LiveTensorPeak), a `recomputed` layer
     re-materialised whole (selective: but the kept outputs its plain backward saves too), an offloaded layer and
     the one prefetched, and under ep a MoE layer's all-to-all rows (sent and received, k per token)."""
-    sp, moe = layout.sequence_parallel, shape.is_moe_layer(n)
+    sp = layout.sequence_parallel
     floats = dict(tp=layout.tp, sequence_parallel=sp, cp=layout.cp, cp_mode=layout.cp_mode, ep=layout.ep)
     plain = layer_floats_per_token(shape, recompute="none", moe=moe, **floats)
     width = shape.moe.intermediate_size * (shape.moe.top_k + shape.moe.num_shared_experts) if moe else \
         shape.intermediate_size / layout.tp
     held = 2 * width
-    if policy.recomputes(n):
+    if recomputed:
         also = kept_floats_per_token(shape, layout.tp, policy.saved, layout.cp, moe)[1] if policy.mode == "selective" else 0
         held += plain - also
     elif offloaded:
@@ -338,3 +385,17 @@ def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> t
     """(pp rank, its estimate) of the rank with the largest total."""
     estimates = [(r, estimate(cfg, shape, r, device_type)) for r in range(Layout.from_config(cfg).pp)]
     return max(estimates, key=lambda item: total(item[1]))
+
+
+def device_estimate(cfg, shape=None) -> dict[str, float]:
+    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: the estimate of the busiest pipeline stage,
+    the bf16 copies of the weights autocast keeps during a step (2 B per parameter held, whatever the stage: each
+    matmul saves its weight's cast for backward), and the CUDA context (a nominal allowance: CUDA_CONTEXT_MB).
+    `transient` is the largest of what a step's moments add (total): activations with ZeRO-2/3's units in flight,
+    or the optimizer's temporaries. What the start-up memory check and the planner (plan/memory.py) compare."""
+    shape = shape or model_shape(cfg)
+    pp_rank, parts = busiest_rank_estimate(cfg, shape, "cuda")
+    held, _ = held_parameters(shape, Layout.from_config(cfg), pp_rank)
+    state = {kind: parts[kind] for kind in ("parameters", "gradients", "optimizer")}
+    return {**state, "weight_copies": 2 * held if cfg.model.dtype == "bfloat16" else 0,
+            "transient": total(parts) - sum(state.values()), "cuda_context": CUDA_CONTEXT_MB * MB}

@@ -14,6 +14,7 @@ import os
 from nanoexp.launch.workers import launcher_env
 
 SUMMARY_FILE = "summary.json"
+PLAN_FILE = "plan.json"   # a +plan=topK sweep's predictions, by job (nanoexp/plan/sweep.py writes it)
 
 
 def read_json(path: str) -> dict | None:

@@ -16,6 +16,7 @@ follows from those declarations.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,9 +178,11 @@ class Layout:
         return tuple(sorted({0, self.head_rank}))
 
 
+@functools.lru_cache(maxsize=1024)   # the planner and the memory estimate ask for the same splits very often
 def split_layers(num_layers: int, stages: int) -> list[range]:
     """`stages` contiguous, balanced ranges covering range(num_layers), the earlier ones one longer when the
-    split is uneven. ValueError if stages < 1 or stages > num_layers (a stage without layers)."""
+    split is uneven. ValueError if stages < 1 or stages > num_layers (a stage without layers). The list is
+    shared between callers: read it, do not change it."""
     if stages < 1 or stages > num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {stages} pipeline stages "
                          f"(every stage needs at least one layer)")

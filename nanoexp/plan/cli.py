@@ -7,6 +7,7 @@ import json
 import sys
 
 from nanoexp.config import ConfigError, compose, normalize
+from nanoexp.plan.cost import MODEL_ERROR, NANOEXP
 from nanoexp.plan.hardware import GPUS, hardware
 from nanoexp.plan.search import rank
 
@@ -17,37 +18,69 @@ def fail(argument: str, message: str) -> int:
 
 
 def base_config(overrides: list[str], seq: int | None, batch_tokens: int | None, hf_config: str | None):
+    """The composed config, with --seq and --global-batch-tokens set when given (None: the config's own)."""
     extra = []
     if hf_config:
         from nanoexp.plan.hf_config import overrides_of
         extra = overrides_of(hf_config)
     cfg = compose([*extra, *overrides])
-    if seq:
+    if seq is not None:
         cfg.tokens.sequence_length = seq
         cfg.model.model_config.max_position_embeddings = max(seq, cfg.model.model_config.max_position_embeddings)
-    if batch_tokens:
+    if batch_tokens is not None:
         cfg.tokens.global_batch_size = batch_tokens // cfg.tokens.sequence_length
     normalize(cfg)
     return cfg
 
 
+COLUMNS = (f"{'#':>3} {'layout':<22}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'vs #1':>7}"
+           f"{'MFU':>6}{'GiB/GPU':>8}{'margin':>7}  {'compute':>7}{'uneven':>7}{'comm':>6}{'bubble':>7}{'optim':>6}"
+           f"{'host':>6}  (% of the step)")
+
+
+def row(i: int, p, first) -> str:
+    """One layout's line: `~` after its number when it is within the model's error of the first (a tie)."""
+    schedule = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") if p.pp > 1 else "-"
+    share = {k: 100 * v / p.step_time_s for k, v in p.breakdown.items()}
+    tie = "~" if i > 1 and p.tied_with(first) else " "
+    behind = 100 * (p.tokens_per_s_per_gpu / first.tokens_per_s_per_gpu - 1)
+    host = share.get("host", 0) + share.get("cpu_overhead", 0)   # waiting for the host's launches, its fixed ops
+    uneven = 100 * p.uneven_s / p.step_time_s
+    return (f"{i:>2}{tie} {p.name:<22}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} "
+            f"{'y' if p.recompute else 'n':>3}{p.tokens_per_s_per_gpu:>11,.0f}{behind:>+6.1f}%{100 * p.mfu:>5.1f}%"
+            f"{p.memory_gib:>8.1f}{p.margin_gib:>7.1f}  {share['compute'] - uneven:>6.0f}%{uneven:>6.0f}%"
+            f"{share['exposed_comm']:>5.0f}%{share['bubble']:>6.0f}%{share['optimizer']:>5.0f}%{host:>5.0f}%")
+
+
 def print_table(ranking, gpus: int, hw) -> None:
-    print(f"{'#':>2} {'layout':<22}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'MFU':>6}"
-          f"{'GB/GPU':>8}  {'compute':>8}{'comm':>7}{'bubble':>7}{'optim':>7}  (% of the step)")
+    print(COLUMNS)
+    first = ranking.predictions[0] if ranking.predictions else None
     for i, p in enumerate(ranking.predictions, 1):
-        schedule = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") if p.pp > 1 else "-"
-        share = {k: 100 * v / p.step_time_s for k, v in p.breakdown.items()}
-        print(f"{i:>2} {p.name:<22}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} {'y' if p.recompute else 'n':>3}"
-              f"{p.tokens_per_s_per_gpu:>11,.0f}{100 * p.mfu:>5.1f}%{p.memory_gb:>8.1f}  {share['compute']:>7.0f}%"
-              f"{share['exposed_comm']:>6.0f}%{share['bubble']:>6.0f}%{share['optimizer']:>6.0f}%")
-    if not ranking.predictions:
-        print(f"no layout of {gpus} GPUs fits in {hw.memory_gb:g} GB")
-    print("out:")
+        print(row(i, p, first))
+    if first is None:
+        print(nothing_fits(ranking, gpus, hw))
+    elif any(p.tied_with(first) for p in ranking.predictions[1:]):
+        print(f"~ within the model's error of #1 ({MODEL_ERROR:.0%}, cost.MODEL_ERROR): a tie; choose among them by "
+              "the memory margin (GiB below the 90 % that fits) or simplicity")
+    print("out (candidates):")
     for line in ranking.reason_lines():
         print(line)
 
 
-def main(argv: list[str] | None = None) -> int:
+def nothing_fits(ranking, gpus: int, hw) -> str:
+    reason, count = ranking.most_common()
+    return (f"no layout of {gpus} GPUs fits on {hw.name}: the most common reason ({count} of "
+            f"{sum(ranking.reasons.values())} candidates): {reason}")
+
+
+def header(cfg, args, hw) -> str:
+    m, t = cfg.model.model_config, cfg.tokens
+    return (f"{args.gpus} x {hw.name} ({min(args.gpus_per_node, args.gpus)} a node): hidden {m.hidden_size}, "
+            f"{m.num_hidden_layers} layers, sequence {t.sequence_length}, global batch {t.global_batch_size} "
+            f"sequences ({t.global_batch_size * t.sequence_length:,} tokens)\nassumed: {NANOEXP.describe()}")
+
+
+def parser_of() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=llama3_8b, ...)")
     parser.add_argument("--gpus", type=int, required=True)
@@ -58,29 +91,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--hf-config", help="a Hugging Face config.json (Llama, Mixtral, Qwen-MoE shapes)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def argument_problem(args) -> tuple[str, str] | None:
+    """(argument, why) of the first argument that cannot be planned, or None."""
     if args.gpus < 1:
-        return fail("--gpus", f"{args.gpus} is not a positive GPU count")
+        return "--gpus", f"{args.gpus} is not a positive GPU count"
     if args.gpus_per_node < 1 or (args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node):
-        return fail("--gpus", f"{args.gpus} GPUs do not fill nodes of --gpus-per-node {args.gpus_per_node}")
+        return "--gpus", f"{args.gpus} GPUs do not fill nodes of --gpus-per-node {args.gpus_per_node}"
     if args.gpu.lower() not in (*GPUS, "cpu"):
-        return fail("--gpu", f"unknown gpu {args.gpu!r}: one of {', '.join([*GPUS, 'cpu'])}")
+        return "--gpu", f"unknown gpu {args.gpu!r}: one of {', '.join([*GPUS, 'cpu'])}"
     if args.top < 1:
-        return fail("--top", "must be at least 1")
+        return "--top", "must be at least 1"
+    if args.seq is not None and args.seq < 1:
+        return "--seq", f"{args.seq} is not a positive sequence length (tokens a sequence)"
+    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
+        return "--global-batch-tokens", f"{args.global_batch_tokens} is not a positive number of tokens a step"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser_of().parse_intermixed_args(argv)   # overrides before, between or after the options
+    problem = argument_problem(args)
+    if problem:
+        return fail(*problem)
     try:
         cfg = base_config(args.overrides, args.seq, args.global_batch_tokens, args.hf_config)
     except (ConfigError, ValueError, OSError) as error:
         return fail("overrides", str(error).splitlines()[0])
-    if args.global_batch_tokens and cfg.tokens.global_batch_size < 1:
-        return fail("--global-batch-tokens", f"{args.global_batch_tokens} is less than one sequence")
+    if args.global_batch_tokens is not None and cfg.tokens.global_batch_size < 1:
+        return fail("--global-batch-tokens", f"{args.global_batch_tokens} is less than one sequence "
+                                             f"({cfg.tokens.sequence_length} tokens)")
     hw = hardware(args.gpu, dtype=str(cfg.model.dtype))   # a CPU computes in the run's dtype
-    ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
+    try:
+        ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
+    except ConfigError as error:   # what the model cannot price (cost.products_tflops)
+        return fail("overrides", str(error))
+    if not ranking.predictions and all(reason.startswith("invalid") for reason in ranking.reasons):
+        return fail("--gpus", nothing_fits(ranking, args.gpus, hw).replace(" fits on ", " runs on ", 1))
     if args.json:
         print(json.dumps([p.as_dict() for p in ranking.predictions], indent=1))
         return 0
-    m = cfg.model.model_config
-    print(f"{args.gpus} x {hw.name} ({args.gpus_per_node} a node): hidden {m.hidden_size}, {m.num_hidden_layers} layers, "
-          f"sequence {cfg.tokens.sequence_length}, global batch {cfg.tokens.global_batch_size} sequences "
-          f"({cfg.tokens.global_batch_size * cfg.tokens.sequence_length:,} tokens)")
+    print(header(cfg, args, hw))
     print_table(ranking, args.gpus, hw)
     return 0

@@ -1,61 +1,83 @@
-"""A layout's predicted step time and memory on a cluster: the cost model behind scripts/plan.py.
+"""The time half of the cost model behind scripts/plan.py (memory.py is the memory half, comm.py the collectives').
 
 One optimizer step on the busiest pipeline rank is
-    m x (F + B)  +  bubble  +  exposed communication  +  optimizer update
-- F, B: one micro-batch's forward and backward on this rank. Matmuls take their FLOPs (metrics.layer_matmul_params,
-  split over tp) at the peak of their dtype times an efficiency that grows with the GEMM's smallest sizes
-  (`gemm_efficiency`); causal flash attention its FLOPs (half the s x s square; backward 2.5 forwards) at
-  ATTENTION_EFFICIENCY; everything else (norms, SwiGLU, rotary, residuals, FP8 casts) the bytes it moves at HBM
-  bandwidth. Backward is two forwards of matmuls; recomputation adds a forward of each block but its down
-  projection (metrics.hardware_flops_per_token's rule).
-- bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule with these F and B (and W = half of B
-  for zb_h1/zbv), one p2p hop added to each.
-- communication: the bytes of each group from nanoexp/plan/traffic.py (the comm counter's formulas) over the
-  link the group crosses (NVLink inside a node, the network across: the rank grid is (pp, dp, cp, tp), tp
-  innermost), plus a latency per ring step; on gloo, a reduce-scatter's or all-gather's bytes at its measured rate
-  (Hardware.collective_speed). Under hybrid sharding (parallelism.dp_shard) ZeRO's collectives run
-  on the shard group (a block of tp x shard_size ranks) and the replicas' all-reduce once a step, exposed. What can overlap does, up to the compute it overlaps: gradient
-  buckets with the last backward (ZeRO-0/1), reduce-scatters with every backward (ZeRO-2), prefetched gathers
-  with every forward and backward (ZeRO-3), ring attention with attention; tp's collectives sit between a
-  layer's matmuls (exposed, unless the framework overlaps them), as do the experts' all-to-alls. An overlapped
-  collective still costs (1 - OVERLAP) of its hidden time (it shares SMs and memory bandwidth).
-- on a CPU only (`cpu_overhead`, zero on GPUs): Python's cost per step and per micro-batch and layer, and gloo's
-  latency per blocking message, fitted by benchmarks/bench_plan_cpu.py --calibrate (docs/planning.md, "This CPU").
-- memory: nanoexp/launch/planner.estimate (the busiest rank's estimate, weight copies, the CUDA context).
+    m x (F + B)  +  bubble  +  exposed communication  +  optimizer update  +  the host's fixed ops
+- F, B: one micro-batch's forward and backward on the slowest stage (the last carries the LM head), at which the
+  whole schedule is priced (`stage_times`; the breakdown's "uneven" is what that costs over the mean stage).
+  Matmuls take their FLOPs (metrics.layer_matmul_params, split over tp) at the peak of the dtype their number
+  format multiplies in (the numerics registry's planned_product_dtype: FP8 on FP8 units, with its casts) times an
+  efficiency that grows with the GEMM's sizes (`gemm_efficiency`); causal attention its FLOPs (half the s x s
+  square; backward ATTENTION_BACKWARD forwards) at ATTENTION_EFFICIENCY; the other ops (norms, SwiGLU, rotary,
+  residuals) the bytes they move at HBM bandwidth. Recomputation adds a forward of each block but its down
+  projection (metrics.hardware_flops_per_token's rule). Eager PyTorch's host issues every op: a micro-batch takes
+  at least OPS x Hardware.launch_us.
+- bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule (its registry entry: chunks, W apart)
+  with these F and B, one p2p hop added to each.
+- communication (comm.py): each group's bytes (traffic.py) over the link it crosses, hidden behind the compute
+  it overlaps, up to it: gradient buckets behind the last backward (ZeRO-0/1), reduce-scatters behind every
+  backward (ZeRO-2), prefetched gathers behind every forward and backward (ZeRO-3), ring attention behind the
+  attention. A second of compute hides one collective's time once: the attention the ring fills leaves ZeRO's
+  window. tp's collectives and the experts' all-to-alls are exposed in nanoexp.
+- on a CPU only (`cpu_overhead`): Python's fitted cost per step and per micro-batch and layer
+  (benchmarks/bench_plan_cpu.py --calibrate; docs/planning.md, "This CPU").
 
-Global constants fitted on published rows (docs/planning.md says which) are GEMM_EFFICIENCY and OVERLAP; the
-others are stated guesses or datasheet figures.
+Fitted on published rows (docs/planning.md says which): GEMM_EFFICIENCY, ATTENTION_EFFICIENCY and comm.OVERLAP.
+Every other number is counted from the code, a datasheet's, or measured, and says so where it is defined.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from nanoexp.config import batch_accumulation
-from nanoexp.launch.planner import GIB, HEADROOM, estimate
-from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
-from nanoexp.observe.memory_estimate import held_parameters
+from nanoexp.config import ConfigError, batch_accumulation
+from nanoexp.numerics.converters import planned_product_dtype
 from nanoexp.observe.metrics import (
     down_projection_params,
     flops_per_token,
     layer_matmul_params,
 )
-from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.layout import Layout, split_layers
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.plan.comm import exposed, group_seconds
 from nanoexp.plan.hardware import GB, Hardware, per_rank
-from nanoexp.plan.traffic import collective_shares, sent_bytes
+from nanoexp.plan.memory import device_gib, limit_gib
+from nanoexp.plan.traffic import held_by_rank
 from nanoexp.model.shape import model_shape
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
 GEMM_EFFICIENCY = 0.52        # fitted: the best share of peak a large GEMM reaches
-GEMM_KNEE = 512               # a GEMM whose smallest size (harmonic mean of M, K, N) is this reaches half of it
+GEMM_KNEE = 512               # a GEMM whose size d (harmonic mean of M, K, N) is this reaches half of it: where
+#   moving its bf16 operands and result once (3 x 2 bytes an element; d/3 FLOPs a byte) takes as long at HBM bandwidth
+#   as its FLOPs at GEMM_EFFICIENCY of the peak (the additive roofline, d/(d + 3 x 0.52 x 989/3.35): 460 on an H100),
+#   rounded to a tile multiple; not fitted
 ATTENTION_EFFICIENCY = 0.20   # fitted: causal attention's share of the bf16 peak, forward and backward (SDPA)
 FUSED_ATTENTION = 0.50        # cuDNN / FlashAttention-3 kernels (FA3 paper: ~75 % forward, ~55 % backward, causal less)
-OVERLAP = 0.85                # fitted: the share of an overlapped collective's time that is hidden
-LINK_EFFICIENCY = 0.80        # NCCL's bus bandwidth / the link's (nccl-tests on NVLink and InfiniBand)
 ELEMENTWISE_FUSED = 120.0     # bytes per token, layer and hidden unit of the non-matmul ops, fused (counted:
 ELEMENTWISE_EAGER = 360.0     # norms 8, rotary 5, SwiGLU 21, residuals 4 forward, 2x that backward; eager ~3x)
+ATTENTION_BACKWARD = 2.5      # flash attention's backward over its forward: 5 matmuls of the s x s tile to 2 (FA2
+#                               paper, Dao 2023, section 3.1), counted as metrics.py and hardware.measure_rates do
+UPDATE_BYTES = 28             # AdamW's bytes a parameter of the rank's shard: reads and writes the float32 weight
+#                               and both moments (4 + 4 + 2 x (4 + 4)), reads the float32 gradient (4)
+# Ops eager PyTorch issues, each costing the host Hardware.launch_us, counted with a TorchDispatchMode on
+# model=tiny under bf16 autocast (benchmarks/bench_plan_speed.py --host): a decoder block's forward and backward,
+# and a step's clip_grad_norm_, foreach AdamW and zero_grad (a foreach op is one whatever the tensors)
+OPS_FORWARD = 82
+OPS_BACKWARD = 155
+FIXED_STEP_OPS = 98
+MODEL_ERROR = 0.07            # the median |error| of the published rows (published.py; test_plan holds it): two
+#                               layouts closer than this are a tie to the model
+
+
+class StageTimes(NamedTuple):
+    """One micro-batch on the busiest pipeline rank (`stage_times`), the mean over the ranks of its F + B, and of
+    it the time the busiest waits for the host to issue its ops (a launch-bound micro-batch)."""
+    busiest: int
+    forward: float
+    backward: float
+    mean: float
+    waiting: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,13 +91,23 @@ class Framework:
     fp8_casts_fused: bool = False            # casts fused into the norms/activations, weights cast once a step (TE)
     attention_efficiency: float | None = None   # None: ATTENTION_EFFICIENCY (SDPA's, as nanoexp and torchtitan run it)
 
+    def describe(self) -> str:
+        """One line: what the prediction assumes of the implementation (scripts/plan.py's header)."""
+        kernels = "fused elementwise kernels" if self.elementwise < ELEMENTWISE_EAGER else "eager (no compile, no fusion)"
+        attention = self.attention_efficiency or ATTENTION_EFFICIENCY
+        return (f"{self.name}: {kernels}, SDPA-class attention at {attention:.0%} of the bf16 peak, "
+                f"{self.dp_bytes_per_value:g}-byte gradients and gathers, tp's collectives "
+                f"{'overlapped' if self.tp_overlap else 'not overlapped'}, {OPS_FORWARD + OPS_BACKWARD} host ops a "
+                "layer and micro-batch")
+
 
 NANOEXP = Framework()
 
 
 @dataclass
 class Prediction:
-    """A layout's predicted step on a cluster. `overrides()` gives the Hydra overrides that select it."""
+    """A layout's predicted step on a cluster. `overrides()` gives the Hydra overrides that select it. Memory is
+    GiB (2^30 bytes); `margin_gib` is how far below what fits it sits (memory.limit_gib: 90 % of the device)."""
     dp: int
     cp: int
     ep: int
@@ -89,16 +121,23 @@ class Prediction:
     step_time_s: float
     tokens_per_s_per_gpu: float
     mfu: float
-    memory_gb: float
+    memory_gib: float
     fits: bool
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per step: compute, exposed comm, bubble, ...
     dp_shard: int | None = None   # hybrid sharding: ZeRO over dp_shard x cp ranks, replicated across (None: all dp)
+    margin_gib: float = float("nan")
+    uneven_s: float = 0.0   # of compute: what pricing every stage at the slowest costs over the mean stage
 
     @property
     def name(self) -> str:
         """The layout's name, with "/shard<dp_shard>" under hybrid sharding (dp4tp1pp1/shard2)."""
         name = Layout(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep).name
         return name + (f"/shard{self.dp_shard}" if self.dp_shard is not None else "")
+
+    def tied_with(self, other: "Prediction") -> bool:
+        """Whether the two are closer than the model's own error (MODEL_ERROR): the model cannot order them."""
+        fast, slow = sorted((self.tokens_per_s_per_gpu, other.tokens_per_s_per_gpu), reverse=True)
+        return fast - slow <= MODEL_ERROR * fast
 
     def overrides(self) -> list[str]:
         """parallelism.dp=..., ..., optimizer.zero_stage, tokens.micro_batch_size: `python train.py <these>`."""
@@ -110,14 +149,10 @@ class Prediction:
                     [f"parallelism.dp_shard={self.dp_shard}"] if self.dp_shard is not None else [])
 
     def as_dict(self) -> dict:
-        keys = ("dp", "cp", "ep", "tp", "pp", "dp_shard", "zero_stage", "schedule", "virtual_stages", "micro_batch", "recompute",
-                "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb", "fits", "breakdown")
+        keys = ("dp", "cp", "ep", "tp", "pp", "dp_shard", "zero_stage", "schedule", "virtual_stages", "micro_batch",
+                "recompute", "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gib", "margin_gib", "fits",
+                "breakdown", "uneven_s")
         return {key: getattr(self, key) for key in keys} | {"layout": self.name, "overrides": self.overrides()}
-
-
-def estimate_context() -> float:
-    """The CUDA context planner.estimate counts (memory.CUDA_CONTEXT_MB)."""
-    return CUDA_CONTEXT_MB * MB
 
 
 def gemm_efficiency(m: float, k: float, n: float, hw: Hardware | None = None) -> float:
@@ -129,29 +164,90 @@ def gemm_efficiency(m: float, k: float, n: float, hw: Hardware | None = None) ->
     return GEMM_EFFICIENCY * d / (d + GEMM_KNEE)
 
 
+def per_layer_params(shape) -> tuple[tuple[int, int], ...]:
+    """(matmul parameters a token goes through, those recomputation runs again: all but the down projections) of
+    each decoder block (metrics.layer_matmul_params, down_projection_params), computed once a shape."""
+    key = repr(shape)
+    if key not in _PER_LAYER:
+        _PER_LAYER[key] = tuple((layer_matmul_params(shape, n), layer_matmul_params(shape, n)
+                                 - down_projection_params(shape, n)) for n in range(shape.num_hidden_layers))
+    return _PER_LAYER[key]
+
+
+_PER_LAYER: dict[str, tuple] = {}
+
+
+_MODEL_FLOPS: dict[tuple, float] = {}
+
+
+def model_flops(shape, seq: int) -> float:
+    """metrics.flops_per_token (what MFU counts), once a shape and sequence length."""
+    key = (repr(shape), seq)
+    if key not in _MODEL_FLOPS:
+        _MODEL_FLOPS[key] = flops_per_token(shape, seq)
+    return _MODEL_FLOPS[key]
+
+
 def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
-    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation)."""
+    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation); at least the time
+    eager PyTorch's host takes to issue their ops (a micro-batch of small kernels waits for it)."""
     s, h, tp = cfg.tokens.sequence_length, shape.hidden_size, layout.tp
     tokens = cfg.tokens.micro_batch_size * s / layout.cp
     width = shape.moe.intermediate_size if shape.moe else shape.intermediate_size
-    linear_rate = hw.peak_tflops(fw.fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp, hw)
+    fp8 = fw.fp8 or fp8_products(cfg, hw)
+    linear_rate = hw.peak_tflops(fp8) * 1e12 * gemm_efficiency(tokens, h, width / tp, hw)
     layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
-    matmul = sum(2 * tokens * layer_matmul_params(shape, n) / tp for n in layers)
-    redo = sum(2 * tokens * (layer_matmul_params(shape, n) - down_projection_params(shape, n)) / tp for n in layers)
+    params = per_layer_params(shape)
+    matmul = sum(2 * tokens * params[n][0] / tp for n in layers)
+    redo = sum(2 * tokens * params[n][1] / tp for n in layers)
     attention_time = attention_seconds(cfg, layout, shape, len(layers), hw, fw)
     moved = tokens * len(layers) * h * fw.elementwise / tp
-    if fw.fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
+    if fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
         moved += len(layers) * 3 * (tokens * (3 * h + width + 1.5 * h + h + 2 * width + h) / tp
-                                    + 2 * layer_matmul_params(shape, layers[0]) / tp)
+                                    + 2 * params[layers[0]][0] / tp)
     elementwise = moved / (hw.memory_gbps * GB)
     head = 0.0
     if pp_rank == layout.head_rank:
         head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp, hw))
     forward = matmul / linear_rate + attention_time + elementwise / 3 + head
-    backward = 2 * matmul / linear_rate + 2.5 * attention_time + 2 * elementwise / 3 + 2 * head
-    if cfg.parallelism.recompute_layer:
+    backward = 2 * matmul / linear_rate + ATTENTION_BACKWARD * attention_time + 2 * elementwise / 3 + 2 * head
+    recompute = bool(cfg.parallelism.recompute_layer)
+    if recompute:
         backward += redo / linear_rate + attention_time + elementwise / 3
-    return forward, backward
+    host = hw.launch_us * 1e-6 * len(layers)   # the host issues each op; the GPU waits for a slower host
+    return (max(forward, host * OPS_FORWARD),
+            max(backward, host * (OPS_BACKWARD + recompute * OPS_FORWARD)))
+
+
+def fp8_products(cfg, hw: Hardware) -> bool:
+    """Whether the decoder's linears multiply in FP8 on `hw`: the number format's own answer (the numerics
+    registry's planned_product_dtype). ConfigError where a GPU would emulate them in float32, a rate the table
+    lacks; a CPU's products run at its measured peak either way."""
+    dtype = planned_product_dtype(cfg, hw.fp8_units)
+    if dtype == "float32" and not hw.cpu:
+        why = "model.fp8.emulate=true" if hw.fp8_units else "it has no FP8 units"
+        raise ConfigError(f"model.fp8: the linears' products would be emulated in float32 on {hw.name} ({why}), "
+                          "whose rate the planner has no figure for: plan for h100, h200 or b200, or without FP8")
+    return dtype == "float8"
+
+
+def stage_times(cfg, layout: Layout, shape, hw: Hardware, fw: Framework) -> StageTimes:
+    """(the busiest pipeline rank, its F, its B): the slowest stage, whose times the whole schedule is priced at
+    (the last stage also runs the LM head). `hw` is one rank's device (hardware.per_rank)."""
+    params, placed = per_layer_params(shape), layout.stages
+    stages = split_layers(shape.num_hidden_layers, layout.pp * layout.virtual_stages)
+    same: dict[tuple, tuple[float, float]] = {}   # ranks of the same layers (and the head or not): the same times
+    times = []
+    for r in range(layout.pp):
+        chunks = (stages[placed.stage(c, r)] for c in range(layout.virtual_stages))
+        key = (tuple(params[n] for chunk in chunks for n in chunk), r == placed.head_rank)
+        if key not in same:
+            same[key] = micro_batch_times(cfg, layout, shape, r, hw, fw)
+        times.append(same[key])
+    busiest = max(range(layout.pp), key=lambda r: sum(times[r]))
+    kernels = sum(micro_batch_times(cfg, layout, shape, busiest, dataclasses.replace(hw, launch_us=0.0), fw))
+    return StageTimes(busiest, *times[busiest], sum(f + b for f, b in times) / layout.pp,
+                      sum(times[busiest]) - kernels)
 
 
 def attention_seconds(cfg, layout: Layout, shape, layers: int, hw: Hardware, fw: Framework) -> float:
@@ -168,40 +264,6 @@ def attention_efficiency(fw: Framework, hw: Hardware) -> float:
     if fw.attention_efficiency is not None:
         return fw.attention_efficiency
     return ATTENTION_EFFICIENCY if hw.attention_efficiency is None else hw.attention_efficiency
-
-
-def crosses_nodes(layout: Layout, group: str, gpus_per_node: int) -> bool:
-    """Whether a group of `group` spans nodes: the ranks it reaches, (pp, dp, cp, tp) with tp innermost. A shard
-    group of hybrid sharding (and the experts' inside it) lies in a block of tp x shard_size consecutive ranks;
-    its replica group reaches across all of dp, as the dp group does."""
-    inner = layout.tp * layout.cp * layout.dp
-    block = layout.tp * layout.shard_size
-    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "ep": layout.tp * layout.ep, "dp": inner, "dp_cp": inner,
-            "edp": inner, "pp": inner * layout.pp, "model_parallel": layout.world_size,
-            "embedding": layout.world_size, "shard": block, "expert_shard": block, "replica": inner}[group]
-    return span > gpus_per_node
-
-
-def group_size(layout: Layout, group: str) -> int:
-    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "dp_cp": layout.dp_cp,
-            "edp": layout.edp, "pp": 2, "model_parallel": layout.tp * layout.pp, "embedding": 2,
-            "shard": layout.shard_size, "expert_shard": layout.shard_size // layout.ep,
-            "replica": layout.replicas}[group]
-
-
-def comm_seconds(nbytes: float, calls: float, n: int, crosses: bool, hw: Hardware) -> float:
-    """A group's time: bytes over its link at LINK_EFFICIENCY, plus per call a latency per step of a tree
-    (2 log2 n: NCCL pipelines a ring's steps, so large messages do not pay n - 1 latencies)."""
-    if nbytes <= 0:
-        return 0.0
-    bandwidth = (hw.inter_gbps if crosses else hw.intra_gbps) * GB * LINK_EFFICIENCY
-    latency = (hw.inter_latency_us if crosses else hw.intra_latency_us) * 1e-6
-    return nbytes / bandwidth + calls * 2 * max(math.ceil(math.log2(n)), 1) * latency
-
-
-def exposed(comm: float, window: float) -> float:
-    """What a collective overlapped with `window` seconds of compute adds to the step."""
-    return max(comm - window, 0.0) + (1 - OVERLAP) * min(comm, window)
 
 
 def cpu_overhead(hw: Hardware, micro_batches: int, layers: int, messages: float) -> float:
@@ -228,59 +290,103 @@ def bubble_share(schedule: str, pp: int, v: int, m: int, backward_ratio: float) 
         return (pp - 1) / v * (1 + backward_ratio)   # a shape the simulator refuses: the textbook bubble
 
 
-def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True) -> Prediction:
+def predict(cfg, hw: Hardware, gpus_per_node: int, fw: Framework = NANOEXP, with_memory: bool = True, *,
+            shape=None, times: StageTimes | None = None) -> Prediction:
     """The predicted step of the layout, schedule, ZeRO stage, micro-batch and recomputation of `cfg` on `hw` (a
-    CPU node shared by the layout's ranks: hardware.per_rank)."""
-    layout, shape = Layout.from_config(cfg), model_shape(cfg)
+    CPU node shared by the layout's ranks: hardware.per_rank). `shape` (model_shape) and `times` (stage_times on
+    the rank's device) may be given by a caller that prices many layouts of one model."""
+    layout, shape = Layout.from_config(cfg), shape or model_shape(cfg)
     node, hw = hw, per_rank(hw, layout.world_size)
     m = batch_accumulation(cfg)
-    busiest = max(range(layout.pp), key=lambda r: sum(micro_batch_times(cfg, layout, shape, r, hw, fw)))
-    forward, backward = micro_batch_times(cfg, layout, shape, busiest, hw, fw)
-    sent = sent_bytes(cfg, layout, shape, busiest, m)
-    hybrid = layout.replicas > 1
-    # ZeRO's group: dp x cp, or the shard group under hybrid sharding (dp x cp then carries only the loss scalars)
-    dp_group = "shard" if hybrid else "dp" if layout.cp == 1 else "dp_cp"
-    for group in (dp_group, "replica", "expert_shard"):
-        sent[group] *= fw.dp_bytes_per_value / 4
-    held, held_layers = held_parameters(shape, layout, busiest)
+    t = times or stage_times(cfg, layout, shape, hw, fw)
+    held, held_layers, _ = held_by_rank(shape, layout, t.busiest)
     layers, stage = sum(held_layers), cfg.optimizer.zero_stage
-    calls = {"tp": m * (4 * layers + 2), "cp": m * layers * 2, "ep": m * layers * 4, "pp": 2 * m,
-             # ZeRO-3 moves a layer a call (units.py); the others 25 MiB buckets
-             dp_group: m * 3 * layers if stage == 3 else max(1.0, sent[dp_group] / (25 * 2 ** 20)),
-             "replica": max(1.0, sent["replica"] / (25 * 2 ** 20))}
-    shares = collective_shares(cfg, layout, m)   # gloo's reduce-scatter and all-gather run slower than its all-reduce
-    comm = {g: comm_seconds(b * hw.slowdown(shares.get(g, {})), calls.get(g, 1), group_size(layout, g),
-                            crosses_nodes(layout, g, gpus_per_node), hw) for g, b in sent.items()}
-    hop = comm["pp"] / (2 * m) if m else 0.0
-    window = {0: backward, 1: backward, 2: m * backward, 3: m * (forward + backward)}[stage] if hw.overlaps_comm else 0.0
-    attention = m * 3.5 * attention_seconds(cfg, layout, shape, layers, hw, fw)   # forward and backward: the ring's window
-    tp_time = exposed(comm["tp"], m * (forward + backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
-    # the replicas' all-reduce runs once a step after the backward (GradientSync.finish): nothing to hide it behind
-    exposed_comm = (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
-                    + exposed(comm["cp"], attention if hw.overlaps_comm else 0.0)
-                    + comm["ep"] + comm["model_parallel"])
-    f, b = forward + hop, backward + hop
-    bubble = bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
+    comm, calls, dp_group = group_seconds(cfg, layout, shape, t.busiest, m, layers, hw, fw, gpus_per_node)
+    exposed_comm = exposed_seconds(cfg, layout, shape, comm, dp_group, m, t, layers, hw, fw)
+    bubble = bubble_seconds(layout, m, t.forward, t.backward, comm["pp"] / (2 * m) if m else 0.0)
     shard = held / (layout.shard_size if stage >= 1 else 1)
-    update = 28 * shard / (hw.memory_gbps * GB)   # AdamW reads and writes float32 weights, moments; reads grads
+    update = UPDATE_BYTES * shard / (hw.memory_gbps * GB)
     messages = ((calls["tp"] if layout.tp > 1 else 0) + calls["cp"] * (layout.cp - 1)
                 + (calls["pp"] if layout.pp > 1 else 0) + (calls[dp_group] if stage >= 2 and layout.shard_size > 1 else 0))
     overhead = cpu_overhead(hw, m, layers, messages)
-    step = m * (forward + backward) + bubble + exposed_comm + update + overhead
+    fixed = FIXED_STEP_OPS * hw.launch_us * 1e-6   # the update's, clipping's and zeroing's ops, issued by the host
+    step = m * (t.forward + t.backward) + bubble + exposed_comm + update + overhead + fixed
     if node.cores and layout.world_size > node.cores:
         # more ranks than cores: a rank idle in the bubble lends its core to the others (the scheduler is
         # work-conserving), so the bubble costs no time, down to the critical path of a core each
         step = max(step - bubble, step * node.cores / layout.world_size)
+    # parts of the step that add up to it (before a CPU's cores are shared): kernels, waiting for the host, ...
+    breakdown = {"compute": m * (t.forward + t.backward - t.waiting), "host": m * t.waiting + fixed,
+                 "exposed_comm": exposed_comm, "bubble": bubble, "optimizer": update} | (
+                     {"cpu_overhead": overhead} if overhead else {})
+    uneven = min(m * (t.forward + t.backward - t.mean), breakdown["compute"])   # of compute: the slowest stage's
+    prediction = dataclasses.replace(prediction_of(cfg, layout, shape, step, breakdown, hw), uneven_s=uneven)
+    return with_memory_of(prediction, cfg, hw, shape) if with_memory else prediction
+
+
+def exposed_seconds(cfg, layout: Layout, shape, comm: dict[str, float], dp_group: str, m: int, t: StageTimes,
+                    layers: int, hw: Hardware, fw: Framework) -> float:
+    """What the step waits for of each group's time, after what overlaps (the module docstring says what). The
+    attention a ring's transfers hide behind is not counted again in ZeRO's window: each second of compute
+    hides one collective's time once."""
+    attention = attention_seconds(cfg, layout, shape, layers, hw, fw) if hw.overlaps_comm else 0.0
+    tp_time, cp_time, ring = layer_comm_seconds(comm, m, t, attention, hw, fw)
+    stage = cfg.optimizer.zero_stage
+    window = {0: t.backward, 1: t.backward, 2: m * t.backward, 3: m * (t.forward + t.backward)}[stage]
+    inside = {0: ATTENTION_BACKWARD, 1: ATTENTION_BACKWARD, 2: m * ATTENTION_BACKWARD,
+              3: m * (1 + ATTENTION_BACKWARD)}[stage] * attention   # of it, attention
+    window = max(window - ring * inside, 0.0) if hw.overlaps_comm else 0.0
+    # the replicas' all-reduce runs once a step after the backward (GradientSync.finish): nothing to hide it behind
+    return (exposed(comm[dp_group] + comm["edp"] + comm["expert_shard"], window) + comm["replica"] + tp_time
+            + cp_time + comm["ep"] + comm["model_parallel"])
+
+
+def layer_comm_seconds(comm: dict[str, float], m: int, t: StageTimes, attention: float, hw: Hardware,
+                       fw: Framework) -> tuple[float, float, float]:
+    """(tp's, the ring's exposed seconds a step, the share of the attention's time the ring's transfers fill):
+    the collectives inside the layers, whatever the ZeRO stage. `attention`: one micro-batch's forward."""
+    window = m * (1 + ATTENTION_BACKWARD) * attention   # the ring's: forward and backward
+    tp_time = exposed(comm["tp"], m * (t.forward + t.backward)) if fw.tp_overlap and hw.overlaps_comm else comm["tp"]
+    return tp_time, exposed(comm["cp"], window), min(comm["cp"], window) / window if window else 0.0
+
+
+def bound_terms(cfg, hw: Hardware, gpus_per_node: int, fw: Framework, shape,
+                times: StageTimes) -> tuple[float, float, float]:
+    """(compute and the host's fixed cost, the collectives inside the layers, one p2p hop) seconds a step of the
+    layout, schedule, micro-batch and recomputation of `cfg` at any ZeRO stage and sharding: what a search bounds a
+    step by before it prices it (no ZeRO variant's step is below these and the bubble: predict's sum)."""
+    layout, m = Layout.from_config(cfg), batch_accumulation(cfg)
+    hw = per_rank(hw, layout.world_size)
+    layers = sum(held_by_rank(shape, layout, times.busiest)[1])
+    comm, _, _ = group_seconds(cfg, layout, shape, times.busiest, m, layers, hw, fw, gpus_per_node)
+    attention = attention_seconds(cfg, layout, shape, layers, hw, fw) if hw.overlaps_comm else 0.0
+    tp_time, cp_time, _ = layer_comm_seconds(comm, m, times, attention, hw, fw)
+    hop = comm["pp"] / (2 * m) if m else 0.0
+    compute = m * (times.forward + times.backward) + FIXED_STEP_OPS * hw.launch_us * 1e-6
+    return compute, tp_time + cp_time + comm["ep"] + comm["model_parallel"], hop
+
+
+def bubble_seconds(layout: Layout, m: int, forward: float, backward: float, hop: float) -> float:
+    """The schedule's idle time a step with these F and B and one p2p hop added to each (bubble_share, simulated);
+    at least (pp - 1)/v forwards: the last stage waits for the first micro-batch to cross the others."""
+    f, b = forward + hop, backward + hop
+    return bubble_share(layout.schedule, layout.pp, layout.virtual_stages, m, round(b / f, 2)) * f
+
+
+def prediction_of(cfg, layout: Layout, shape, step: float, breakdown: dict[str, float], hw: Hardware) -> Prediction:
+    """The Prediction of a step of `step` seconds on `hw` (one rank's device; memory not estimated: with_memory_of)."""
     tokens = cfg.tokens.global_batch_size * cfg.tokens.sequence_length
     per_gpu = tokens / step / layout.world_size
-    mfu = flops_per_token(shape, cfg.tokens.sequence_length) * per_gpu / (hw.bf16_tflops * 1e12)
-    memory = float("nan")
-    if with_memory:   # the planner's estimate, with this device's fixed cost a process (CUDA context; Python, torch)
-        memory = (sum(estimate(cfg).values()) - estimate_context() + hw.cuda_context_gb * GB) / GIB
-    fits = memory <= HEADROOM * hw.memory_gb * GB / GIB if with_memory else True
+    peak = hw.peak_tflops(fp8_products(cfg, hw))   # as the run's MFU: against the peak its products run at
+    mfu = model_flops(shape, cfg.tokens.sequence_length) * per_gpu / (peak * 1e12)
     p = cfg.parallelism
-    return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, stage, layout.schedule,
-                      layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer), step, per_gpu, mfu,
-                      memory, fits, {"compute": m * (forward + backward), "exposed_comm": exposed_comm,
-                                     "bubble": bubble, "optimizer": update}
-                      | ({"cpu_overhead": overhead} if overhead else {}), layout.dp_shard)
+    return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, cfg.optimizer.zero_stage,
+                      layout.schedule, layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer),
+                      step, per_gpu, mfu, float("nan"), True, breakdown, layout.dp_shard)
+
+
+def with_memory_of(prediction: Prediction, cfg, hw: Hardware, shape=None) -> Prediction:
+    """`prediction` with the memory of its busiest GPU (memory.device_gib), how far below what fits on `hw` (one
+    rank's device: hardware.per_rank) it sits, and whether it fits."""
+    memory, limit = device_gib(cfg, hw.cuda_context_gb, shape), limit_gib(hw.memory_gb)
+    return dataclasses.replace(prediction, memory_gib=memory, margin_gib=limit - memory, fits=memory <= limit)

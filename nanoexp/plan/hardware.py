@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 
 GB = 1e9
@@ -48,9 +49,19 @@ class Hardware:
     # (collective, its bytes' rate over the all-reduce's): measured on gloo, whose reduce-scatter runs at a fraction
     # of its all-reduce's rate; empty on GPUs (NCCL's rings move each collective's bytes at one bus bandwidth)
     collective_speed: tuple = ()
+    cpu: bool = False              # this machine, calibrated (calibrate_cpu), not a GPU of the table
+    # eager PyTorch's host time an op on a GPU's host: its dispatch, 2.5 us measured here for an add_ on a CPU tensor
+    # (benchmarks/bench_plan_speed.py --host), plus a CUDA launch's few us (NVIDIA, "Getting Started with CUDA
+    # Graphs", 2019); 0 on a CPU, whose host costs are the fitted overheads above
+    launch_us: float = 6.0
 
     def peak_tflops(self, fp8: bool = False) -> float:
         return self.fp8_tflops if fp8 else self.bf16_tflops
+
+    @property
+    def fp8_units(self) -> bool:
+        """Whether it multiplies FP8 operands faster than bf16 ones (an A100 or a CPU does not: fp8 = bf16)."""
+        return self.fp8_tflops > self.bf16_tflops
 
     def slowdown(self, shares: dict[str, float]) -> float:
         """Time of a group's bytes, sent in these shares by collective, over the time at the all-reduce's rate."""
@@ -125,32 +136,31 @@ def gloo_rates(numel: int = 1 << 22, repeats: int = 5) -> dict[str, float]:
     and all-gather over a tensor of `numel` (16 MB: a small model's layer or ZeRO unit) between two local gloo
     processes, one thread each: the best of `repeats`."""
     import multiprocessing as mp
-
-    from nanoexp.launch.workers import free_port
+    import tempfile
 
     context = mp.get_context("fork")
-    queue, port = context.Queue(), free_port()
-    procs = [context.Process(target=_gloo_worker, args=(r, port, numel, repeats, queue)) for r in range(2)]
+    queue, folder = context.Queue(), tempfile.TemporaryDirectory()   # a file store: no port to find
+    store = os.path.join(folder.name, "store")
+    procs = [context.Process(target=_gloo_worker, args=(r, store, numel, repeats, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
     results = [queue.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=10)
+    folder.cleanup()
     sent = {"all_reduce": 4 * numel, "reduce_scatter": 2 * numel, "all_gather": 2 * numel}   # n = 2
     return {kind: sent[kind] / min(r[kind] for r in results) / GB for kind in COLLECTIVES}
 
 
-def _gloo_worker(rank: int, port: int, numel: int, repeats: int, queue) -> None:
-    import os
+def _gloo_worker(rank: int, store: str, numel: int, repeats: int, queue) -> None:
     import time
 
     import torch
     import torch.distributed as dist
 
     from nanoexp.parallel.collectives import all_gather_into, reduce_scatter_into
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     full, half = torch.ones(numel), torch.ones(numel // 2)
     calls = {"all_reduce": lambda: dist.all_reduce(full), "reduce_scatter": lambda: reduce_scatter_into(half, full, None),
              "all_gather": lambda: all_gather_into(full, half, None)}
@@ -180,8 +190,6 @@ def calibrate_cpu(threads: int | None = None, dtype: str = "float32") -> Hardwar
     all-reduce bandwidth between two local processes (a ~1 s micro-benchmark, which also gives reduce-scatter's and
     all-gather's rates beside it: `collective_speed`), used for links inside and between 'nodes';
     the fitted overheads above. A layout's ranks share it (`per_rank`)."""
-    import os
-
     import psutil
 
     from nanoexp.observe.peak import node_peak
@@ -193,7 +201,8 @@ def calibrate_cpu(threads: int | None = None, dtype: str = "float32") -> Hardwar
     peak, elementwise, attention = rates[-1][1:]
     memory = psutil.virtual_memory().total / GB
     return Hardware("this CPU", peak, peak, memory, elementwise, link, link, intra_latency_us=50.0,
-                    inter_latency_us=50.0, cuda_context_gb=CPU_RUNTIME_GB, cores=threads, gemm_efficiency=1.0, overlaps_comm=False,
+                    inter_latency_us=50.0, cuda_context_gb=CPU_RUNTIME_GB, cores=threads, gemm_efficiency=1.0,
+                    overlaps_comm=False, cpu=True, launch_us=0.0,
                     attention_efficiency=attention / peak, rates=rates,
                     collective_speed=tuple((kind, gloo[kind] / link) for kind in COLLECTIVES[1:]), **CPU_OVERHEADS)
 

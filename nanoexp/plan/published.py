@@ -22,7 +22,7 @@ from nanoexp.plan.cost import (
     predict,
 )
 from nanoexp.plan.hardware import GPUS, Hardware
-from nanoexp.plan.search import Choice, apply, problem_of, structures, variants
+from nanoexp.plan.search import Choice, apply, checked_structures, plain_copy, problem_of, variants
 
 MEGATRON_README = "NVIDIA/Megatron-LM README.md (images/model_table.png)"
 TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
@@ -166,10 +166,10 @@ def layout_rank(row: Row) -> tuple[int, int, list[str]]:
     """(rank, layouts, the faster layouts' names): where the row's layout stands among the distinct dp x cp x tp x pp layouts of its GPU
     count that are valid and fit, each at its fastest schedule, ZeRO stage and recomputation, with the row's
     micro-batch and framework. Memory is estimated only for candidates faster than the row's own prediction."""
-    cfg = config_of(row)
+    cfg = plain_copy(config_of(row))   # read ~10^4 times: a plain copy (search.Plain), its keys checked by compose
     own = predict(cfg, row.hw, 8, row.framework, with_memory=False).tokens_per_s_per_gpu
     faster, layouts = set(), set()
-    for structure, problem in structures(cfg, row.gpus, 8, (row.micro_batch,)):
+    for structure, problem in checked_structures(cfg, row.gpus, 8, (row.micro_batch,), each_key=False):
         if problem:
             continue
         key = structure[:5]
@@ -195,22 +195,23 @@ def check(row: Row) -> dict:
 
 
 def fit_constants(rows: list[Row], grid: dict[str, list[float]]) -> dict[str, float]:
-    """The values of cost.py's constants named in `grid` (every combination tried) that minimise the mean squared
-    log error of `rows`; cost.py is left as it was."""
+    """The values of the cost model's constants named in `grid` (cost.py's or comm.py's; every combination tried)
+    that minimise the mean squared log error of `rows`; the modules are left as they were."""
     import itertools
 
-    from nanoexp.plan import cost
-    saved = {name: getattr(cost, name) for name in grid}
+    from nanoexp.plan import comm, cost
+    owner = {name: comm if hasattr(comm, name) else cost for name in grid}
+    saved = {name: getattr(owner[name], name) for name in grid}
     configs = [config_of(row) for row in rows]
     best, best_loss = saved, math.inf
     try:
         for values in itertools.product(*grid.values()):
             for name, value in zip(grid, values):
-                setattr(cost, name, value)
+                setattr(owner[name], name, value)
             loss = sum(math.log(predicted(r, c) / r.value) ** 2 for r, c in zip(rows, configs)) / len(rows)
             if loss < best_loss:
                 best, best_loss = dict(zip(grid, values)), loss
     finally:
         for name, value in saved.items():
-            setattr(cost, name, value)
+            setattr(owner[name], name, value)
     return best

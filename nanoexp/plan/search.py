@@ -3,41 +3,76 @@
     from nanoexp.plan.search import rank
     ranking = rank(cfg, gpus=64, gpus_per_node=8, gpu="h100", top=5)
     for p in ranking.predictions:          # the fastest that fit, fastest first (cost.Prediction)
-        print(p.name, p.tokens_per_s_per_gpu, p.memory_gb, p.overrides())   # overrides: Hydra's, for train.py
-    ranking.reasons                         # {one line on why some are out: how many}
+        print(p.name, p.tokens_per_s_per_gpu, p.memory_gib, p.overrides())   # overrides: Hydra's, for train.py
+    ranking.reasons                         # {one line on why some are out: how many candidates}
 
-A candidate is a choice of dp x cp x tp x pp = gpus (ep dividing dp x cp and the experts, MoE only), the pipeline
-schedule (1f1b, interleaved_1f1b with 2 or 4 chunks, zb_h1, zbv, dualpipev; pp > 1 only), the ZeRO stage (0-3; 0 alone
-without dp x cp > 1), hybrid sharding at ZeRO 1-3 (`dp_shard` beside full sharding: only the dp_shard whose shard
-block dp_shard x cp x tp fills a node, so that ZeRO's gathers stay inside it and only the replicas' all-reduce
-crosses nodes; a smaller block would add traffic and save no memory against it), the micro-batch (1, 2, 4) and
-recomputation (off, on). nanoexp's own `validate` decides
-what is valid (as nanoexp/launch/planner.py does), tensor parallelism stays inside a node, and a layout fits
-when planner.estimate is at most HEADROOM of the GPU's memory. Memory is estimated for the fastest candidates
-only, until `top` of them fit: the rest are counted as slower.
+A candidate is a choice of dp x cp x tp x pp = gpus (ep dividing dp x cp and the experts, MoE only), a pipeline
+schedule of the registry (parallel/pipeline/schedules.py SCHEDULES, each with the chunks a rank its entry's
+plan_chunks names; pp > 1 only), the ZeRO stage (0-3; 0 alone without dp x cp > 1), hybrid sharding at ZeRO 1-3
+(`dp_shard` beside full sharding: only the dp_shard whose shard block dp_shard x cp x tp fills a node, so that
+ZeRO's gathers stay inside it and only the replicas' all-reduce crosses nodes; a smaller block would add traffic
+and save no memory against it), the micro-batch (1, 2, 4) and recomputation (off, on). nanoexp's own `validate`
+decides what is valid, tensor parallelism stays inside a node, and a layout fits when memory.py's estimate is at
+most HEADROOM of the GPU's memory. Only the candidates that can still be among the `top` are validated and priced
+in full (`Search`: branch and bound); the answer is the one of pricing every candidate.
 """
 from __future__ import annotations
 
-import copy
+import heapq
+import math
 import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanoexp.config import ConfigError
-from nanoexp.launch.planner import divisors
-from nanoexp.plan.cost import NANOEXP, Framework, Prediction, predict
-from nanoexp.plan.hardware import Hardware, hardware
+from omegaconf import OmegaConf
+
+from nanoexp.config import ConfigError, batch_accumulation
+from nanoexp.config_domains import schema_rules
+from nanoexp.model.shape import model_shape
+from nanoexp.parallel.layout import Layout
+from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.plan.cost import (
+    NANOEXP,
+    Framework,
+    Prediction,
+    StageTimes,
+    bound_terms,
+    bubble_seconds,
+    predict,
+    stage_times,
+    with_memory_of,
+)
+from nanoexp.plan.hardware import Hardware, hardware, per_rank
+from nanoexp.plan.memory import HEADROOM, first_rank_gib, limit_gib
 from nanoexp.validation import validate
 
 MICRO_BATCHES = (1, 2, 4)
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zb_h1", 1), ("zbv", 2),
-             ("dualpipev", 2))
 
 
-def problem_of(cfg, gpus: int) -> str | None:
-    """The first problem nanoexp's `validate` finds, or None (one line, with or without a list of several)."""
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Plain(dict):
+    """A plain copy of a config read by attribute (cfg.tokens.sequence_length) and .get, as a DictConfig is: the
+    search reads and sets a config ~10^5 times, which OmegaConf's checks make ~5x slower."""
+    __getattr__ = dict.__getitem__
+    __setattr__ = dict.__setitem__
+
+
+def plain_copy(cfg) -> Plain:
+    def plain(value):
+        if isinstance(value, dict):
+            return Plain({key: plain(item) for key, item in value.items()})
+        return [plain(item) for item in value] if isinstance(value, list) else value
+    return plain(OmegaConf.to_container(cfg, resolve=True))
+
+
+def problem_of(cfg, gpus: int, each_key: bool = True) -> str | None:
+    """The first problem nanoexp's `validate` finds, or None (one line, with or without a list of several);
+    `each_key=False` for a Plain copy whose keys were checked (validate's)."""
     try:
-        validate(cfg, world_size=gpus, unread_keys=False)   # tp_mode, cp_mode...: the user's, for any layout
+        validate(cfg, world_size=gpus, unread_keys=False, each_key=each_key)   # tp_mode, cp_mode...: the user's
     except ConfigError as error:
         lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
         return (lines[1] if len(lines) > 1 else lines[0]).removeprefix("invalid config: ")
@@ -80,17 +115,30 @@ def layouts(cfg, gpus: int):
                         yield dp, cp, ep, tp, pp
 
 
+def planned_schedules(pp: int) -> list[tuple[str, int]]:
+    """(schedule, chunks a rank) the search tries: each of the schedule registry's with each of its entry's
+    plan_chunks; with one stage only the first that runs one chunk (they are all the same)."""
+    planned = [(name, v) for name, schedule in SCHEDULES.items() for v in schedule.plan_chunks]
+    return planned if pp > 1 else [next((name, v) for name, v in planned if v == 1)]
+
+
 def structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...] = MICRO_BATCHES):
-    """(Choice at ZeRO-0 without recomputation, problem or None) for every layout, schedule and micro-batch."""
+    """Every layout, schedule and micro-batch as a Choice at ZeRO-0 without recomputation, valid or not."""
     for dp, cp, ep, tp, pp in layouts(cfg, gpus):
-        for schedule, v in SCHEDULES if pp > 1 else (("1f1b", 1),):
+        for schedule, v in planned_schedules(pp):
             for mb in micro_batches:
-                choice = Choice(dp, cp, ep, tp, pp, schedule, v, mb, 0, False)
-                if tp > gpus_per_node:
-                    yield choice, f"tensor parallelism wider than a node (tp > {gpus_per_node})"
-                    continue
-                apply(cfg, choice)
-                yield choice, problem_of(cfg, gpus)
+                yield Choice(dp, cp, ep, tp, pp, schedule, v, mb, 0, False)
+
+
+def checked_structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...] = MICRO_BATCHES,
+                       each_key: bool = True):
+    """(structure, its problem or None) of every structure (tp wider than a node is one); `each_key`: problem_of's."""
+    for choice in structures(cfg, gpus, gpus_per_node, micro_batches):
+        if choice.tp > gpus_per_node:
+            yield choice, f"tensor parallelism wider than a node (tp > {gpus_per_node})"
+            continue
+        apply(cfg, choice)
+        yield choice, problem_of(cfg, gpus, each_key)
 
 
 def shard_degrees(choice: Choice, gpus_per_node: int) -> list[int | None]:
@@ -114,14 +162,21 @@ def variants(choice: Choice, gpus_per_node: int | None = None):
 
 @dataclass
 class Ranking:
-    """The `top` fastest candidates that fit (fastest first), why the others are out, and every valid
-    candidate's prediction without memory (`timed`, fastest first) for callers that need the whole order."""
+    """The `top` fastest candidates that fit (fastest first), why the others are out (one line a reason: how many
+    candidates), and how many were priced in full (time and memory)."""
     predictions: list[Prediction]
     reasons: dict[str, int] = field(default_factory=dict)
-    timed: list[tuple[Choice, Prediction]] = field(default_factory=list)
+    priced: int = 0
+    examples: dict[str, str] = field(default_factory=dict)   # a reason (its numbers masked): one as it was said
 
     def reason_lines(self) -> list[str]:
         return [f"{count:>6} {reason}" for reason, count in sorted(self.reasons.items(), key=lambda kv: -kv[1])]
+
+    def most_common(self) -> tuple[str, int]:
+        """(the reason most candidates are out for, one instance of it with its numbers, how many), ("", 0) when
+        none is out."""
+        reason, count = max(self.reasons.items(), key=lambda kv: kv[1], default=("", 0))
+        return self.examples.get(reason, reason), count
 
 
 def rank(cfg, gpus: int, gpus_per_node: int, gpu: str | Hardware, top: int | None = 5,
@@ -129,35 +184,170 @@ def rank(cfg, gpus: int, gpus_per_node: int, gpu: str | Hardware, top: int | Non
     """Rank every valid layout of `gpus` GPUs (`gpus_per_node` a node) of kind `gpu` (hardware.GPUS' names, "cpu",
     or a Hardware) for the model, sequence and global batch of `cfg` (a composed config; it is not changed).
     Returns the `top` fastest that fit (all that fit when top is None) as cost.Prediction, each with
-    `overrides()` giving its Hydra overrides, and a count per reason of what is out."""
+    `overrides()` giving its Hydra overrides, and a count per reason of what is out. The order is that of pricing
+    every candidate in full (ties: the order of enumeration); only those that can still win are (`Search`)."""
     hw = hardware(gpu) if isinstance(gpu, str) else gpu
-    work = copy.deepcopy(cfg)
-    reasons: dict[str, int] = {}
-    timed = []
-    for structure, problem in structures(work, gpus, gpus_per_node):
-        if problem:   # one line per kind of problem: its numbers masked
-            key = "invalid: " + re.sub(r"\d+", "#", problem)
-            reasons[key] = reasons.get(key, 0) + 1
-            continue
-        for choice in variants(structure, gpus_per_node):
-            apply(work, choice)
-            hybrid_problem = choice.dp_shard is not None and problem_of(work, gpus)   # ep, Muon (validation)
-            if hybrid_problem:
-                key = "invalid: " + re.sub(r"\d+", "#", hybrid_problem)
-                reasons[key] = reasons.get(key, 0) + 1
+    key_problem = next((message for ok, message in schema_rules(cfg) if not ok), None)
+    if key_problem:   # a key out of its domain: every layout has it
+        return Ranking([], {f"invalid: {key_problem}": 1})
+    return Search(cfg, gpus, gpus_per_node, hw, framework).run(top)
+
+
+class Search:
+    """Branch and bound over the structures (layout, schedule, micro-batch) of a GPU count, each with
+    recomputation off and on (a half). A half's bound (cost.step_bound) is a step none of its ZeRO and sharding
+    variants undercuts, tightened as it comes to the front: first from its compute, the pipeline's fill and the
+    collectives inside its layers, then with its simulated bubble (validated first), and then it is expanded
+    (every variant timed). The timed variants are taken fastest first, each priced in full (hybrid sharding
+    validated, its memory estimated), while no half left could hold a faster one: the order is that of pricing
+    every candidate in full (ties: the order of enumeration). What never comes to the front is counted only."""
+
+    def __init__(self, cfg, gpus: int, gpus_per_node: int, hw: Hardware, fw: Framework):
+        self.cfg, self.gpus, self.gpus_per_node, self.hw, self.fw = plain_copy(cfg), gpus, gpus_per_node, hw, fw
+        self.shape, self.device = model_shape(self.cfg), per_rank(hw, gpus)   # every layout has `gpus` ranks
+        self.reasons: dict[str, int] = {}
+        self.examples: dict[str, str] = {}   # an invalid reason as counted (masked): one instance of it
+        self.priced = 0
+        self.problems: dict[int, str | None] = {}   # a structure's problem by its index (both halves ask)
+        self.cache: dict[tuple, tuple] = {}   # (index, recompute[, "terms"]) -> cost.stage_times (bound_terms)
+
+    def count(self, reason: str, n: int = 1) -> None:
+        self.reasons[reason] = self.reasons.get(reason, 0) + n
+
+    def invalid(self, problem: str, n: int = 1) -> None:
+        """Count `n` candidates `validate` refuses: one line a kind of problem (its numbers masked), one kept whole."""
+        self.count("invalid: " + masked(problem), n)
+        self.examples.setdefault("invalid: " + masked(problem), "invalid: " + problem)
+
+    def run(self, top: int | None) -> Ranking:
+        frontier, heap, fitting = self.frontier(), [], []
+        while top is None or len(fitting) < top:
+            while frontier and (not heap or frontier[0][0] <= heap[0][0]):
+                refined, timed = self.refine(*heapq.heappop(frontier))
+                for entry in refined:
+                    heapq.heappush(frontier, entry)
+                for entry in timed:
+                    heapq.heappush(heap, entry)
+            if not heap:
+                break
+            prediction = self.price(*heapq.heappop(heap)[-2:])
+            if prediction is not None:
+                fitting.append(prediction)
+        left = len(heap) + sum(len(self.half(structure, recompute)) for _, _, recompute, structure, _ in frontier)
+        if left:
+            self.count(f"could not beat the top {top} (bounded: not validated or priced in full)", left)
+        return Ranking(fitting, self.reasons, self.priced, self.examples)
+
+    def half(self, structure: Choice, recompute: bool) -> list[Choice]:
+        return [c for c in variants(structure, self.gpus_per_node) if c.recompute == recompute]
+
+    def frontier(self) -> list[tuple]:
+        """A heap of (-bound, enumeration index, recompute, structure, level 0) of both halves of every structure
+        whose tp stays inside a node: at first both bounded by the compute without recomputation (cost.stage_times)
+        alone; a structure whose times cannot be computed first (validation then says why)."""
+        out = []
+        for index, structure in enumerate(structures(self.cfg, self.gpus, self.gpus_per_node)):
+            if structure.tp > self.gpus_per_node:
+                self.count(f"invalid: tensor parallelism wider than a node (tp > {self.gpus_per_node})",
+                           len(list(variants(structure, self.gpus_per_node))))
                 continue
-            timed.append((choice, predict(work, hw, gpus_per_node, framework, with_memory=False)))
-    timed.sort(key=lambda item: -item[1].tokens_per_s_per_gpu)
-    fitting = []
-    for index, (choice, _) in enumerate(timed):
-        if top is not None and len(fitting) == top:
-            reasons[f"slower than the top {top} (memory not estimated)"] = len(timed) - index
-            break
-        apply(work, choice)
-        prediction = predict(work, hw, gpus_per_node, framework)
-        if prediction.fits:
-            fitting.append(prediction)
-        else:
-            key = f"does not fit: estimate above {hw.memory_gb:g} GB x headroom"
-            reasons[key] = reasons.get(key, 0) + 1
-    return Ranking(fitting, reasons, timed)
+            apply(self.cfg, structure)
+            try:
+                times = self.times(index)
+                m = batch_accumulation(self.cfg)
+                bound = -self.tokens(m * (times.forward + times.backward) * (1 - 1e-9)
+                                     * min(1.0, self.hw.cores / self.gpus if self.hw.cores else 1.0))
+            except (ValueError, ZeroDivisionError, KeyError):
+                bound = -math.inf
+            out += [(bound, index, False, structure, 0), (bound, index, True, structure, 0)]
+        heapq.heapify(out)
+        return out
+
+    def tokens(self, step: float) -> float:
+        """tokens/s per GPU of a step of `step` seconds (infinite for none: a layout that cannot run, which
+        validation then names)."""
+        tokens = self.cfg.tokens.global_batch_size * self.cfg.tokens.sequence_length
+        return tokens / step / self.gpus if step > 0 else math.inf
+
+    def refine(self, bound: float, index: int, recompute: bool, structure: Choice, level: int) -> tuple[list, list]:
+        """(frontier entries, timed entries) of the half at its next level: level 0 bounded with its own compute,
+        fill and layer collectives (1); level 1 validated and bounded with its bubble (2); level 2 expanded (timed:
+        `expand`). Neither for an invalid one (counted)."""
+        apply(self.cfg, structure._replace(recompute=recompute))
+        if level == 1 and self.problem(index) is not None:
+            self.invalid(self.problems[index], len(self.half(structure, recompute)))
+            return [], []
+        try:
+            times = self.times(index, recompute)
+            compute, collectives, hop = self.terms(index, recompute, times)
+            if self.hw.cores or level == 2:   # a CPU's bound is its compute alone (cost.predict lends idle cores)
+                bubble = 0.0
+            elif level == 0:
+                bubble = (structure.pp - 1) / structure.virtual_stages * times.forward   # the fill: bubble_seconds
+            else:
+                layout = Layout.from_config(self.cfg)
+                bubble = bubble_seconds(layout, batch_accumulation(self.cfg), times.forward, times.backward, hop)
+        except (ValueError, ZeroDivisionError, KeyError):
+            if self.problem(index) is None:
+                raise
+            return self.refine(bound, index, recompute, structure, 1)   # counted as invalid
+        if level < 2:
+            shared = min(1.0, self.hw.cores / self.gpus) if self.hw.cores else 1.0
+            step = (compute + bubble + collectives * (not self.hw.cores)) * shared * (1 - 1e-9)
+            return [(-self.tokens(step), index, recompute, structure, level + 1)], []
+        return [], self.expand(index, structure, recompute, times)
+
+    def terms(self, index: int, recompute: bool, times) -> tuple[float, float, float]:
+        """cost.bound_terms of the half applied now, once a half."""
+        if (index, recompute, "terms") not in self.cache:
+            self.cache[index, recompute, "terms"] = bound_terms(self.cfg, self.hw, self.gpus_per_node, self.fw,
+                                                                      self.shape, times)
+        return self.cache[index, recompute, "terms"]
+
+    def times(self, index: int, recompute: bool = False) -> StageTimes:
+        """cost.stage_times of the structure applied now (with `recompute`), once a half."""
+        if (index, recompute) not in self.cache:
+            layout = Layout.from_config(self.cfg)
+            self.cache[index, recompute] = stage_times(self.cfg, layout, self.shape, self.device, self.fw)
+        return self.cache[index, recompute]
+
+    def problem(self, index: int) -> str | None:
+        """The problem of the structure applied now (validate's), once a structure."""
+        if index not in self.problems:
+            self.problems[index] = problem_of(self.cfg, self.gpus, each_key=False)
+        return self.problems[index]
+
+    def expand(self, index: int, structure: Choice, recompute: bool, times) -> list[tuple]:
+        """Heap entries (-tokens/s per GPU, index, variant, Choice, Prediction without memory) of every ZeRO and
+        sharding variant of a valid half."""
+        entries = []
+        for n, choice in enumerate(variants(structure, self.gpus_per_node)):
+            if choice.recompute != recompute:
+                continue
+            apply(self.cfg, choice)
+            prediction = predict(self.cfg, self.hw, self.gpus_per_node, self.fw, with_memory=False, shape=self.shape,
+                                 times=times)
+            entries.append((-prediction.tokens_per_s_per_gpu, index, n, choice, prediction))
+        return entries
+
+    def price(self, choice: Choice, timed: Prediction) -> Prediction | None:
+        """The variant priced in full (its memory), or None when it is invalid (hybrid sharding's own rules) or
+        does not fit (counted)."""
+        apply(self.cfg, choice)
+        problem = choice.dp_shard is not None and problem_of(self.cfg, self.gpus, each_key=False)
+        if problem:
+            self.invalid(problem)
+            return None
+        self.priced += 1
+        limit = limit_gib(self.device.memory_gb)
+        too_big = first_rank_gib(self.cfg, self.device.cuda_context_gb, self.shape) * (1 - 1e-9) > limit
+        prediction = None if too_big else with_memory_of(timed, self.cfg, self.device, self.shape)
+        if prediction is None or not prediction.fits:
+            self.count(f"does not fit: estimate above {limit_gib(self.device.memory_gb):.1f} GiB "
+                       f"({HEADROOM:.0%} of {self.device.memory_gb:g} GB)")
+            return None
+        return prediction
+
+def masked(problem: str) -> str:
+    """A problem with its numbers as # (one line a kind of problem); digits inside names stay (interleaved_1f1b)."""
+    return re.sub(r"\b\d+\b", "#", problem)

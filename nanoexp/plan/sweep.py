@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from nanoexp.config import ConfigError, normalize
-from nanoexp.launch.sweep_report import PLAN_FILE
+from nanoexp.observe.summary import PLAN_FILE
 from nanoexp.plan.hardware import GPUS, Hardware, hardware
 from nanoexp.plan.search import rank
 
@@ -80,7 +80,7 @@ def prediction_record(prediction, gpus: int, cfg) -> dict:
     """What plan.json keeps of a job's prediction: the step and the tokens/s of all its processes."""
     return {"layout": prediction.name, "step_time_s": prediction.step_time_s,
             "tokens_per_s": prediction.tokens_per_s_per_gpu * gpus, "mfu": prediction.mfu,
-            "memory_gb": prediction.memory_gb, "zero_stage": prediction.zero_stage,
+            "memory_gib": prediction.memory_gib, "zero_stage": prediction.zero_stage,
             "micro_batch": prediction.micro_batch, "recompute": prediction.recompute,
             "tokens_per_step": cfg.tokens.global_batch_size * cfg.tokens.sequence_length}
 

@@ -30,6 +30,28 @@ GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embed
           "expert_shard")
 
 
+_HELD: dict[tuple, tuple[int, tuple[int, ...], int]] = {}
+
+
+def held_by_rank(shape, layout: Layout, pp_rank: int) -> tuple[int, tuple[int, ...], int]:
+    """(parameters pipeline rank `pp_rank` holds per tp rank, layers of each of its chunks, routed experts' share of
+    them): memory_estimate.held_parameters and held_modules, kept by shape and layout (the planner asks often)."""
+    key = (repr(shape), layout, pp_rank)
+    if key not in _HELD:
+        held, chunks = held_parameters(shape, layout, pp_rank)
+        experts = sum(module.experts for module in held_modules(shape, layout, pp_rank))   # ep > 1 only
+        _HELD[key] = held, tuple(chunks), experts
+    return _HELD[key]
+
+
+def matrix_share(shape, layout: Layout, pp_rank: int) -> float:
+    """Of the parameters ZeRO shards over dp x cp on this rank (not the routed experts), the share in the decoder
+    layers' matrices: what a number format gathers narrower at ZeRO-3 (memory_estimate.gathered_narrow's)."""
+    held, _, experts = held_by_rank(shape, layout, pp_rank)
+    matrices = sum(max(u.hidden_matrices - u.experts, 0) for u in held_modules(shape, layout, pp_rank))
+    return matrices / (held - experts) if held > experts else 0.0
+
+
 def ring(n: int) -> float:
     """What an all-reduce sends per byte of its tensor."""
     return 2 * (n - 1) / n
@@ -93,9 +115,8 @@ def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, fl
     first, last, sp = pp_rank == 0, pp_rank == layout.head_rank, layout.sequence_parallel
     act = activation_bytes(cfg)
     out = {name: 0.0 for name in GROUPS}
-    held, chunks = held_parameters(shape, layout, pp_rank)
+    held, chunks, experts = held_by_rank(shape, layout, pp_rank)
     layers = sum(chunks)
-    experts = sum(module.experts for module in held_modules(shape, layout, pp_rank))   # ep > 1 only
     hybrid = layout.replicas > 1
     if layout.dp_cp > 1:   # every cp rank holds the full weights: gradients over dp x cp
         scalars = 1 + last   # the step loss; the target-token count on the loss stage

@@ -195,6 +195,8 @@ class Schedule:
     micro_batch_per_stage: bool = False  # a step needs at least one micro-batch per virtual stage (m >= pp·v)
     splits_backward: bool = False  # runs B and W apart ("W" steps: weight_grad.py)
     placement: str = "loop"        # where each rank's chunks sit among the virtual stages (stages.py)
+    plan_chunks: tuple = (1,)      # the chunks a rank scripts/plan.py tries it with (nanoexp/plan/search.py), which
+    #                                prices it by simulating `plan` (splits_backward: W apart); () never tried
 
     def stages(self, pp: int, v: int) -> StageMap:
         return StageMap(pp, v, self.placement)
@@ -230,13 +232,15 @@ class Schedule:
         return problems
 
 
-SCHEDULES = {"afab": Schedule(all_forward_all_backward), "1f1b": Schedule(one_forward_one_backward),
+# afab is not planned: 1f1b's bubble, holding every micro-batch's activations at once
+SCHEDULES = {"afab": Schedule(all_forward_all_backward, plan_chunks=()),
+             "1f1b": Schedule(one_forward_one_backward),
              "interleaved_1f1b": Schedule(interleaved_one_forward_one_backward, chunks="several",
-                                          micro_batches_per_pp=True),
+                                          micro_batches_per_pp=True, plan_chunks=(2, 4)),
              "zb_h1": Schedule(zero_bubble_h1, splits_backward=True),
-             "zbv": Schedule(zero_bubble_v, chunks="two", splits_backward=True, placement="v"),
+             "zbv": Schedule(zero_bubble_v, chunks="two", splits_backward=True, placement="v", plan_chunks=(2,)),
              "dualpipev": Schedule(dualpipe_v, chunks="two", micro_batch_per_stage=True, splits_backward=True,
-                                   placement="v")}
+                                   placement="v", plan_chunks=(2,))}
 
 
 def stage_map(name: str, pp: int, v: int) -> StageMap:
@@ -285,8 +289,12 @@ def _every_rank(name: str, pp: int, v: int, m: int, forward_only: bool) -> tuple
 
 
 def compute_order(name: str, pp: int, v: int, m: int, pp_rank: int, forward_only: bool = False) -> list[Step]:
-    """The compute steps of `schedule`, without its messages."""
-    return [step for step in schedule(name, pp, v, m, pp_rank, forward_only) if step[0] in ("F", "B", "W")]
+    """The compute steps of `schedule`, without its messages: its plan's groups in order (`schedule` only adds
+    the messages between them), built without the messages."""
+    if forward_only:
+        return [step for step in schedule(name, pp, v, m, pp_rank, forward_only) if step[0] in ("F", "B", "W")]
+    check_shape(name, pp, v, m)
+    return [op for group in SCHEDULES[name].plan(pp, v, m, pp_rank)[0] for op in group]
 
 
 def _with_batches(groups, merged, stages: StageMap, pp_rank: int) -> list[Step]:

@@ -1,22 +1,16 @@
-"""The layout planner of scripts/make_config.py: every dp x cp x tp x pp layout of a GPU count, each at the lowest
-ZeRO stage whose estimated memory fits, and the one with the least model parallelism.
+"""scripts/make_config.py's chooser, memory only: every dp x cp x tp x pp layout of a GPU count, each at the lowest
+ZeRO stage whose estimated memory fits (memory.py), and the one with the least model parallelism.
 
-- Every layout of `gpus` processes (cp as the config has it) is checked with nanoexp's own `validate` (heads, KV
-  heads, vocabulary and MLP width divisible by tp, no more stages than layers, global batch divisible by dp x
-  micro-batch, sequence by 2 x cp) and with tp <= GPUs per node (tensor parallelism stays inside a node).
-- A layout's lowest ZeRO stage that fits is the lowest whose estimate is at most HEADROOM of the GPU's memory.
-  Lower stages are cheaper (`dp_traffic_bytes`): ZeRO-0 and 1 move the bytes of one all-reduce of the gradients per
-  step, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3 also an all-gather of the parameters before each forward and
-  each backward. Without dp x cp > 1 only ZeRO-0 applies.
+- Every layout of `gpus` processes (cp as the config has it) is checked with nanoexp's own `validate`
+  (search.problem_of) and with tp <= GPUs per node (tensor parallelism stays inside a node).
+- A layout's lowest ZeRO stage that fits is the lowest whose estimate (memory.estimate) is at most HEADROOM of the
+  GPU's memory. Lower stages are cheaper (`dp_traffic_bytes`): ZeRO-0 and 1 move the bytes of one all-reduce of
+  the gradients per step, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3 also an all-gather of the parameters
+  before each forward and each backward. Without dp x cp > 1 only ZeRO-0 applies.
 - Of the fitting layouts the smallest tp*pp wins, then the smallest pp (a pipeline adds a bubble, tensor
   parallelism inside a node does not), then the lowest ZeRO stage: ZeRO's collectives overlap the computation,
   where tp's sit between a layer's matmuls and pp idles in the bubble.
-
-The estimate (bytes per GPU) is nanoexp/observe/memory_estimate.py's for the busiest pipeline stage, plus what a
-GPU adds: under bf16 autocast the bf16 copies of the weights it keeps during a step (2 B per parameter held,
-whatever the stage: each matmul saves its weight's cast for backward, even where ZeRO-3 frees the float32 unit),
-and the CUDA context (memory.CUDA_CONTEXT_MB, a nominal allowance). It leaves out allocator fragmentation and
-NCCL's buffers: hence the 10% margin.
+scripts/plan.py ranks the same layouts by predicted speed instead (search.py, cost.py).
 """
 from __future__ import annotations
 
@@ -24,34 +18,15 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from nanoexp.config import ConfigError, batch_accumulation
-from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
-from nanoexp.observe.memory_estimate import busiest_rank_estimate, held_parameters, total
-from nanoexp.parallel.layout import Layout
-from nanoexp.parallel.zero.units import ZeroStage
+from nanoexp.config import batch_accumulation
 from nanoexp.model.shape import model_shape
-from nanoexp.validation import validate
+from nanoexp.observe.memory_estimate import held_parameters
+from nanoexp.parallel.layout import Layout
+from nanoexp.plan.memory import GIB, HEADROOM, estimate, limit_gib
+from nanoexp.plan.search import divisors, problem_of
+from nanoexp.plan.traffic import zero_passes
 
-GIB = 1024 ** 3
-HEADROOM = 0.9
 ZERO_STAGES = (0, 1, 2, 3)   # in the order of their communication per step
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def estimate(cfg) -> dict[str, float]:
-    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: nanoexp.observe.memory_estimate's estimate of
-    the busiest pipeline stage (what scripts/estimate_memory.py prints), plus what a GPU adds: the bf16 copies of the
-    weights autocast keeps during a step, and the CUDA context. `transient` is the largest of what a step's moments
-    add (memory.total): activations with ZeRO-2/3's units in flight, or AdamW's temporaries at the update."""
-    shape = model_shape(cfg)
-    pp_rank, parts = busiest_rank_estimate(cfg, shape, "cuda")
-    held, _ = held_parameters(shape, Layout.from_config(cfg), pp_rank)
-    state = {kind: parts[kind] for kind in ("parameters", "gradients", "optimizer")}
-    return {**state, "weight_copies": 2 * held if cfg.model.dtype == "bfloat16" else 0,
-            "transient": total(parts) - sum(state.values()), "cuda_context": CUDA_CONTEXT_MB * MB}
 
 
 def dp_traffic_bytes(cfg) -> float:
@@ -68,25 +43,13 @@ def dp_traffic_bytes(cfg) -> float:
     one = 4 * held * (n - 1) / n
     # the replicas all-reduce each rank's shard once a step (nanoexp/plan/traffic.py's hybrid_sent_bytes)
     across = 2 * (replicas - 1) / replicas * 4 * held / n
-    passes = ZeroStage(int(cfg.optimizer.zero_stage)).collectives(batch_accumulation(cfg),
-                                                              cfg.optimizer.zero3_reshard_after_forward)
-    return sum(passes.values()) * one + across
+    return zero_passes(cfg, batch_accumulation(cfg)) * one + across
 
 
 def with_stage(cfg, stage: int):
     staged = copy.deepcopy(cfg)
     staged.optimizer.zero_stage = stage
     return staged
-
-
-def problem_of(cfg, gpus: int) -> str | None:
-    """The first problem `validate` finds in this config, or None."""
-    try:
-        validate(cfg, world_size=gpus, unread_keys=False)   # the user's tp_mode, cp_mode...: read on some layouts
-    except ConfigError as error:
-        lines = str(error).splitlines()
-        return (lines[1] if len(lines) > 1 else lines[0]).strip(" -").removeprefix("invalid config: ")
-    return None
 
 
 def candidates(base, gpus: int, gpus_per_node: int):
@@ -141,7 +104,7 @@ def print_option(option: Option) -> None:
 def choose(base, gpus: int, gpus_per_node: int, memory_gb: float) -> Option | None:
     """Print the estimate of every layout at its lowest fitting ZeRO stage; return the chosen one (None when
     nothing fits)."""
-    budget = HEADROOM * memory_gb * GIB
+    budget = limit_gib(memory_gb) * GIB
     print(f"{'layout':<12}{'ZeRO':>5}{'params':>9}{'grads':>9}{'optim':>9}{'bf16 w':>9}{'transient':>10}{'context':>8}"
           f"{'total':>9}  {'':<8} total by ZeRO stage  (GiB per GPU; budget {budget / GIB:.1f})")
     fitting = []
@@ -164,7 +127,7 @@ def choose(base, gpus: int, gpus_per_node: int, memory_gb: float) -> Option | No
 
 def explain(option: Option, memory_gb: float) -> str:
     """Why this layout and stage: the stages below it that did not fit, and what each stage sends per step."""
-    cfg, budget = option.cfg, HEADROOM * memory_gb * GIB
+    cfg, budget = option.cfg, limit_gib(memory_gb) * GIB
     lines = [f"chosen: {layout(cfg)} with ZeRO-{option.stage}: the fitting layout with the least model parallelism "
              f"(tp x pp = {cfg.parallelism.tp * cfg.parallelism.pp}), {batch_accumulation(cfg)} micro-batches per step "
              f"and replica"]
