@@ -41,6 +41,11 @@ class RecomputePolicy:
         """Whether layer n (its global index) runs its forward again in backward."""
         return self.mode in ("full", "selective") or (self.mode == "every_k" and n % self.every == self.every - 1)
 
+    def share(self, layers) -> float:
+        """The fraction of `layers` (global indices) that run their forward again in backward."""
+        layers = list(layers)
+        return sum(map(self.recomputes, layers)) / len(layers) if layers else 0.0
+
     def describe(self, layers: int) -> str | None:
         """The console's line for a model of `layers` layers (None: none without offload, the default)."""
         offload = "; the layers not recomputed keep their activations in pinned host memory" if self.offload else ""
