@@ -5,6 +5,7 @@ estimate says (counted from the tensors), and a bad setting stops at start-up wi
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -239,3 +240,51 @@ def test_the_start_up_line_says_what_each_layer_keeps():
         "activations: recomputed in backward for layers 2, 5 (every 3), each keeping its input")
     assert "the outputs of its attention ops" in RecomputePolicy("selective", saved=("attention",)).describe(6)
     assert "pinned host memory" in RecomputePolicy("none", offload=True).describe(6)
+
+
+# -- the planner prices and searches the modes (nanoexp/plan/) -----------------------------------------------------
+def _plan_config(mode_overrides, layout=("parallelism.dp=8", "parallelism.tp=8", "parallelism.tp_mode=reduce_scatter")):
+    from nanoexp.config import normalize
+    cfg = compose_config(["model=llama3_70b", "tokens.sequence_length=8192", "tokens.global_batch_size=64",
+                          "tokens.micro_batch_size=1", "optimizer.zero_stage=3", *layout, *mode_overrides])
+    normalize(cfg)
+    return cfg
+
+
+def test_the_planner_prices_each_mode_between_none_and_full():
+    """70B on 64 H100s as dp8 tp8 (SP, ZeRO-3): time grows none < selective < full (selective reruns no product),
+    every_k between none and full; memory shrinks the other way; selective reruns the collectives full does
+    (tp's in-place reductions and gathers: traffic.py), every_k half as many more."""
+    from nanoexp.plan.cost import predict
+    from nanoexp.plan.hardware import GPUS
+    from nanoexp.plan.traffic import sent_bytes
+    modes = ("none", "selective", "every_k", "full")
+    cfgs = {mode: _plan_config([f"parallelism.recompute={mode}"]) for mode in modes}
+    p = {mode: predict(cfg, GPUS["h100"], 8) for mode, cfg in cfgs.items()}
+    assert p["none"].step_time_s < p["selective"].step_time_s < p["full"].step_time_s
+    assert p["none"].step_time_s < p["every_k"].step_time_s < p["full"].step_time_s
+    assert p["none"].memory_gib > p["selective"].memory_gib > p["full"].memory_gib
+    assert p["none"].memory_gib > p["every_k"].memory_gib > p["full"].memory_gib
+    assert [p[mode].recompute for mode in modes] == list(modes)
+    assert "parallelism.recompute=selective" in p["selective"].overrides()
+    tp = {mode: sent_bytes(cfg, Layout.from_config(cfg), model_shape(cfg), 0, 64)["tp"] for mode, cfg in cfgs.items()}
+    assert tp["selective"] == tp["full"] > tp["none"]
+    assert tp["every_k"] - tp["none"] == pytest.approx((tp["full"] - tp["none"]) / 2, rel=1e-9)
+
+
+def test_the_planner_searches_the_modes_its_command_line_names(capsys):
+    """Llama 3 8B on 64 H100s at 8192 tokens (1M a step): with every mode, the planner's best few include
+    selective recomputation (dp64 ZeRO-3 fits with it); --json names each plan's
+    mode; --recompute none,full leaves selective and every_k out; a mode it does not know is one line, exit 2."""
+    from nanoexp.plan.cli import main
+    args = ["model=llama3_8b", "--gpus", "64", "--seq", "8192", "--global-batch-tokens", "1048576", "--top", "5",
+            "--json"]
+    assert main(args) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert "selective" in {p["recompute"] for p in every}
+    assert all(f"parallelism.recompute={p['recompute']}" in p["overrides"] for p in every)
+    assert main(args + ["--recompute", "none,full"]) == 0
+    assert {p["recompute"] for p in json.loads(capsys.readouterr().out)} <= {"none", "full"}
+    assert main(args + ["--recompute", "none,sometimes"]) == 2
+    assert capsys.readouterr().err.strip() == ("plan.py: error: --recompute: 'none,sometimes': modes are none, "
+                                               "selective, every_k, full, comma-separated")
