@@ -3,14 +3,16 @@ activation memory per rank, measured and estimated, and the step time.
 
     python benchmarks/bench_recompute.py                                  # small and medium; 1 process, tp2, pp2
     python benchmarks/bench_recompute.py --models small --layouts dp1tp2pp1 --modes none selective --steps 5
+    python benchmarks/bench_recompute.py --models small --rounds 3     # the cases in turns: load hits all alike
 
 A case is a model, a layout (a conf/parallelism name) and a mode (`selective:attention` keeps attention's outputs
 only). Each runs in fresh workers (nanoexp.launch.workers.spawn_local), one Trainer a rank: the first step's forward
 and backward under LiveTensorPeak (nanoexp/instruments/memory.py: the tensors the step creates, counted from the
 tensors, the same on any CPU; parameters and gradient buffers exist before), against the estimate's activations
 for the rank's pipeline stage (nanoexp/observe/memory_estimate.py); then `--warmup` and `--steps` whole training
-steps, timed on rank 0 (the median wall time, and the CPU time of rank 0's threads, which a loaded machine moves
-less). Memory is exact and repeatable; times depend on the machine and its load.
+steps, timed on rank 0 (the median wall time over the rounds, and the CPU time of rank 0's threads). Memory is
+exact and repeatable; times depend on the machine and its load (--rounds runs the cases in turns, so that a
+changing load hits every mode alike).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import compose
+from benchmarks.harness import compose, in_turns
 from nanoexp.instruments.memory import MB, LiveTensorPeak
 from nanoexp.launch.workers import WorkerFailed, spawn_local, start_method
 from nanoexp.model.shape import model_shape
@@ -85,27 +87,30 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="each case this many times, the cases in turns")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cases = [(model, layout, mode) for model in args.models for layout in args.layouts for mode in args.modes]
+    runs: dict[tuple, list] = {}
+    for _, case in in_turns(cases, args.rounds):   # background load hits every mode alike
+        try:
+            runs.setdefault(case, []).append(run_case(*case, args))
+        except WorkerFailed as error:
+            print(f"{' '.join(case)} failed: {error}", flush=True)
     print(f"{'model':<7}{'layout':<11}{'mode':<21}{'rank':>4}{'measured MB':>12}{'estimated MB':>13}{'est/meas':>9}"
           f"{'step s':>8}{'vs none':>8}{'CPU s':>8}{'vs none':>8}")
-    for model in args.models:
-        for layout in args.layouts:
-            base = cpu_base = None
-            for mode in args.modes:
-                try:
-                    ranks = run_case(model, layout, mode, args)
-                except WorkerFailed as error:
-                    print(f"{model:<7}{layout:<11}{mode:<21} failed: {error}")
-                    continue
-                step, cpu = statistics.median(ranks[0]["times"]), statistics.median(ranks[0]["cpu_times"])
-                base, cpu_base = (step, cpu) if mode == "none" else (base, cpu_base)
-                for rank, r in enumerate(ranks):
-                    print(f"{model:<7}{layout:<11}{mode:<21}{rank:>4}{r['measured'] / MB:>12.1f}"
-                          f"{r['estimated'] / MB:>13.1f}{r['estimated'] / r['measured']:>9.3f}{step:>8.3f}"
-                          f"{(step / base if base else float('nan')):>8.2f}{cpu:>8.2f}"
-                          f"{(cpu / cpu_base if cpu_base else float('nan')):>8.2f}", flush=True)
+    for model, layout, mode in (case for case in cases if case in runs):
+        ranks = runs[model, layout, mode][0]
+        step, cpu = (statistics.median(t for run in runs[model, layout, mode] for t in run[0][key])
+                     for key in ("times", "cpu_times"))
+        base = runs.get((model, layout, "none"))
+        base_step, base_cpu = ((statistics.median(t for run in base for t in run[0][key]) for key in
+                                ("times", "cpu_times")) if base else (float("nan"),) * 2)
+        for rank, r in enumerate(ranks):
+            print(f"{model:<7}{layout:<11}{mode:<21}{rank:>4}{r['measured'] / MB:>12.1f}{r['estimated'] / MB:>13.1f}"
+                  f"{r['estimated'] / r['measured']:>9.3f}{step:>8.3f}{step / base_step:>8.2f}{cpu:>8.2f}"
+                  f"{cpu / base_cpu:>8.2f}")
 
 
 if __name__ == "__main__":
