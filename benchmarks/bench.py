@@ -76,7 +76,7 @@ from benchmarks.hf_reference import PlainLoop  # noqa: E402
 VARIANTS = {   # name -> nanoexp overrides (the reference loop switches the same thing on)
     "default": [],
     "compile": ["model.compile=true"],
-    "recompute": ["parallelism.recompute_layer=true"],
+    "recompute": ["parallelism.recompute=full"], "selective": ["parallelism.recompute=selective"],
     "fused": ["optimizer.optimizer_factory.torch_adam_is_fused=true"],
     "fp8": ["model.fp8.enabled=true"],
     "fp8_rowwise": ["model.fp8.enabled=true", "model.fp8.recipe=rowwise"],

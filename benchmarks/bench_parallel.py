@@ -28,7 +28,7 @@ A = micro_batch x s' x hidden activation bytes, N = the parameters this rank hol
       s' x head_dim x activation bytes, sent cp-1 times forward; in backward KV again cp-1 times
       plus the float32 dK/dV accumulator (KV's size at 4 bytes a float) cp-1 hops home:
       cp_min = m x layers x (cp-1) x (2 KV + KV32), and the forward's share once more per layer
-      recomputed under parallelism.recompute_layer. With parallelism.cp_mode=all_gather
+      recomputed under parallelism.recompute. With parallelism.cp_mode=all_gather
       (nanoexp/parallel/context_parallel/all_gather.py) one all-gather of K/V forward sends (cp-1)/cp of the
       gathered cp x KV, and one reduce-scatter of the float32 dK/dV backward (cp-1) x KV32; the backward
       reuses the saved K/V: cp_min = m x layers x (cp-1) x (KV + KV32), plus the forward's share again

@@ -10,7 +10,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from nanoexp.config import batch_accumulation
+from nanoexp.config import batch_accumulation, recompute_mode
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.interop.hf import MIXTRAL, hf_architecture, hf_config
 from nanoexp.runtime.optim import parameter_groups
@@ -70,7 +70,7 @@ class PlainLoop:
         # equal loads in every layer it is top_k x nanoexp's per-layer aux, which nanoexp sums over the layers.
         moe_layers = sum(s.is_moe_layer(n) for n in range(s.num_hidden_layers))
         self.aux_weight = 0.0 if s.moe is None else s.moe.aux_loss_coef * moe_layers / s.moe.top_k
-        if cfg.parallelism.recompute_layer:
+        if recompute_mode(cfg) != "none":   # HF's checkpointing is whole layers: the same gradients as any mode
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.model.fp8.enabled:   # torchao's own Float8Linear on the same linears: the peer of nanoexp's FP8
             from torchao.float8 import convert_to_float8_training

@@ -21,6 +21,7 @@ from nanoexp.launch.workers import launcher_env, start_method
 from nanoexp.model.shape import model_shape
 from nanoexp.observe.memory_estimate import device_estimate, estimate, total
 from nanoexp.parallel.layout import Layout
+from nanoexp.runtime.recompute import offload_problem
 from nanoexp.validation import validate
 
 GIB = 2**30
@@ -28,8 +29,9 @@ GIB = 2**30
 
 def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> None:
     """Every config check, before any process group or training work: normalise `cfg` in place (nanotron's
-    spellings), validate it, then check what it points to (tokenizer, data files, eval tasks, and with `run_dir`,
-    a training run's: the memory it needs, and the checkpoints folder: writable, with room for a checkpoint)."""
+    spellings), validate it, what the device must offer (a GPU to offload activations to), then check what it
+    points to (tokenizer, data files, eval tasks, and with `run_dir`, a training run's: the memory it needs, and the
+    checkpoints folder: writable, with room for a checkpoint)."""
     normalize(cfg)
     vocab = None
     try:
@@ -38,6 +40,9 @@ def check_config(cfg, world_size: int | None, run_dir: str | None = None) -> Non
     except (FileNotFoundError, OSError, ValueError) as error:
         raise ConfigError(f"tokenizer.tokenizer_name_or_path={cfg.tokenizer.tokenizer_name_or_path}: {error}")
     validate(cfg, world_size=world_size, tokenizer_vocab_size=vocab)
+    offload = offload_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")   # the device workers will take
+    if offload:
+        raise ConfigError(offload)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
     for stage in training_stages(cfg):   # each stage's data files: a missing folder, a bad Nanoset, a wrong column, ...
         try:
@@ -65,7 +70,7 @@ def check_memory(cfg) -> None:
             return
         gpu = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
                   key=lambda device: device.total_memory)
-        need, have = sum(device_estimate(cfg, model_shape(cfg)).values()), gpu.total_memory
+        need, have = sum(device_estimate(cfg).values()), gpu.total_memory
         where = f"per GPU, above the {have / GIB:.1f} GiB of {gpu.name}"
     else:
         shape = model_shape(cfg)

@@ -171,7 +171,14 @@ class ParallelismConfig:
                                    # and W; zbv and dualpipev V-shaped, dualpipev with m >= 2·pp: docs/parallelism.md)
     pp_virtual_stages: int = 1     # chunks of layers per pp rank (interleaved_1f1b; 2 for zbv and dualpipev)
     tp_mode: str = "all_reduce"    # all_reduce | reduce_scatter (sequence parallel)
-    recompute_layer: bool = False
+    # what each decoder layer keeps for backward (docs/memory.md#activation-recomputation): none (everything) | full
+    # (its input; the forward runs again in backward) | selective (its input and the outputs of selective_ops; the
+    # rest runs again) | every_k (layers k-1, 2k-1, ... full, k = recompute_every; the others everything)
+    recompute: str = "none"
+    recompute_every: int = 2
+    selective_ops: List[str] = field(default_factory=lambda: ["matmul", "attention"])
+    offload_activations: bool = False   # what a layer saves waits in pinned host memory for its backward (CUDA)
+    recompute_layer: bool = False  # nanotron's spelling of recompute=full
     collective_timeout_s: float = 600.0   # a rank stuck this long in a collective is an error
     start_method: str = "auto"     # local workers: auto (spawn with CUDA, fork on CPU) | fork | spawn
 
@@ -408,6 +415,17 @@ def optimizer_name(cfg: Any) -> str:
 def uses_muon(cfg: Any) -> bool:
     """Whether the hidden matrices are Muon's (optim/muon.py) and the rest AdamW's."""
     return optimizer_name(cfg) == "muon"
+
+
+RECOMPUTE_MODES = ("none", "full", "selective", "every_k")
+
+
+def recompute_mode(cfg: Any) -> str:
+    """parallelism.recompute as every part of nanoexp reads it: nanotron's recompute_layer=true is full (validation
+    refuses it beside another mode); a config saved before the key existed: its recompute_layer."""
+    p = cfg.parallelism
+    mode = str(p.get("recompute", "none"))
+    return "full" if mode == "none" and p.get("recompute_layer", False) else mode
 
 
 def padded_vocab_size(cfg: Any) -> int:

@@ -86,6 +86,7 @@ DOMAINS: dict[str, Domain] = {
     **{f"parallelism.{key}": SIZE for key in ("dp", "tp", "pp", "cp", "pp_virtual_stages")},
     "parallelism.ep": at_least(1, "1: every rank holds every expert"),
     "parallelism.dp_shard": at_least(1, "null: ZeRO shards over all of dp x cp"),
+    "parallelism.recompute_every": at_least(1, "1: every layer, as recompute=full"),
     # torch.distributed's clocks overflow on timeouts of about 1e13 s.
     "parallelism.collective_timeout_s": Domain(lambda seconds: 0 < seconds <= 1e9, "positive and at most 1e9",
                                                "seconds"),

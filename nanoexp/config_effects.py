@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from nanoexp.config import NanoexpConfig, replica_groups, uses_muon
+from nanoexp.config import NanoexpConfig, recompute_mode, replica_groups, uses_muon
 from nanoexp.config_domains import Rule
 
 
@@ -59,6 +59,13 @@ EFFECTS = (
     Effect("health.spike.max_rollbacks", lambda cfg: cfg.health.spike.action == "rollback",
            "health.spike.action=rollback"),
     Effect("health.replay_action", lambda cfg: cfg.health.replay_every > 0, "health.replay_every > 0"),
+    Effect("parallelism.recompute_every", lambda cfg: recompute_mode(cfg) == "every_k", "parallelism.recompute=every_k"),
+    Effect("parallelism.selective_ops", lambda cfg: recompute_mode(cfg) == "selective",
+           "parallelism.recompute=selective"),
+    # a recomputed layer keeps only what checkpoint holds itself (its input, the kept ops' outputs): nothing to move
+    Effect("parallelism.offload_activations", lambda cfg: recompute_mode(cfg) == "none" or (
+        recompute_mode(cfg) == "every_k" and cfg.parallelism.recompute_every > 1),
+           "parallelism.recompute=none, or every_k with recompute_every > 1 (the layers it does not recompute)"),
 )
 
 

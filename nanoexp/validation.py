@@ -11,13 +11,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nanoexp.config import (ConfigError, batch_accumulation, num_kv_heads, optimizer_name, padded_vocab_size,
-                            replica_groups, stage_data)
+from nanoexp.config import (RECOMPUTE_MODES, ConfigError, batch_accumulation, num_kv_heads, optimizer_name,
+                            padded_vocab_size, replica_groups, stage_data)
 from nanoexp.config_domains import Rule, schema_rules
 from nanoexp.config_effects import effect_rules
 from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS, balance_rules, routes_with_bias
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func, kernel_problems
+from nanoexp.model.saved_ops import SAVABLE_OPS
 from nanoexp.numerics.converters import format_problems
 from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
@@ -161,7 +162,22 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
                                                                                m.num_hidden_layers)
                                            if layout.schedule in SCHEDULES else [])],
     ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) \
-        + hybrid_sharding_rules(cfg, layout)
+        + hybrid_sharding_rules(cfg, layout) + recompute_rules(cfg)
+
+
+def recompute_rules(cfg: Any) -> list[Rule]:
+    """parallelism.recompute: a mode; nanotron's recompute_layer=true means full, so beside another mode it is
+    ambiguous; selective_ops names groups of model/saved_ops.py (config_effects: the keys a mode does not read)."""
+    p = cfg.parallelism
+    unknown = [name for name in p.selective_ops if name not in SAVABLE_OPS]
+    return [
+        one_of(cfg, "parallelism.recompute", RECOMPUTE_MODES),
+        (not p.recompute_layer or p.recompute in ("none", "full"), f"parallelism.recompute_layer=true is nanotron's "
+         f"spelling of parallelism.recompute=full, which contradicts parallelism.recompute={p.recompute}: set only "
+         "parallelism.recompute"),
+        (not unknown, f"parallelism.selective_ops={list(p.selective_ops)}: {', '.join(unknown)} "
+         f"{'is' if len(unknown) == 1 else 'are'} not an op group it knows; known: {', '.join(SAVABLE_OPS)}"),
+    ]
 
 
 def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     option = choose(base, args.gpus, args.gpus_per_node, args.gpu_memory_gb)
     if option is None:
         print(f"no layout fits in {HEADROOM:.0%} of {args.gpu_memory_gb:g} GB: use more GPUs, a smaller micro-batch "
-              "or sequence, or parallelism.recompute_layer=true", file=sys.stderr)
+              "or sequence, or parallelism.recompute=selective (or full)", file=sys.stderr)
         return 1
     cfg = option.cfg
     p = cfg.parallelism

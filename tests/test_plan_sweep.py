@@ -98,14 +98,14 @@ def test_plan_table_puts_predicted_beside_measured(tmp_path):
     """Job 0 measured at half the predicted tokens/s: its step took twice as long (ratio 2.00); job 1 has no
     measurement (failed): dashes; job 2 has no prediction (not a planned job): no line."""
     record = {"layout": "dp2tp1pp1", "step_time_s": 0.1, "tokens_per_s": 40960.0, "mfu": 0.1, "memory_gib": 0.1,
-              "zero_stage": 1, "micro_batch": 4, "recompute": False, "tokens_per_step": 4096, "rank": 1}
+              "zero_stage": 1, "micro_batch": 4, "recompute": "none", "tokens_per_step": 4096, "rank": 1}
     write_plan(str(tmp_path), [record, record | {"rank": 2}], 2, 2, GPUS["h100"])
     assert read_plan(str(tmp_path))["jobs"]["1"]["rank"] == 2
     rows = [{"job": 0, "tokens_per_sec": 20480.0}, {"job": 1, "tokens_per_sec": None}, {"job": 2}]
     lines = plan_table(str(tmp_path), rows).splitlines()
     assert lines[0].startswith("planned for 2 x H100 SXM")
     assert len(lines) == 4
-    assert lines[2].split() == ["0", "1", "dp2tp1pp1", "1", "4", "n", "0.1000", "0.2000", "2.00", "40,960", "20,480"]
+    assert lines[2].split() == ["0", "1", "dp2tp1pp1", "1", "4", "none", "0.1000", "0.2000", "2.00", "40,960", "20,480"]
     assert lines[3].split()[-4:] == ["-", "-", "40,960", "-"]
     assert plan_table(str(tmp_path / "none"), rows) is None
 

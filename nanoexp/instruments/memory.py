@@ -1,5 +1,6 @@
 """Per-rank memory as measured: the baseline a rank holds before its model, its peak (VmHWM on CPU,
-`max_memory_allocated` on CUDA), and the bytes autograd saves for backward. How each is taken and why:
+`max_memory_allocated` on CUDA), the bytes autograd saves for backward, and the peak of the tensors a block
+creates (LiveTensorPeak). How each is taken and why:
 docs/memory.md."""
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import re
 
 import psutil
 import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MB = 2**20
 CUDA_CONTEXT_MB = 1024   # CUDA context + library workspaces: a nominal allowance (no GPU here to measure)
@@ -128,3 +132,33 @@ def runtime_baseline_mb(device_type: str, dtype: str = "float32") -> float:
     warm_up_runtime(dtype)
     rss = psutil.Process(os.getpid()).memory_info().rss / MB
     return rss + (CUDA_CONTEXT_MB if device_type == "cuda" else 0)
+
+
+class LiveTensorPeak(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among those the ops run inside the block create (counted after
+    each op): what a forward and backward hold beyond what existed before (parameters, their gradients if already
+    allocated). Counted from the tensors, not the allocator: the same number on any CPU (docs/memory.md).
+
+        with LiveTensorPeak() as live:
+            model(input_ids=ids, labels=ids).mean().backward()
+        live.peak   # bytes
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}   # a storage's address -> (weak reference, bytes)
+        self.bytes = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for key in [key for key, (ref, _) in self.live.items() if ref.expired()]:
+            self.bytes -= self.live.pop(key)[1]
+        given = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in (t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != "meta"):
+            storage = tensor.untyped_storage()   # a view's, an in-place op's: its input's, not a new one
+            if storage._cdata not in given and storage._cdata not in self.live and storage.nbytes() > 0:
+                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())   # its address kept
+                self.bytes += storage.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        return out

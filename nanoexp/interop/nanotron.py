@@ -133,7 +133,8 @@ def map_parallelism(imp: Import) -> None:
     imp.copy("parallelism.context_parallel_size", "parallelism.cp", "int", 1)   # nanoexp's cp is ring attention
     imp.choose("parallelism.pp_engine", "afab", ("afab", "1f1b"), "parallelism.pp_engine")   # nanotron's default: afab
     imp.choose("parallelism.tp_mode", "ALL_REDUCE", ("all_reduce", "reduce_scatter"), "parallelism.tp_mode")
-    imp.copy("parallelism.recompute_layer", "parallelism.recompute_layer", "bool")
+    if imp.get("parallelism.recompute_layer", "bool", False):   # nanotron recomputes whole layers
+        imp.put("parallelism.recompute", "full")
 
 
 def map_model(imp: Import) -> None:

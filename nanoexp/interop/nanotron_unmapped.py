@@ -21,7 +21,7 @@ UNMAPPED = {
     "parallelism.expert_parallel_size": (lambda v: v in (None, 1), "the imported model is a dense Llama: nothing "
                                          "to split (for a nanoexp mixture of experts set model.moe and parallelism.ep)"),
     "parallelism.moe_layer_recompute": (lambda v: not v, "the imported model is a dense Llama (nanoexp recomputes "
-                                        "whole layers: parallelism.recompute_layer)"),
+                                        "whole layers: parallelism.recompute)"),
     "parallelism.tp_recompute_allgather": (lambda v: not v, "nanoexp keeps the all-gathered input for backward"),
     "model.init_method.path": (NULL, "a nanotron checkpoint, which nanoexp cannot read: export it to a Hugging "
                                "Face folder and set model.init_method.path (weights start from init_method.std)"),

@@ -32,6 +32,8 @@ from nanoexp.parallel.layout import Layout
 from nanoexp.observe.metrics import read_metrics
 from nanoexp.observe.summary import PLAN_FILE, machine_was_busy, read_json, read_summary
 
+RECOMPUTE_OF = {True: "full", False: "none"}   # a plan written before the modes: recompute on or off
+
 COLUMNS = ["job", "rank", "overrides", "layout", "lr", "final_loss", "eval_loss", "tokens_per_sec", "mfu",
            "peak_memory_mb", "load", "state", "reason"]
 # One format per column (None: as is).
@@ -285,7 +287,7 @@ def plan_table(sweep_dir: str, rows: list[dict]) -> str | None:
     if not plan:
         return None
     lines = [f"planned for {plan['gpus']} x {plan['gpu']} ({plan['gpus_per_node']} a node): predicted beside measured",
-             (f"{'job':>4}  {'rank':>4}  {'layout':<16}{'ZeRO':>4}{'mb':>4}{'rc':>3}  {'step s pred':>11}"
+             (f"{'job':>4}  {'rank':>4}  {'layout':<16}{'ZeRO':>4}{'mb':>4}{'recompute':>10}  {'step s pred':>11}"
               f"{'measured':>10}{'ratio':>7}  {'tok/s pred':>11}{'measured':>10}")]
     for row in sorted(rows, key=lambda row: row["job"]):
         p = plan["jobs"].get(str(row["job"]))
@@ -295,7 +297,7 @@ def plan_table(sweep_dir: str, rows: list[dict]) -> str | None:
         step = p["tokens_per_step"] / measured if measured else None
         ratio = f"{step / p['step_time_s']:.2f}" if step else "-"
         lines.append(f"{row['job']:>4}  {p['rank']:>4}  {p['layout']:<16}{p['zero_stage']:>4}{p['micro_batch']:>4}"
-                     f"{'y' if p['recompute'] else 'n':>3}  {p['step_time_s']:>11.4f}"
+                     f"{RECOMPUTE_OF.get(p['recompute'], p['recompute']):>10}  {p['step_time_s']:>11.4f}"
                      f"{'-' if step is None else f'{step:.4f}':>10}"
                      f"{ratio:>7}"
                      f"  {p['tokens_per_s']:>11,.0f}{'-' if not measured else f'{measured:,.0f}':>10}")

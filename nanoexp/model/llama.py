@@ -7,7 +7,9 @@ and loss with sharded ones and keep only a pipeline stage's layers, which keep t
 
 Shapes: b = batch, s = sequence, h = hidden, d = head dim. Each block reads its input through an
 `nn.Identity` slot (`qkv_input`, `mlp_input`) that tensor parallelism fills with its one communication for the
-projections that share the input; the model itself never communicates.
+projections that share the input; the model itself never communicates. What a layer keeps for backward
+(recomputation, offload) is set from outside too: nanoexp/runtime/recompute.py replaces the forward of the layers
+it recomputes.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from nanoexp.model.attention import Causal, Documents, attention_kernel
 from nanoexp.model.linear import Linear
@@ -218,7 +219,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape
         self.chunks = [range(shape.num_hidden_layers)]
-        self.recompute_layer = False   # parallelism.recompute_layer: each layer's forward runs again in backward
         self.moe_losses = (MoeLosses(shape.moe, [n for n in range(shape.num_hidden_layers) if shape.is_moe_layer(n)])
                            if shape.moe else None)
         self.model = LlamaBody(shape, self.moe_losses)
@@ -261,10 +261,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(position_ids)
         mask = Causal() if document_ids is None else Documents(document_ids, position_ids)
         for layer in (self.model.layers[str(i)] for i in self.chunks[chunk]):
-            if self.recompute_layer and self.training:
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask)
         if not self.has_head(chunk):
             return x
         logits = self.logits(x)                              # [b, s, vocab] (a shard of the vocabulary under tp)

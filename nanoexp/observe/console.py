@@ -13,10 +13,14 @@ import sys
 import time
 from collections import deque
 
+from omegaconf import OmegaConf
+
 from nanoexp.model.llama import count_active_parameters
 from nanoexp.model.mup import describe, parametrization_of
 from nanoexp.numerics.converters import console_lines
 from nanoexp.instruments.moe_metrics import LOAD_IMBALANCE
+from nanoexp.observe.memory_estimate import estimate
+from nanoexp.runtime.recompute import RecomputePolicy
 
 
 def duration(seconds: float) -> str:
@@ -120,6 +124,8 @@ def run_facts(cfg, layout, shape, num_parameters: int, accumulation: int, data: 
     if cfg.model.parametrization == "mup":
         lines.append(f"parametrization: {describe(parametrization_of(cfg), shape.hidden_size, shape.head_dim)}")
     lines += console_lines(cfg, converted_linears, device, layout.pp)
+    recompute = RecomputePolicy.from_config(cfg).describe(shape.num_hidden_layers)
+    lines += [recompute + activation_estimates(cfg, layout, shape, device)] if recompute else []
     if cfg.model.init_method.path:
         lines.append(f"initial weights: Hugging Face model {cfg.model.init_method.path} (model.init_method.path)")
     parts = [f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}"]
@@ -165,6 +171,16 @@ def describe_data(name: str, train_samples: int | None, sequence_length: int, va
     padding = " (the last batch padded)" if evaluated < rounds * global_batch else ""
     return (f"{name}: {train}; held-out {val_samples:,} samples, each evaluation reads {evaluated:,} of them in "
             f"{rounds} global batch(es){padding}")
+
+
+def activation_estimates(cfg, layout, shape, device=None) -> str:
+    """"; estimated activations ... (without recomputation: ...)": the busiest stage's, as memory_estimate counts them."""
+    device_type = getattr(device, "type", "cpu")
+    plain = OmegaConf.merge(cfg, {"parallelism": {"recompute": "none", "recompute_layer": False,
+                                                  "offload_activations": False}})
+    ours, none = (max(estimate(c, shape, r, device_type)["activations"] for r in range(layout.pp)) / 2**20
+                  for c in (cfg, plain))
+    return f"; estimated activations {ours:,.0f} MB a rank at most (without recomputation: {none:,.0f} MB)"
 
 
 def memory_line(memory: dict, baseline_mb: float, peak_mb: float) -> str:

@@ -11,30 +11,61 @@ from nanoexp.config import batch_accumulation, optimizer_name
 from nanoexp.instruments.memory import CUDA_CONTEXT_MB, MB
 from nanoexp.model.llama import LlamaShape
 from nanoexp.model.moe import moe_layer_shapes
+from nanoexp.model.shape import model_shape
 from nanoexp.numerics.converters import gathered_bytes
 from nanoexp.parallel.context_parallel import CP_KERNELS, RankAttention
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES, compute_order
 from nanoexp.optim.registry import OPTIMIZERS
+from nanoexp.runtime.recompute import RecomputePolicy
 
-MB = 2**20
 
 
-def layer_floats_per_token(shape: LlamaShape, tp: int, recompute: bool, sequence_parallel: bool = False,
-                           cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1) -> float:
-    """Floats one decoder layer saves for backward per token on a rank (docs/memory.md); under
-    cp > 1 per token of the rank's s/cp, with cp_mode's attention (its CP_KERNELS entry's saved_floats); `moe`:
-    a MoE layer's (moe_floats_per_token in place of the MLP's 4i / tp)."""
+def layer_floats_per_token(shape: LlamaShape, tp: int, recompute, sequence_parallel: bool = False,
+                           cp: int = 1, cp_mode: str = "ring", moe: bool = False, ep: int = 1,
+                           kept: tuple[str, ...] = ("matmul", "attention")) -> float:
+    """Floats one decoder layer keeps for backward per token on a rank (docs/memory.md), under `recompute`: the
+    layer's mode of parallelism.recompute (none, full, selective with the op groups `kept`; True: full, False: none,
+    as parallelism.recompute_layer); under cp > 1 per token of the rank's s/cp, with cp_mode's attention (its
+    CP_KERNELS entry's saved_floats); `moe`: a MoE layer's (moe_floats_per_token in place of the MLP's 4i / tp)."""
+    mode = {False: "none", True: "full"}.get(recompute, recompute)
     h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
-    if recompute:
-        return h / (tp if sequence_parallel else 1)
+    layer_input = h / (tp if sequence_parallel else 1)
+    if mode == "full":
+        return layer_input
+    if mode == "selective":
+        return layer_input + kept_floats_per_token(shape, tp, kept, cp, moe)[0]
     # The two residual inputs, their normalised values and norms' 1/rms (sharded along the sequence
     # under SP); the column layers' full inputs; q, k, v, attention output and its log-sum-exp; the MLP.
     norms = 4 * h + 2
     context = CP_KERNELS[cp_mode].saved_floats(rank_attention(shape, tp, cp)) if cp > 1 else 0
     mlp = moe_floats_per_token(shape, ep) / (tp if sequence_parallel else 1) if moe else 4 * i / tp
     return norms / (tp if sequence_parallel else 1) + 2 * h + (2 * h + 2 * kv + heads) / tp + mlp + context
+
+
+def kept_floats_per_token(shape: LlamaShape, tp: int, kept: tuple[str, ...], cp: int = 1,
+                          moe: bool = False) -> tuple[float, float]:
+    """(floats per token of the op outputs a selectively recomputed layer keeps, of them those its plain backward
+    saves too): `matmul` keeps each projection's output (q, k, v; o and down before their tp reduction, whole
+    sequence; gate, up; a MoE layer's router logits and each routed and shared expert's three), `attention` its
+    output and log-sum-exp; under cp > 1 attention is a context-parallel kernel, which no group keeps. Of these, v,
+    gate and up, the router logits and attention's output are what the plain layer saves as well."""
+    h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    kv = shape.num_key_value_heads * shape.head_dim
+    held = also_saved = 0.0
+    if "attention" in kept and cp == 1:
+        held, also_saved = (h + heads) / tp, (h + heads) / tp
+    if "matmul" in kept:
+        if moe:
+            m = shape.moe
+            width = m.top_k * 2 * m.intermediate_size + 2 * m.num_shared_experts * m.intermediate_size
+            mlp, mlp_saved = m.num_experts + width + m.top_k * h + (h if m.num_shared_experts else 0), m.num_experts + width
+        else:
+            mlp, mlp_saved = 2 * i / tp + h, 2 * i / tp
+        held += (h + 2 * kv) / tp + h + mlp
+        also_saved += kv / tp + mlp_saved
+    return held, also_saved
 
 
 def rank_attention(shape: LlamaShape, tp: int, cp: int, **micro_batch) -> RankAttention:
@@ -164,44 +195,80 @@ def context_workspace(cfg, layout: Layout, shape: LlamaShape) -> float:
         act_bytes=2 if cfg.model.dtype == "bfloat16" else 4, documents=cfg.model.attention_mask == "document"))
 
 
-def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
+def activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int],
+                     device_type: str = "cpu") -> float:
     """What autograd holds for backward at most, on this pp rank (docs/memory.md). Kept by shape, layout and the
     keys it reads: the planner asks for every ZeRO stage of a layout."""
     t = cfg.tokens
-    key = (id(shape), layout, pp_rank, tuple(chunks), bool(cfg.parallelism.recompute_layer), cfg.model.dtype,
+    key = (id(shape), layout, pp_rank, tuple(chunks), RecomputePolicy.from_config(cfg), device_type, cfg.model.dtype,
            t.micro_batch_size, t.sequence_length, batch_accumulation(cfg), cfg.model.attention_mask)
     if key not in _ACTIVATIONS or _ACTIVATIONS[key][0] is not shape:
         if len(_ACTIVATIONS) > 4096:
             _ACTIVATIONS.clear()
-        _ACTIVATIONS[key] = shape, _activation_bytes(cfg, layout, shape, pp_rank, chunks)
+        _ACTIVATIONS[key] = shape, _activation_bytes(cfg, layout, shape, pp_rank, chunks, device_type)
     return _ACTIVATIONS[key][1]
 
 
 _ACTIVATIONS: dict[tuple, tuple] = {}
 
 
-def _activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int]) -> float:
-    recompute = cfg.parallelism.recompute_layer
+def _activation_bytes(cfg, layout: Layout, shape: LlamaShape, pp_rank: int, chunks: list[int],
+                      device_type: str) -> float:
+    """The in-flight layers' kept floats (each layer as the stage's mean), what one layer's backward adds while the
+    later layers of its chunk are freed (`backward_floats_per_token`), and the loss head's. Offload (CUDA) keeps a
+    layer that is not recomputed on the host but while its backward runs, beside the one prefetched."""
+    policy = RecomputePolicy.from_config(cfg)
     layers, heads = in_flight_layers(cfg, layout, pp_rank, chunks)
     act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     tokens = cfg.tokens.micro_batch_size * layout.local_tokens(cfg.tokens.sequence_length)
     floats = dict(tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, cp_mode=layout.cp_mode,
                   ep=layout.ep)
-    ids = [n for layers in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in layers]
-    # Dense and MoE layers save different amounts: a layer in flight counts as the stage's mean layer.
-    kinds = {shape.is_moe_layer(n) for n in ids}   # a layer's kind (MoE or dense) decides what it saves
-    saved = {moe: layer_floats_per_token(shape, recompute=recompute, moe=moe, **floats) for moe in kinds}
-    per_layer = sum(saved[shape.is_moe_layer(n)] for n in ids) / len(ids)
-    # Recomputation re-materialises one full layer at a time during backward; the all-to-all of a MoE layer
-    # under ep holds its rows twice at once (sent and received), k per token.
-    def transient(moe: bool) -> float:
-        recomputed = recompute * layer_floats_per_token(shape, recompute=False, moe=moe, **floats)
-        if layout.ep == 1 or not moe:
-            return recomputed
-        return recomputed + 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+    offloaded = policy.offload and device_type == "cuda"
+    stage = layout.stage_layers(shape.num_hidden_layers, pp_rank)
+
+    @functools.cache
+    def kept(mode: str, moe: bool) -> float:   # dense and MoE layers keep different amounts
+        if offloaded and mode == "none":
+            return 0.0
+        return layer_floats_per_token(shape, recompute=mode, moe=moe, kept=policy.saved, **floats)
+
+    @functools.cache
+    def backward_of(recomputed: bool, moe: bool) -> float:
+        return backward_floats_per_token(shape, layout, policy, recomputed, moe, offloaded)
+
+    ids = [n for chunk in stage for n in chunk]
+    per_layer = sum(kept(policy.layer_mode(n), shape.is_moe_layer(n)) for n in ids) / len(ids)
+    backward = 0.0
+    for chunk in stage:   # a layer's backward runs once the later layers of its chunk are freed
+        later = 0.0
+        for n in reversed(chunk):
+            backward = max(backward, backward_of(policy.recomputes(n), shape.is_moe_layer(n)) - later)
+            later += kept(policy.layer_mode(n), shape.is_moe_layer(n))
     head = 3 * shape.hidden_size + 1 + shape.vocab_size / layout.tp   # final norm, its input, the softmax
-    return (act_bytes * tokens * (layers * per_layer + max(map(transient, kinds)) + heads * head)
+    return (act_bytes * tokens * (layers * per_layer + backward + heads * head)
             + context_workspace(cfg, layout, shape))
+
+
+def backward_floats_per_token(shape: LlamaShape, layout: Layout, policy: RecomputePolicy, recomputed: bool,
+                              moe: bool = False, offloaded: bool = False) -> float:
+    """Floats per token a layer's backward adds to what the layers keep: its gradients of the MLP's intermediate
+    (the down projection's input gradient and one more, 2i/tp; measured with LiveTensorPeak), a `recomputed` layer
+    re-materialised whole (selective: but the kept outputs its plain backward saves too), an offloaded layer and
+    the one prefetched, and under ep a MoE layer's all-to-all rows (sent and received, k per token)."""
+    sp = layout.sequence_parallel
+    floats = dict(tp=layout.tp, sequence_parallel=sp, cp=layout.cp, cp_mode=layout.cp_mode, ep=layout.ep)
+    plain = layer_floats_per_token(shape, recompute="none", moe=moe, **floats)
+    width = shape.moe.intermediate_size * (shape.moe.top_k + shape.moe.num_shared_experts) if moe else \
+        shape.intermediate_size / layout.tp
+    held = 2 * width
+    if recomputed:
+        also = kept_floats_per_token(shape, layout.tp, policy.saved, layout.cp, moe)[1] if policy.mode == "selective" else 0
+        held += plain - also
+    elif offloaded:
+        held += 2 * plain
+    if layout.ep > 1 and moe:
+        held += 2 * shape.moe.top_k * shape.hidden_size / (layout.tp if sp else 1)
+    return held
 
 
 def zero_stage(cfg, layout: Layout) -> int:
@@ -299,7 +366,7 @@ def estimate(cfg, shape: LlamaShape, pp_rank: int, device_type: str = "cpu") -> 
         stage >= 2 and batch_accumulation(cfg) == 1) else 0
     return {**model_state(stage, held, shard_size, edp, layout.sequence_parallel, state_bytes),
             "unlanded_gradients": unlanded,
-            "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks),
+            "activations": activation_bytes(cfg, layout, shape, pp_rank, chunks, device_type),
             "in_flight": units_in_flight(cfg, stage, held, device_type, bucket_floats(cfg, shape, layout, device_type)),
             "communication": communication_bytes(stage, held, device_type)}
 
@@ -320,12 +387,13 @@ def busiest_rank_estimate(cfg, shape: LlamaShape, device_type: str = "cpu") -> t
     return max(estimates, key=lambda item: total(item[1]))
 
 
-def device_estimate(cfg, shape: LlamaShape) -> dict[str, float]:
-    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: the busiest pipeline stage's estimate, the
-    bf16 copies of the weights autocast keeps during a step (2 B a parameter held, whatever the stage: each matmul
-    saves its weight's cast for backward) and the CUDA context (a nominal allowance: memory.CUDA_CONTEXT_MB).
-    `transient` is the largest of what a step's moments add (`total`). The planner (plan/memory.py) and the
-    start-up check (checks.py) both ask it."""
+def device_estimate(cfg, shape=None) -> dict[str, float]:
+    """Bytes on the busiest GPU of this layout and ZeRO stage, by kind: the estimate of the busiest pipeline stage,
+    the bf16 copies of the weights autocast keeps during a step (2 B per parameter held, whatever the stage: each
+    matmul saves its weight's cast for backward), and the CUDA context (a nominal allowance: CUDA_CONTEXT_MB).
+    `transient` is the largest of what a step's moments add (total): activations with ZeRO-2/3's units in flight,
+    or the optimizer's temporaries. What the start-up memory check and the planner (plan/memory.py) compare."""
+    shape = shape or model_shape(cfg)
     pp_rank, parts = busiest_rank_estimate(cfg, shape, "cuda")
     held, _ = held_parameters(shape, Layout.from_config(cfg), pp_rank)
     state = {kind: parts[kind] for kind in ("parameters", "gradients", "optimizer")}

@@ -12,6 +12,7 @@ import math
 import os
 
 from nanoexp.model.llama import LlamaShape, layer_shapes
+from nanoexp.runtime.recompute import RecomputePolicy
 
 log = logging.getLogger("nanoexp")
 METRICS_FILE = "metrics.jsonl"
@@ -46,17 +47,20 @@ def down_projection_params(shape: LlamaShape, n: int) -> int:
     return shape.hidden_size * moe.intermediate_size * (moe.top_k + moe.num_shared_experts)
 
 
-def hardware_flops_per_token(shape: LlamaShape, seq_len: int, recompute_layer: bool) -> float:
-    """FLOPs the hardware executes per training token: the model FLOPs plus, with activation
-    recomputation, the forward of every decoder block rerun during backward (per layer
-    2 * block matmul parameters + 4 * hidden * seq for attention) minus its down projections:
-    torch's non-reentrant checkpoint stops recomputing once every saved tensor is back, and
-    nothing saves a down projection's output. Behind `hardware_tflops_per_sec`."""
+def hardware_flops_per_token(shape: LlamaShape, seq_len: int, recompute=False, cp: int = 1) -> float:
+    """FLOPs the hardware executes per training token: the model FLOPs plus what activation recomputation runs
+    again in backward (`recompute`: a RecomputePolicy, or True for full, False for none). A recomputed layer reruns
+    its projections (2 * block matmul parameters) but its down projections, unless the policy keeps the matmuls'
+    outputs, and its attention (4 * hidden * seq), unless it keeps attention's: torch's non-reentrant checkpoint
+    stops once every saved tensor is back, and nothing saves a down projection's output. Under cp > 1 attention is
+    a context-parallel kernel, which no policy keeps. Behind `hardware_tflops_per_sec`."""
+    policy = recompute if isinstance(recompute, RecomputePolicy) else RecomputePolicy("full" if recompute else "none")
     extra = 0.0
-    if recompute_layer:
-        for n in range(shape.num_hidden_layers):
-            rerun = layer_matmul_params(shape, n) - down_projection_params(shape, n)
-            extra += 2.0 * rerun + 4.0 * shape.hidden_size * seq_len
+    for n in (n for n in range(shape.num_hidden_layers) if policy.recomputes(n)):
+        if not policy.keeps("matmul"):
+            extra += 2.0 * (layer_matmul_params(shape, n) - down_projection_params(shape, n))
+        if cp > 1 or not policy.keeps("attention"):
+            extra += 4.0 * shape.hidden_size * seq_len
     return flops_per_token(shape, seq_len) + extra
 
 

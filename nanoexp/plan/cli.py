@@ -13,7 +13,7 @@ from nanoexp.model.shape import model_shape
 from nanoexp.plan.cost import MODEL_ERROR, NANOEXP
 from nanoexp.plan.goodput import LLAMA3_GPU_HOURS_PER_FAILURE, layout_goodput, replica_groups
 from nanoexp.plan.hardware import GPUS, hardware
-from nanoexp.plan.search import rank
+from nanoexp.plan.search import RECOMPUTE, rank
 
 
 def fail(argument: str, message: str) -> int:
@@ -37,7 +37,7 @@ def base_config(overrides: list[str], seq: int | None, batch_tokens: int | None,
     return cfg
 
 
-COLUMNS = (f"{'#':>3} {'layout':<22}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'rc':>3}{'tok/s/GPU':>11}{'vs #1':>7}"
+COLUMNS = (f"{'#':>3} {'layout':<22}{'ZeRO':>4} {'schedule':<18}{'mb':>3} {'recompute':<10}{'tok/s/GPU':>11}{'vs #1':>7}"
            f"{'MFU':>6}{'GiB/GPU':>8}{'margin':>7}  {'compute':>7}{'uneven':>7}{'comm':>6}{'bubble':>7}{'optim':>6}"
            f"{'host':>6}  (% of the step)")
 
@@ -51,7 +51,7 @@ def row(i: int, p, first) -> str:
     host = share.get("host", 0) + share.get("cpu_overhead", 0)   # waiting for the host's launches, its fixed ops
     uneven = 100 * p.uneven_s / p.step_time_s
     return (f"{i:>2}{tie} {p.name:<22}{p.zero_stage:>4} {schedule:<18}{p.micro_batch:>3} "
-            f"{'y' if p.recompute else 'n':>3}{p.tokens_per_s_per_gpu:>11,.0f}{behind:>+6.1f}%{100 * p.mfu:>5.1f}%"
+            f"{p.recompute:<10}{p.tokens_per_s_per_gpu:>11,.0f}{behind:>+6.1f}%{100 * p.mfu:>5.1f}%"
             f"{p.memory_gib:>8.1f}{p.margin_gib:>7.1f}  {share['compute'] - uneven:>6.0f}%{uneven:>6.0f}%"
             f"{share['exposed_comm']:>5.0f}%{share['bubble']:>6.0f}%{share['optimizer']:>5.0f}%{host:>5.0f}%")
 
@@ -97,6 +97,8 @@ def parser_of() -> argparse.ArgumentParser:
     parser.add_argument("--hf-config", help="a Hugging Face config.json (Llama, Mixtral, Qwen-MoE shapes)")
     parser.add_argument("--mtbf-gpu-hours", type=float, default=LLAMA3_GPU_HOURS_PER_FAILURE,
                         help="GPU-hours between failures (default: Llama 3's 405B run's: docs/fault-tolerance.md)")
+    parser.add_argument("--recompute", default=",".join(RECOMPUTE),
+                        help=f"the parallelism.recompute modes tried, comma-separated (default {','.join(RECOMPUTE)})")
     return parser
 
 
@@ -112,6 +114,9 @@ def argument_problem(args) -> tuple[str, str] | None:
         return "--top", "must be at least 1"
     if not args.mtbf_gpu_hours > 0:
         return "--mtbf-gpu-hours", f"{args.mtbf_gpu_hours} is not a positive number of GPU-hours"
+    unknown = [mode for mode in args.recompute.split(",") if mode not in RECOMPUTE]
+    if unknown or not args.recompute:
+        return "--recompute", f"{args.recompute!r}: modes are {', '.join(RECOMPUTE)}, comma-separated"
     if args.seq is not None and args.seq < 1:
         return "--seq", f"{args.seq} is not a positive sequence length (tokens a sequence)"
     if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
@@ -133,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                              f"({cfg.tokens.sequence_length} tokens)")
     hw = hardware(args.gpu, dtype=str(cfg.model.dtype))   # a CPU computes in the run's dtype
     try:
-        ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top)
+        ranking = rank(cfg, args.gpus, min(args.gpus_per_node, args.gpus), hw, args.top,
+                       modes=tuple(args.recompute.split(",")))
     except ConfigError as error:   # what the model cannot price (cost.products_tflops)
         return fail("overrides", str(error))
     if not ranking.predictions and all(reason.startswith("invalid") for reason in ranking.reasons):

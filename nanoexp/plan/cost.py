@@ -8,9 +8,9 @@ One optimizer step on the busiest pipeline rank is
   format multiplies in (the numerics registry's planned_product_dtype: FP8 on FP8 units, with its casts) times an
   efficiency that grows with the GEMM's sizes (`gemm_efficiency`); causal attention its FLOPs (half the s x s
   square; backward ATTENTION_BACKWARD forwards) at ATTENTION_EFFICIENCY; the other ops (norms, SwiGLU, rotary,
-  residuals) the bytes they move at HBM bandwidth. Recomputation adds a forward of each block but its down
-  projection (metrics.hardware_flops_per_token's rule). Eager PyTorch's host issues every op: a micro-batch takes
-  at least OPS x Hardware.launch_us.
+  residuals) the bytes they move at HBM bandwidth. Recomputation adds, for each block its mode recomputes, a
+  forward but the down projection, less what selective keeps (metrics.hardware_flops_per_token's rule). Eager
+  PyTorch's host issues every op: a micro-batch takes at least OPS x Hardware.launch_us.
 - bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule (its registry entry: chunks, W apart)
   with these F and B, one p2p hop added to each.
 - communication (comm.py): each group's bytes (traffic.py) over the link it crosses, hidden behind the compute
@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanoexp.config import ConfigError, batch_accumulation
+from nanoexp.config import ConfigError, batch_accumulation, recompute_mode
 from nanoexp.numerics.converters import planned_product_dtype
 from nanoexp.observe.metrics import (
     down_projection_params,
@@ -45,6 +45,7 @@ from nanoexp.plan.hardware import GB, Hardware, per_rank
 from nanoexp.plan.memory import device_gib, limit_gib
 from nanoexp.plan.traffic import held_by_rank
 from nanoexp.model.shape import model_shape
+from nanoexp.runtime.recompute import RecomputePolicy
 from nanoexp.verify.pipeline_bubble import idle_by_dependencies
 
 GEMM_EFFICIENCY = 0.52        # fitted: the best share of peak a large GEMM reaches
@@ -117,7 +118,7 @@ class Prediction:
     schedule: str
     virtual_stages: int
     micro_batch: int
-    recompute: bool
+    recompute: str   # parallelism.recompute: none | full | selective | every_k
     step_time_s: float
     tokens_per_s_per_gpu: float
     mfu: float
@@ -144,7 +145,7 @@ class Prediction:
         return [f"parallelism.dp={self.dp}", f"parallelism.cp={self.cp}", f"parallelism.ep={self.ep}",
                 f"parallelism.tp={self.tp}", f"parallelism.pp={self.pp}", f"parallelism.pp_engine={self.schedule}",
                 f"parallelism.pp_virtual_stages={self.virtual_stages}",
-                f"parallelism.recompute_layer={str(self.recompute).lower()}",
+                f"parallelism.recompute={self.recompute}",
                 f"optimizer.zero_stage={self.zero_stage}", f"tokens.micro_batch_size={self.micro_batch}"] + (
                     [f"parallelism.dp_shard={self.dp_shard}"] if self.dp_shard is not None else [])
 
@@ -199,7 +200,6 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
     layers = [n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank) for n in chunk]
     params = per_layer_params(shape)
     matmul = sum(2 * tokens * params[n][0] / tp for n in layers)
-    redo = sum(2 * tokens * params[n][1] / tp for n in layers)
     attention_time = attention_seconds(cfg, layout, shape, len(layers), hw, fw)
     moved = tokens * len(layers) * h * fw.elementwise / tp
     if fp8 and not fw.fp8_casts_fused:   # casts to FP8: each linear's input forward, its output gradient backward, its weight both ways
@@ -211,12 +211,19 @@ def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw
         head = 2 * tokens * shape.vocab_size * h / tp / (hw.bf16_tflops * 1e12 * gemm_efficiency(tokens, h, shape.vocab_size / tp, hw))
     forward = matmul / linear_rate + attention_time + elementwise / 3 + head
     backward = 2 * matmul / linear_rate + ATTENTION_BACKWARD * attention_time + 2 * elementwise / 3 + 2 * head
-    recompute = bool(cfg.parallelism.recompute_layer)
-    if recompute:
-        backward += redo / linear_rate + attention_time + elementwise / 3
+    # what the recomputed layers run again (metrics.hardware_flops_per_token's rule): their products but the down
+    # projection unless selective keeps the products, their attention unless it keeps attention's (never under
+    # cp: a context-parallel kernel), their elementwise ops
+    policy = RecomputePolicy.from_config(cfg)
+    again = [n for n in layers if policy.recomputes(n)]
+    share = len(again) / len(layers)
+    if again:
+        redo = 0.0 if policy.keeps("matmul") else sum(2 * tokens * params[n][1] / tp for n in again)
+        attention_again = 0.0 if policy.keeps("attention") and layout.cp == 1 else share * attention_time
+        backward += redo / linear_rate + attention_again + share * elementwise / 3
     host = hw.launch_us * 1e-6 * len(layers)   # the host issues each op; the GPU waits for a slower host
     return (max(forward, host * OPS_FORWARD),
-            max(backward, host * (OPS_BACKWARD + recompute * OPS_FORWARD)))
+            max(backward, host * (OPS_BACKWARD + share * OPS_FORWARD)))
 
 
 def fp8_products(cfg, hw: Hardware) -> bool:
@@ -379,9 +386,8 @@ def prediction_of(cfg, layout: Layout, shape, step: float, breakdown: dict[str, 
     per_gpu = tokens / step / layout.world_size
     peak = hw.peak_tflops(fp8_products(cfg, hw))   # as the run's MFU: against the peak its products run at
     mfu = model_flops(shape, cfg.tokens.sequence_length) * per_gpu / (peak * 1e12)
-    p = cfg.parallelism
     return Prediction(layout.dp, layout.cp, layout.ep, layout.tp, layout.pp, cfg.optimizer.zero_stage,
-                      layout.schedule, layout.virtual_stages, cfg.tokens.micro_batch_size, bool(p.recompute_layer),
+                      layout.schedule, layout.virtual_stages, cfg.tokens.micro_batch_size, recompute_mode(cfg),
                       step, per_gpu, mfu, float("nan"), True, breakdown, layout.dp_shard)
 
 

@@ -70,7 +70,7 @@ class Row:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     zero_stage: int = 1
-    recompute: bool = False
+    recompute: str = "none"   # parallelism.recompute of the published run
     framework: Framework = MEGATRON
     metric: str = "tokens_per_s_per_gpu"   # or "mfu"
     value: float = 0.0
@@ -105,17 +105,17 @@ ROWS = [
     _titan("titan 8B FSDP compile (128)", H100_TITAN, 128, 128, 8192, 256, 2, TITAN_COMPILE, 6514),
     _titan("titan 8B FSDP compile fp8 (128)", H100_TITAN, 128, 128, 8192, 256, 2, TITAN_FP8, 8380, fit=True),
     *[_titan(f"titan 8B CP{cp} seq {seq // 1024}k (8)", H100_TITAN, 8, 8 // cp, seq, 8 // cp, 1, TITAN_FP8, value,
-             cp=cp, recompute=True,
+             cp=cp, recompute="full",
              fit=cp == 1)
       for cp, seq, value in ((1, 32768, 3890), (2, 65536, 2540), (4, 131072, 1071), (8, 262144, 548))],
-    _titan("titan 70B FSDP32 TP8 (256)", H100_TITAN, 256, 32, 8192, 512, 16, TITAN_FP8, 829, tp=8, recompute=True,
+    _titan("titan 70B FSDP32 TP8 (256)", H100_TITAN, 256, 32, 8192, 512, 16, TITAN_FP8, 829, tp=8, recompute="full",
            model=("model=llama3_70b",)),
     _titan("titan 70B FSDP32 TP8 async-TP (256)", H100_TITAN, 256, 32, 8192, 512, 16, TITAN_FP8_ASYNC_TP, 876, tp=8,
-           recompute=True, model=("model=llama3_70b",)),
+           recompute="full", model=("model=llama3_70b",)),
     _titan("titan 405B 1F1B (512)", H100_TITAN, 512, 8, 8192, 256, 4, TITAN_FP8_ASYNC_TP, 100, tp=8, pp=8,
-           recompute=True, zero_stage=1, model=("model=llama3_405b",), assumed="8 micro-batches (the pp degree)"),
+           recompute="full", zero_stage=1, model=("model=llama3_405b",), assumed="8 micro-batches (the pp degree)"),
     _titan("titan 405B interleaved (512)", H100_TITAN, 512, 8, 8192, 256, 4, TITAN_FP8_ASYNC_TP, 128, tp=8, pp=8,
-           schedule="interleaved_1f1b", virtual_stages=2, recompute=True, zero_stage=1, model=("model=llama3_405b",),
+           schedule="interleaved_1f1b", virtual_stages=2, recompute="full", zero_stage=1, model=("model=llama3_405b",),
            assumed="8 micro-batches (the pp degree), 2 chunks a rank"),
     _titan("titan 8B compile fp8 (32 H200)", GPUS["h200"], 32, 32, 8192, 64, 2, TITAN_FP8, 10938, source=TITAN_H200),
     _titan("titan 8B compile fp8 (64 H200)", GPUS["h200"], 64, 64, 8192, 128, 2, TITAN_FP8, 10753, source=TITAN_H200),

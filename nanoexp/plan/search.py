@@ -11,7 +11,7 @@ schedule of the registry (parallel/pipeline/schedules.py SCHEDULES, each with th
 plan_chunks names; pp > 1 only), the ZeRO stage (0-3; 0 alone without dp x cp > 1), hybrid sharding at ZeRO 1-3
 (`dp_shard` beside full sharding: only the dp_shard whose shard block dp_shard x cp x tp fills a node, so that
 ZeRO's gathers stay inside it and only the replicas' all-reduce crosses nodes; a smaller block would add traffic
-and save no memory against it), the micro-batch (1, 2, 4) and recomputation (off, on). nanoexp's own `validate`
+and save no memory against it), the micro-batch (1, 2, 4) and the recomputation mode (RECOMPUTE). nanoexp's own `validate`
 decides what is valid, tensor parallelism stays inside a node, and a layout fits when memory.py's estimate is at
 most HEADROOM of the GPU's memory. Only the candidates that can still be among the `top` are validated and priced
 in full (`Search`: branch and bound); the answer is the one of pricing every candidate.
@@ -47,6 +47,7 @@ from nanoexp.plan.memory import HEADROOM, first_rank_gib, limit_gib
 from nanoexp.validation import validate
 
 MICRO_BATCHES = (1, 2, 4)
+RECOMPUTE = ("none", "selective", "every_k", "full")   # parallelism.recompute's modes (every_k: every 2nd layer)
 
 
 def divisors(n: int) -> list[int]:
@@ -89,7 +90,7 @@ class Choice(NamedTuple):
     virtual_stages: int
     micro_batch: int
     zero_stage: int
-    recompute: bool
+    recompute: str   # parallelism.recompute
     dp_shard: int | None = None   # hybrid sharding (None: ZeRO over all of dp x cp)
 
 
@@ -97,7 +98,8 @@ def apply(cfg, choice: Choice) -> None:
     """Set `choice` on `cfg` in place (the accumulation derived again from the global batch)."""
     p = cfg.parallelism
     p.dp, p.cp, p.ep, p.tp, p.pp = choice.dp, choice.cp, choice.ep, choice.tp, choice.pp
-    p.pp_engine, p.pp_virtual_stages, p.recompute_layer = choice.schedule, choice.virtual_stages, choice.recompute
+    p.pp_engine, p.pp_virtual_stages = choice.schedule, choice.virtual_stages
+    p.recompute, p.recompute_layer = choice.recompute, False   # every_k with recompute_every's default, 2
     cfg.tokens.micro_batch_size, cfg.optimizer.zero_stage = choice.micro_batch, choice.zero_stage
     p.dp_shard = choice.dp_shard
     cfg.tokens.batch_accumulation_per_replica = None
@@ -127,7 +129,7 @@ def structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...
     for dp, cp, ep, tp, pp in layouts(cfg, gpus):
         for schedule, v in planned_schedules(pp):
             for mb in micro_batches:
-                yield Choice(dp, cp, ep, tp, pp, schedule, v, mb, 0, False)
+                yield Choice(dp, cp, ep, tp, pp, schedule, v, mb, 0, "none")
 
 
 def checked_structures(cfg, gpus: int, gpus_per_node: int, micro_batches: tuple[int, ...] = MICRO_BATCHES,
@@ -150,13 +152,13 @@ def shard_degrees(choice: Choice, gpus_per_node: int) -> list[int | None]:
     return [None, *hybrid]
 
 
-def variants(choice: Choice, gpus_per_node: int | None = None):
+def variants(choice: Choice, gpus_per_node: int | None = None, modes: tuple[str, ...] = RECOMPUTE):
     """The ZeRO stages (each sharded one fully, or also hybrid given `gpus_per_node`: `shard_degrees`) and
-    recomputation settings of a valid structure."""
+    recomputation modes of a valid structure."""
     stages = (0, 1, 2, 3) if choice.dp * choice.cp > 1 else (0,)
     for stage in stages:
         for dp_shard in shard_degrees(choice, gpus_per_node) if stage and gpus_per_node else (None,):
-            for recompute in (False, True):
+            for recompute in modes:
                 yield choice._replace(zero_stage=stage, recompute=recompute, dp_shard=dp_shard)
 
 
@@ -180,36 +182,39 @@ class Ranking:
 
 
 def rank(cfg, gpus: int, gpus_per_node: int, gpu: str | Hardware, top: int | None = 5,
-         framework: Framework = NANOEXP) -> Ranking:
+         framework: Framework = NANOEXP, modes: tuple[str, ...] = RECOMPUTE) -> Ranking:
     """Rank every valid layout of `gpus` GPUs (`gpus_per_node` a node) of kind `gpu` (hardware.GPUS' names, "cpu",
     or a Hardware) for the model, sequence and global batch of `cfg` (a composed config; it is not changed).
     Returns the `top` fastest that fit (all that fit when top is None) as cost.Prediction, each with
     `overrides()` giving its Hydra overrides, and a count per reason of what is out. The order is that of pricing
-    every candidate in full (ties: the order of enumeration); only those that can still win are (`Search`)."""
+    every candidate in full (ties: the order of enumeration); only those that can still win are (`Search`).
+    `modes`: the recomputation modes tried (parallelism.recompute)."""
     hw = hardware(gpu) if isinstance(gpu, str) else gpu
     key_problem = next((message for ok, message in schema_rules(cfg) if not ok), None)
     if key_problem:   # a key out of its domain: every layout has it
         return Ranking([], {f"invalid: {key_problem}": 1})
-    return Search(cfg, gpus, gpus_per_node, hw, framework).run(top)
+    return Search(cfg, gpus, gpus_per_node, hw, framework, modes).run(top)
 
 
 class Search:
-    """Branch and bound over the structures (layout, schedule, micro-batch) of a GPU count, each with
-    recomputation off and on (a half). A half's bound (cost.step_bound) is a step none of its ZeRO and sharding
+    """Branch and bound over the structures (layout, schedule, micro-batch) of a GPU count, each with each
+    recomputation mode (a half). A half's bound (cost.step_bound) is a step none of its ZeRO and sharding
     variants undercuts, tightened as it comes to the front: first from its compute, the pipeline's fill and the
     collectives inside its layers, then with its simulated bubble (validated first), and then it is expanded
     (every variant timed). The timed variants are taken fastest first, each priced in full (hybrid sharding
     validated, its memory estimated), while no half left could hold a faster one: the order is that of pricing
     every candidate in full (ties: the order of enumeration). What never comes to the front is counted only."""
 
-    def __init__(self, cfg, gpus: int, gpus_per_node: int, hw: Hardware, fw: Framework):
+    def __init__(self, cfg, gpus: int, gpus_per_node: int, hw: Hardware, fw: Framework,
+                 modes: tuple[str, ...] = RECOMPUTE):
         self.cfg, self.gpus, self.gpus_per_node, self.hw, self.fw = plain_copy(cfg), gpus, gpus_per_node, hw, fw
         self.shape, self.device = model_shape(self.cfg), per_rank(hw, gpus)   # every layout has `gpus` ranks
+        self.modes = modes   # each structure's halves, in this order (ties)
         self.reasons: dict[str, int] = {}
         self.examples: dict[str, str] = {}   # an invalid reason as counted (masked): one instance of it
         self.priced = 0
         self.problems: dict[int, str | None] = {}   # a structure's problem by its index (both halves ask)
-        self.cache: dict[tuple, tuple] = {}   # (index, recompute[, "terms"]) -> cost.stage_times (bound_terms)
+        self.cache: dict[tuple, tuple] = {}   # (index, mode[, "terms"]) -> cost.stage_times (bound_terms)
 
     def count(self, reason: str, n: int = 1) -> None:
         self.reasons[reason] = self.reasons.get(reason, 0) + n
@@ -233,33 +238,34 @@ class Search:
             prediction = self.price(*heapq.heappop(heap)[-2:])
             if prediction is not None:
                 fitting.append(prediction)
-        left = len(heap) + sum(len(self.half(structure, recompute)) for _, _, recompute, structure, _ in frontier)
+        left = len(heap) + sum(len(self.half(structure, k)) for _, _, k, structure, _ in frontier)
         if left:
             self.count(f"could not beat the top {top} (bounded: not validated or priced in full)", left)
         return Ranking(fitting, self.reasons, self.priced, self.examples)
 
-    def half(self, structure: Choice, recompute: bool) -> list[Choice]:
-        return [c for c in variants(structure, self.gpus_per_node) if c.recompute == recompute]
+    def half(self, structure: Choice, k: int) -> list[Choice]:
+        """The variants of `structure` with the k-th recomputation mode."""
+        return [c for c in variants(structure, self.gpus_per_node, self.modes) if c.recompute == self.modes[k]]
 
     def frontier(self) -> list[tuple]:
-        """A heap of (-bound, enumeration index, recompute, structure, level 0) of both halves of every structure
-        whose tp stays inside a node: at first both bounded by the compute without recomputation (cost.stage_times)
+        """A heap of (-bound, enumeration index, mode's position, structure, level 0) of the halves of every structure
+        whose tp stays inside a node: at first all bounded by the compute without recomputation (cost.stage_times)
         alone; a structure whose times cannot be computed first (validation then says why)."""
         out = []
         for index, structure in enumerate(structures(self.cfg, self.gpus, self.gpus_per_node)):
             if structure.tp > self.gpus_per_node:
                 self.count(f"invalid: tensor parallelism wider than a node (tp > {self.gpus_per_node})",
-                           len(list(variants(structure, self.gpus_per_node))))
+                           len(list(variants(structure, self.gpus_per_node, self.modes))))
                 continue
             apply(self.cfg, structure)
             try:
-                times = self.times(index)
+                times = self.times(index, "none")
                 m = batch_accumulation(self.cfg)
                 bound = -self.tokens(m * (times.forward + times.backward) * (1 - 1e-9)
                                      * min(1.0, self.hw.cores / self.gpus if self.hw.cores else 1.0))
             except (ValueError, ZeroDivisionError, KeyError):
                 bound = -math.inf
-            out += [(bound, index, False, structure, 0), (bound, index, True, structure, 0)]
+            out += [(bound, index, k, structure, 0) for k in range(len(self.modes))]
         heapq.heapify(out)
         return out
 
@@ -269,17 +275,18 @@ class Search:
         tokens = self.cfg.tokens.global_batch_size * self.cfg.tokens.sequence_length
         return tokens / step / self.gpus if step > 0 else math.inf
 
-    def refine(self, bound: float, index: int, recompute: bool, structure: Choice, level: int) -> tuple[list, list]:
+    def refine(self, bound: float, index: int, k: int, structure: Choice, level: int) -> tuple[list, list]:
         """(frontier entries, timed entries) of the half at its next level: level 0 bounded with its own compute,
         fill and layer collectives (1); level 1 validated and bounded with its bubble (2); level 2 expanded (timed:
         `expand`). Neither for an invalid one (counted)."""
-        apply(self.cfg, structure._replace(recompute=recompute))
+        mode = self.modes[k]
+        apply(self.cfg, structure._replace(recompute=mode))
         if level == 1 and self.problem(index) is not None:
-            self.invalid(self.problems[index], len(self.half(structure, recompute)))
+            self.invalid(self.problems[index], len(self.half(structure, k)))
             return [], []
         try:
-            times = self.times(index, recompute)
-            compute, collectives, hop = self.terms(index, recompute, times)
+            times = self.times(index, mode)
+            compute, collectives, hop = self.terms(index, mode, times)
             if self.hw.cores or level == 2:   # a CPU's bound is its compute alone (cost.predict lends idle cores)
                 bubble = 0.0
             elif level == 0:
@@ -290,26 +297,26 @@ class Search:
         except (ValueError, ZeroDivisionError, KeyError):
             if self.problem(index) is None:
                 raise
-            return self.refine(bound, index, recompute, structure, 1)   # counted as invalid
+            return self.refine(bound, index, k, structure, 1)   # counted as invalid
         if level < 2:
             shared = min(1.0, self.hw.cores / self.gpus) if self.hw.cores else 1.0
             step = (compute + bubble + collectives * (not self.hw.cores)) * shared * (1 - 1e-9)
-            return [(-self.tokens(step), index, recompute, structure, level + 1)], []
-        return [], self.expand(index, structure, recompute, times)
+            return [(-self.tokens(step), index, k, structure, level + 1)], []
+        return [], self.expand(index, structure, mode, times)
 
-    def terms(self, index: int, recompute: bool, times) -> tuple[float, float, float]:
+    def terms(self, index: int, mode: str, times) -> tuple[float, float, float]:
         """cost.bound_terms of the half applied now, once a half."""
-        if (index, recompute, "terms") not in self.cache:
-            self.cache[index, recompute, "terms"] = bound_terms(self.cfg, self.hw, self.gpus_per_node, self.fw,
-                                                                      self.shape, times)
-        return self.cache[index, recompute, "terms"]
+        if (index, mode, "terms") not in self.cache:
+            self.cache[index, mode, "terms"] = bound_terms(self.cfg, self.hw, self.gpus_per_node, self.fw,
+                                                           self.shape, times)
+        return self.cache[index, mode, "terms"]
 
-    def times(self, index: int, recompute: bool = False) -> StageTimes:
-        """cost.stage_times of the structure applied now (with `recompute`), once a half."""
-        if (index, recompute) not in self.cache:
+    def times(self, index: int, mode: str) -> StageTimes:
+        """cost.stage_times of the structure applied now (with recomputation `mode`), once a half."""
+        if (index, mode) not in self.cache:
             layout = Layout.from_config(self.cfg)
-            self.cache[index, recompute] = stage_times(self.cfg, layout, self.shape, self.device, self.fw)
-        return self.cache[index, recompute]
+            self.cache[index, mode] = stage_times(self.cfg, layout, self.shape, self.device, self.fw)
+        return self.cache[index, mode]
 
     def problem(self, index: int) -> str | None:
         """The problem of the structure applied now (validate's), once a structure."""
@@ -317,12 +324,12 @@ class Search:
             self.problems[index] = problem_of(self.cfg, self.gpus, each_key=False)
         return self.problems[index]
 
-    def expand(self, index: int, structure: Choice, recompute: bool, times) -> list[tuple]:
+    def expand(self, index: int, structure: Choice, mode: str, times) -> list[tuple]:
         """Heap entries (-tokens/s per GPU, index, variant, Choice, Prediction without memory) of every ZeRO and
         sharding variant of a valid half."""
         entries = []
-        for n, choice in enumerate(variants(structure, self.gpus_per_node)):
-            if choice.recompute != recompute:
+        for n, choice in enumerate(variants(structure, self.gpus_per_node, self.modes)):
+            if choice.recompute != mode:
                 continue
             apply(self.cfg, choice)
             prediction = predict(self.cfg, self.hw, self.gpus_per_node, self.fw, with_memory=False, shape=self.shape,

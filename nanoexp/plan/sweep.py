@@ -27,7 +27,7 @@ from nanoexp.plan.search import rank
 CPU_PROCESSES = 4
 # Keys a plan sets on every job: the command line may not set (or sweep) them as well.
 PLANNED = ("parallelism", "parallelism.dp", "parallelism.cp", "parallelism.ep", "parallelism.tp", "parallelism.pp",
-           "parallelism.pp_engine", "parallelism.pp_virtual_stages", "parallelism.recompute_layer",
+           "parallelism.pp_engine", "parallelism.pp_virtual_stages", "parallelism.recompute", "parallelism.recompute_layer",
            "optimizer.zero_stage", "tokens.micro_batch_size", "tokens.batch_accumulation_per_replica")
 
 

@@ -25,6 +25,7 @@ from nanoexp.observe.memory_estimate import held_modules, held_parameters, rank_
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.zero.units import ZeroStage
+from nanoexp.runtime.recompute import RecomputePolicy
 
 GROUPS = ("dp", "dp_cp", "cp", "ep", "edp", "tp", "pp", "model_parallel", "embedding", "shard", "replica",
           "expert_shard")
@@ -98,11 +99,11 @@ def all_to_all_bytes(cfg, layout: Layout, shape, pp_rank: int, micro_batches: in
     backward (and forward again under recomputation); with even routing (ep-1)/ep of the rows go to another
     rank. Before the rows, each forward exchanges the E counts (int64)."""
     moe, layers = shape.moe, layout.stage_layers(shape.num_hidden_layers, pp_rank)
-    moe_layers = sum(shape.is_moe_layer(n) for chunk in layers for n in chunk)
-    forwards = 2 if cfg.parallelism.recompute_layer else 1
+    moe_layers = [n for chunk in layers for n in chunk if shape.is_moe_layer(n)]
+    forwards = 1 + RecomputePolicy.from_config(cfg).share(moe_layers)   # any mode reruns the all-to-all in place
     rows = 4 * shape.hidden_size * tokens * moe.top_k * (2 * forwards + 2)
     counts = 8 * moe.num_experts * forwards
-    return micro_batches * moe_layers * (rows + counts) * (layout.ep - 1) / layout.ep
+    return micro_batches * len(moe_layers) * (rows + counts) * (layout.ep - 1) / layout.ep
 
 
 def activation_bytes(cfg) -> int:
@@ -117,6 +118,8 @@ def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, fl
     out = {name: 0.0 for name in GROUPS}
     held, chunks, experts = held_by_rank(shape, layout, pp_rank)
     layers = sum(chunks)
+    again = RecomputePolicy.from_config(cfg).share(n for chunk in layout.stage_layers(shape.num_hidden_layers, pp_rank)
+                                                   for n in chunk)   # the share of layers recomputed
     hybrid = layout.replicas > 1
     if layout.dp_cp > 1:   # every cp rank holds the full weights: gradients over dp x cp
         scalars = 1 + last   # the step loss; the target-token count on the loss stage
@@ -131,12 +134,13 @@ def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, fl
     if layout.cp > 1:
         attention = rank_attention(shape, layout.tp, layout.cp, batch=mb, sequence=cfg.tokens.sequence_length,
                                    act_bytes=act, documents=cfg.model.attention_mask == "document")
-        forwards = 2 if cfg.parallelism.recompute_layer else 1
+        forwards = 1 + again   # the context-parallel kernel runs again in every mode (no op group keeps it)
         out["cp"] = m * layers * CP_KERNELS[layout.cp_mode].sent_bytes(attention, forwards)
     if layout.tp > 1:
         # a recomputed block repeats its attention's forward all-reduce, not its MLP's: recomputation stops once
-        # every saved tensor is back, and nothing saves the down projection's output (metrics.py)
-        per_layer = 4 + bool(cfg.parallelism.recompute_layer)
+        # every saved tensor is back, and nothing saves the down projection's output (metrics.py); selective too, as
+        # the all-reduce works in place and no policy keeps it (model/saved_ops.py)
+        per_layer = 4 + again
         per_micro = (per_layer * layers + first + last) * ring(layout.tp) * mb * s * h * act
         if last:
             per_micro += 3 * ring(layout.tp) * mb * s * 4

@@ -23,6 +23,7 @@ from nanoexp.model.shape import model_shape
 from nanoexp.numerics.converters import convert_linears, gather_format
 from nanoexp.numerics.precision import autocast
 from nanoexp.runtime.optim import build_optimizer
+from nanoexp.runtime.recompute import RecomputePolicy, apply_recompute
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.gradient_sync import GradientSync
 from nanoexp.parallel.parallelize import parallelize
@@ -37,16 +38,17 @@ from nanoexp.runtime.step import StepRunner
 def build_model(cfg, ctx: ParallelContext) -> LlamaForCausalLM:
     """This rank's shard of the model, on its device: its pipeline stage's layers (with virtual stages, its
     chunks of them), its tensor-parallel slices, as ctx.layout splits them (the config's layout when
-    training; one process's to read a checkpoint of any layout). model.compile compiles each decoder block."""
+    training; one process's to read a checkpoint of any layout), each layer keeping for backward what
+parallelism.recompute says. model.compile compiles each decoder block."""
     shape = model_shape(cfg)
     with torch.device("meta"):
         model = parallelize(LlamaForCausalLM(shape), ctx)
-    model.recompute_layer = cfg.parallelism.recompute_layer
     model.converted_linears = convert_linears(model, cfg, ctx)   # number formats (nanoexp/numerics/converters.py)
     materialize(model, ctx.device)
     init_weights(model, cfg.model.init_method.std, cfg.general.seed, parametrization_of(cfg))
     if cfg.model.init_method.path:   # start from a local Hugging Face Llama's weights
         load_hf_weights(model, cfg.model.init_method.path)
+    apply_recompute(model, RecomputePolicy.from_config(cfg), ctx.device)   # before compile, which compiles it too
     if cfg.model.compile:
         for layer in model.model.layers.values():
             layer.compile()

@@ -32,6 +32,7 @@ from nanoexp.instruments import timing
 from nanoexp.instruments.memory import peak_memory_mb, start_measuring
 from nanoexp.observe.metrics import MetricsWriter, flops_per_token, hardware_flops_per_token
 from nanoexp.runtime.build import build_runtime
+from nanoexp.runtime.recompute import RecomputePolicy
 from nanoexp.model.shape import model_shape
 from nanoexp.model.llama import count_parameters
 from nanoexp.runtime.optim import clip_gradients
@@ -68,7 +69,7 @@ class Trainer:
         self.tokens_per_step = self.global_batch * t.sequence_length
         self.flops_per_step = flops_per_token(self.shape, t.sequence_length) * self.tokens_per_step
         self.hardware_flops_per_step = self.tokens_per_step * hardware_flops_per_token(   # + recomputed forwards
-            self.shape, t.sequence_length, cfg.parallelism.recompute_layer)
+            self.shape, t.sequence_length, RecomputePolicy.from_config(cfg), ctx.cp)
         self.profiler = StepProfiler(cfg.logging.profiler, run_dir, ctx.rank)
         self.peak, self.peak_refuted = peak or Peak(None, "not measured"), False
         self.memory = {}   # see memory_breakdown
