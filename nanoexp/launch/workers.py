@@ -229,11 +229,29 @@ def _local_worker(rank: int, world_size: int, port: int, fn: Callable, args: tup
         dist.destroy_process_group()
     except StopBeforeTraining as stop:   # the launcher says it, once
         code = stop.exit_code
+        _leave_the_store_last(rank, world_size)
     except BaseException as error:  # noqa: BLE001 - any failure must reach the parent
         # A failure that names its cause is one line; a bug brings its traceback.
         errors.put((rank, f"{type(error).__name__}: {error}", "" if is_known(error) else traceback.format_exc()))
         code = 1
     _leave(code, errors)
+
+
+def _leave_the_store_last(rank: int, world_size: int, wait_s: float = 2.0) -> None:
+    """Stopped together: rank 0, the store's host (env://), leaves after its peers say they go, so that no peer's
+    stall watchdog finds the store gone and prints c10d's warning under the run's one line."""
+    if world_size == 1 or not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        if rank != 0:
+            store.add("nanoexp/stopped", 1)
+            return
+        deadline = time.monotonic() + wait_s
+        while store.add("nanoexp/stopped", 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - a peer or the store already gone: leave all the same
+        pass
 
 
 def _leave(code: int, errors) -> None:
