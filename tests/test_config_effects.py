@@ -60,8 +60,8 @@ def test_a_key_left_at_its_default_is_never_refused():
 @pytest.mark.parametrize("group", ["model", "parallelism", "optimizer"])
 def test_every_shipped_option_passes(group):
     """No config group option of conf/ sets a key where its own settings do not read it."""
-    for name in sorted(os.listdir(os.path.join(CONF_DIR, group))):
-        cfg = compose_config([f"{group}={name.removesuffix('.yaml')}"])
+    for name in sorted(name for name in os.listdir(os.path.join(CONF_DIR, group)) if name.endswith(".yaml")):
+        cfg = compose_config([f"{group}={name.removesuffix('.yaml')}"])   # conf/model/shared/: a part of each
         normalize(cfg)
         validate(cfg)
 
