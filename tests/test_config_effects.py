@@ -1,17 +1,17 @@
-"""Keys without effect (nanoexp/config_effects.py): changed where the run does not read them, they are refused in one
-line naming the key and what would make it count; where they count, the same values pass."""
+"""Keys without effect (each field's `counts` in nanoexp/config.py, checked by nanoexp/config_domains.py): changed
+where the run does not read them, they are refused in one line naming the key and what would make it count; where
+they count, the same values pass."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import pytest
 
-from nanoexp.config import CONF_DIR, normalize
-from nanoexp.config_domains import schema_keys
-from nanoexp.config import NanoexpConfig
-from nanoexp.config_effects import EFFECTS, keys_of
+from nanoexp.config import CONF_DIR, NanoexpConfig, normalize
+from nanoexp.config_domains import field_types, schema_keys, unwrap
 from nanoexp.validation import validate
-from omegaconf import OmegaConf
 from tests.helpers import compose_config
 
 pytestmark = pytest.mark.quick
@@ -66,8 +66,20 @@ def test_every_shipped_option_passes(group):
         validate(cfg)
 
 
-def test_every_effect_names_keys_of_the_schema():
-    known, defaults = set(schema_keys(NanoexpConfig)), OmegaConf.structured(NanoexpConfig)
-    for effect in EFFECTS:
-        keys = keys_of(effect, defaults)
-        assert keys and set(keys) <= known, effect.key
+def conditions(schema=NanoexpConfig):
+    """Every `counts` of the schema's fields."""
+    for field in dataclasses.fields(schema):
+        inner = unwrap(field_types(schema)[field.name])[0]
+        if dataclasses.is_dataclass(inner):
+            yield from conditions(inner)
+        elif field.metadata.get("counts"):
+            yield field.metadata["counts"]
+
+
+def test_what_makes_a_key_count_names_keys_of_the_schema():
+    """Each `needs` starts from a key (or a group choice, fault_tolerance=torchft) of the schema."""
+    known = set(schema_keys(NanoexpConfig))
+    needs = {counts.needs for counts in conditions()}
+    assert len(needs) > 10
+    for text in needs:
+        assert re.match(r"[\w.]+", text).group(0) in known, text
