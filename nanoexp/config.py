@@ -90,8 +90,7 @@ class MoeConfig:
     router: str = key("softmax_topk", counts=MOE)   # softmax_topk_normalized: the top-k weights sum to 1
     aux_loss_coef: float = key(0.01, at_least(0), MOE)   # Switch/GShard load balancing (balance=aux_loss only)
     z_loss_coef: float = key(0.0, at_least(0), MOE)   # router z-loss (ST-MoE), per MoE layer
-    # an expert takes ceil(c x tokens x top_k / E)
-    capacity_factor: Optional[float] = key(None, positive("null: dropless"), MOE)
+    capacity_factor: Optional[float] = key(None, positive("null: dropless"), MOE)   # ceil(c·tokens·top_k / E) each
     expert_kernel: str = key("grouped_mm", counts=MOE)   # how the routed experts run (nanoexp/model/experts.py)
     balance: str = key("aux_loss", counts=MOE)   # bias: DeepSeek-V3's routing bias, no aux loss
     bias_update_rate: Optional[float] = key(None, positive("null: 0.001, DeepSeek-V3's"), MOE)   # after each step
@@ -161,8 +160,7 @@ class LRSchedulerConfig:
     lr_warmup_style: str = key("linear", ("linear", "constant"))
     lr_decay_style: str = key("cosine", ("linear", "cosine", "constant"))
     lr_decay_steps: Optional[int] = key(None, at_least(1, "train_steps - the step the decay starts at"))
-    # the peak holds after warm-up until here
-    lr_decay_starting_step: Optional[int] = key(None, at_least(0, "null: where warm-up ends"))
+    lr_decay_starting_step: Optional[int] = key(None, at_least(0, "null: where warm-up ends"))   # the peak holds
     min_decay_lr: Optional[float] = key(None, at_least(0, "null: half the peak learning_rate"))   # follows LR sweeps
 
 
@@ -221,8 +219,7 @@ class ParallelismConfig:
     # a rank stuck this long in a collective is an error; torch.distributed's clocks overflow near 1e13 s
     collective_timeout_s: float = key(600.0, Domain(lambda seconds: 0 < seconds <= 1e9, "positive and at most 1e9",
                                                     "seconds"))
-    # local workers: auto (spawn with CUDA, fork on CPU)
-    start_method: str = key("auto", ("auto", "fork", "spawn"))
+    start_method: str = key("auto", ("auto", "fork", "spawn"))   # local workers: auto (spawn with CUDA, fork on CPU)
 
 
 @dataclass
@@ -261,8 +258,7 @@ class CheckpointConfig:
     checkpoint_interval: int = key(0, at_least(0, "0: only at the end"))
     checkpoints_path: Optional[str] = None     # null: <run folder>/checkpoints
     save_final_state: bool = True
-    # auto: continue from the newest checkpoint in checkpoints_path
-    resume: str = key("auto", ("auto", "never"))
+    resume: str = key("auto", ("auto", "never"))   # auto: continue from the newest checkpoint in checkpoints_path
     resume_checkpoint_path: Optional[str] = None   # a checkpoint folder to resume from (wins over resume)
     keep_last_n: Optional[int] = key(None, at_least(1, "null: keep all"))
     load_optimizer: bool = True                # false: fresh AdamW state (fine-tuning from weights)
@@ -357,19 +353,14 @@ class FaultToleranceConfig:
     method: str = "none"
     replica_groups: int = key(1, SIZE, TORCHFT)   # R groups: the data-parallel degree is R x parallelism.dp
     min_replicas: int = key(1, SIZE, TORCHFT)     # fewer live groups than this: no step is committed
-    # http://host:port of a running lighthouse (null: nanoexp starts one here)
-    lighthouse: Optional[str] = key(None, counts=TORCHFT)
-    # which group this process (world) is (null: start every group on this machine)
-    group: Optional[int] = key(None, at_least(0, "null: every group on this machine"), TORCHFT)
+    lighthouse: Optional[str] = key(None, counts=TORCHFT)   # a running lighthouse's http://host:port (null: start one)
+    group: Optional[int] = key(None, at_least(0, "null: every group on this machine"), TORCHFT)   # this world's
     quorum_timeout_s: float = key(60.0, TIMEOUT, TORCHFT)   # the longest wait for a quorum (and the lighthouse)
-    # a cross-group collective, commit vote or state copy (then the step is retried)
-    timeout_s: float = key(30.0, TIMEOUT, TORCHFT)
-    # local launch: restarts of each group before the run gives it up
-    max_restarts: int = key(3, at_least(0, "0: a dead group stays out"), Counts(lambda cfg: cfg.fault_tolerance.method
-                            != "none" and cfg.fault_tolerance.group is None, "fault_tolerance=torchft with "
-                            "fault_tolerance.group=null (the groups started on this machine, which nanoexp restarts)"))
-    # none: every step synchronous; diloco: groups apart, synced every sync_every
-    semi_sync: str = key("none", counts=TORCHFT)
+    timeout_s: float = key(30.0, TIMEOUT, TORCHFT)   # a cross-group collective, vote or state copy (then retried)
+    max_restarts: int = key(3, at_least(0, "0: a dead group stays out"), Counts(   # a local group's, then given up
+        lambda cfg: cfg.fault_tolerance.method != "none" and cfg.fault_tolerance.group is None, "fault_tolerance="
+        "torchft with fault_tolerance.group=null (the groups started on this machine, which nanoexp restarts)"))
+    semi_sync: str = key("none", counts=TORCHFT)   # diloco: groups apart, synced every sync_every (none: each step)
     sync_every: int = key(20, SIZE, DILOCO)         # diloco: inner steps between syncs (H)
     outer_lr: float = key(0.7, positive(), DILOCO)  # diloco: the outer Nesterov SGD's learning rate (DiLoCo's paper)
     outer_momentum: float = key(0.9, FRACTION, DILOCO)   # diloco: its momentum
@@ -381,8 +372,7 @@ SPIKES = Counts(lambda cfg: cfg.health.spike.action != "off", "health.spike.acti
 @dataclass
 class SpikeConfig:
     """A loss above the median of the last `window` steps by `z` robust deviations (docs/health.md)."""
-    # skip: drop the step's update; rollback: to the last checkpoint
-    action: str = key("warn", ("off", "warn", "skip", "rollback"))
+    action: str = key("warn", ("off", "warn", "skip", "rollback"))   # skip: drop the update; rollback: to a checkpoint
     window: int = key(50, at_least(1, "steps"), SPIKES)
     z: float = key(6.0, positive("robust deviations"), SPIKES)
     max_rollbacks: int = key(3, at_least(1), Counts(lambda cfg: cfg.health.spike.action == "rollback",
@@ -415,10 +405,9 @@ class HealthConfig:
 @dataclass
 class DebugConfig:
     """Hang and desync diagnosis (docs/debugging.md)."""
-    # no rank progressed this long: dump and diagnose
+    # no rank progressed this long: dump the stacks and diagnose
     stall_s: Optional[float] = key(None, between(0, 1e9, "between 0 and 1e9", "seconds, null: auto, 0: off"))
-    # collectives each process remembers (torch's flight recorder)
-    flight_recorder_entries: int = key(2000, at_least(0, "0: off"))
+    flight_recorder_entries: int = key(2000, at_least(0, "0: off"))   # collectives torch's flight recorder keeps
     collectives: str = key("off", ("off", "check"))   # check: torch checks each collective's op, shape, dtype
     cuda_sync: str = key("off", ("off", "warn", "error"))   # torch reports each host wait for the GPU (CUDA only)
 
