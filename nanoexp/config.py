@@ -126,7 +126,7 @@ class ModelConfig:
     ddp_bucket_cap_mb: Optional[float] = key(None, positive("MB; null: 25 with NCCL, 4 with gloo"))
     # document: packed documents attend within themselves, positions restart
     attention_mask: str = key("causal", ("causal", "document"))
-    # nanoexp/model/attention/ (auto: flash-attn where it runs); with cp > 1, parallelism.cp_mode's kernel runs
+    # nanoexp/model/attention.py (auto: flash-attn where it runs); with cp > 1, parallelism.cp_mode's kernel runs
     attention_kernel: str = key("auto", counts=Counts(lambda cfg: cfg.parallelism.cp == 1, "parallelism.cp=1 (with "
                                                       "cp > 1 attention runs parallelism.cp_mode's kernel)"))
     model_config: LlamaConfig = field(default_factory=LlamaConfig)
@@ -198,7 +198,7 @@ class ParallelismConfig:
     ep: int = key(1, at_least(1, "1: every rank holds every expert"))
     # hybrid sharding: ZeRO shards over dp_shard x cp ranks, replicated dp / dp_shard times (docs/zero.md)
     dp_shard: Optional[int] = key(None, at_least(1, "null: ZeRO shards over all of dp x cp"))
-    pp_engine: str = "1f1b"               # nanoexp/parallel/pipeline/schedules/
+    pp_engine: str = "1f1b"               # nanoexp/parallel/pipeline/schedules.py
     pp_virtual_stages: int = key(1, SIZE)   # chunks of layers per pp rank (interleaved_1f1b; 2 for V schedules)
     # reduce_scatter: sequence parallelism
     tp_mode: str = key("all_reduce", counts=Counts(lambda cfg: cfg.parallelism.tp > 1, "parallelism.tp > 1"))
