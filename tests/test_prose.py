@@ -1,13 +1,13 @@
-"""The prose agrees with the code. Where the README, docs/*.md or nanoexp's sources (config.py's comments, the
-docstrings) list a registry's names, separated by | or commas (schedules, attention and cp kernels, number formats,
-optimizers, recompute modes, expert kernels, selective op groups), a list of allowed values (| separated) holds
-every registered name and no other, and so does any list of four or more (of three: no other); the README's feature table names
-every schedule, cp kernel, number format, optimizer and recompute mode; pyproject's description and the README's
-first line name the parallel dimensions Layout has; and the test times quoted are scripts/test_times.py's."""
+"""The prose agrees with the code: the names of each registry (schedules, kernels, number formats, optimizers,
+recompute modes, selective op groups) where the README, docs/*.md or nanoexp's docstrings and comments list them;
+the README's feature table; the parallel dimensions in pyproject's description and the README's first lines; the
+modules named by path; and the test times, quoted only in docs/testing.md's table that scripts/test_times.py writes.
+"""
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import glob
 import io
 import os
@@ -34,11 +34,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = {"schedule": SCHEDULES, "attention kernel": ATTENTION_KERNELS, "cp kernel": CP_KERNELS,
          "number format": CONVERTERS, "optimizer": OPTIMIZERS, "recompute mode": RECOMPUTE_MODES,
          "expert kernel": EXPERT_KERNELS, "selective op group": SAVABLE_OPS}
-# A run of two or more names (each with a letter, maybe in backticks) joined by | (in a Markdown table \|), commas,
-# "and" or "or".
-NAME, SEPARATOR = r"`?[A-Za-z0-9_]*[A-Za-z][A-Za-z0-9_]*`?", r"(?:[ \t]*(?:\\?\||,)[ \t]*(?:(?:and|or) )?| (?:and|or) )"
+# A list: two or more names (a word with a letter, maybe in backticks) joined by |, commas, "and" or "or".
+NAME = r"`?\w*[A-Za-z]\w*`?"
+# "a | b", "a \| b" (in a table), "a, b", "a, and b", "a or b"
+SEPARATOR = r"(?: *(?:\\?\||,) *(?:(?:and|or) )?| (?:and|or) )"
 LIST = re.compile(rf"{NAME}(?:{SEPARATOR}{NAME})+")
-LONG = 4   # a list of this many names of a registry reads as the whole registry (of 3: as a list of its names)
 
 
 def read(path: str) -> str:
@@ -46,6 +46,7 @@ def read(path: str) -> str:
         return f.read()
 
 
+@functools.cache
 def texts() -> dict[str, str]:
     """{path: prose} of the README and the docs, and of every module of nanoexp its docstrings and comments."""
     paths = ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=REPO))
@@ -54,14 +55,13 @@ def texts() -> dict[str, str]:
 
 
 def prose_of(source: str) -> str:
-    """A module's docstrings and comments, each on its own lines where it stands (the code's lines blank)."""
+    """A module's docstrings and comments, each on its own line numbers (the code's lines blank)."""
     lines = [""] * (source.count("\n") + 2)
     for node in ast.walk(ast.parse(source)):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            for offset, line in enumerate(body[0].value.value.splitlines()):
-                lines[body[0].lineno + offset] = line
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
+            first = node.body[0].lineno
+            for offset, line in enumerate(node.body[0].value.value.splitlines()):
+                lines[first + offset] = line
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             lines[token.start[0]] += " " + token.string
@@ -69,43 +69,57 @@ def prose_of(source: str) -> str:
 
 
 def lists(text: str):
-    """(line number, the names, whether | separated) of each run of names in `text`; a Markdown table's cells
-    apart."""
+    """(line number, its names in lower case, whether | separated) of each list in `text`; in a Markdown table
+    each cell apart (a | that is not escaped ends a cell)."""
     for number, line in enumerate(text.splitlines(), 1):
-        if line.lstrip().startswith("|"):
-            line = re.sub(r"(?<!\\)\|", "\t\t", line)
-        for match in LIST.finditer(line):
+        cells = re.split(r"(?<!\\)\|", line) if line.lstrip().startswith("|") else [line]
+        for match in (match for cell in cells for match in LIST.finditer(cell)):
             names = [name.strip("`").lower() for name in re.split(SEPARATOR, match.group(0))]
             yield number, names, "|" in match.group(0)
 
 
-def wrong_lists(kind: str, registered, sources: dict[str, str]) -> list[str]:
-    """Where a list of `kind` names a name that is not registered, or leaves one out."""
+def lists_in(sources: dict[str, str]) -> list[tuple[str, list[str], bool]]:
+    """("path:line", names, whether | separated) of every list in `sources` ({path: text})."""
+    return [(f"{path}:{number}", names, piped) for path, text in sources.items()
+            for number, names, piped in lists(text)]
+
+
+@functools.cache
+def prose_lists() -> list[tuple[str, list[str], bool]]:
+    return lists_in(texts())
+
+
+def wrong_lists(kind: str, registered, found: list[tuple[str, list[str], bool]]) -> list[str]:
+    """Where a list of `kind` names names a stranger or leaves a registered name out. Which lists are checked:
+    one separated by | is a key's allowed values: every registered name, no other. One of commas, "and", "or" is
+    a list of `kind` names when it names three, so it names no other; when it names four it is the registry, so
+    it leaves none out. Fewer is a mention in passing (e.g. "learning rate, AdamW and Muon")."""
     known, wrong = {name.lower() for name in registered}, []
-    for path, text in sources.items():
-        for number, names, piped in lists(text):
-            named = set(names) & known
-            if len(named) < 2:   # one name among others is not a list of this kind
-                continue
-            strangers = [name for name in names if name not in known] if piped or len(named) >= 3 else []
-            missing = sorted(known - named) if piped or len(named) >= LONG else []
-            if strangers or missing:
-                wrong.append(f"{path}:{number}: {', '.join(names)}: "
-                             + "; ".join(filter(None, [strangers and f"not a {kind}: {', '.join(strangers)}",
-                                                       missing and f"leaves out {', '.join(missing)}"])))
+    for where, names, piped in found:
+        named = set(names) & known
+        if len(named) < 2:
+            continue
+        strangers = [name for name in names if name not in known] if piped or len(named) >= 3 else []
+        missing = sorted(known - named) if piped or len(named) >= 4 else []
+        if strangers or missing:
+            wrong.append(f"{where}: {', '.join(names)}: "
+                         + "; ".join(filter(None, [strangers and f"not a {kind}: {', '.join(strangers)}",
+                                                   missing and f"leaves out {', '.join(missing)}"])))
     return wrong
 
 
 @pytest.mark.parametrize("kind", NAMES)
 def test_every_list_of_a_registrys_names_is_the_registrys(kind):
-    assert wrong_lists(kind, NAMES[kind], texts()) == []
+    assert wrong_lists(kind, NAMES[kind], prose_lists()) == []
 
 
 def test_the_list_finder_finds_stale_and_stray_names():
     """The check itself: a schedule list without dualpipev, and one with a name never registered, are found."""
     stale = "`parallelism.pp_engine` (afab | 1f1b | interleaved_1f1b | zb_h1 | zbv)"
     stray = "every engine (afab, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev, gpipe)"
-    found = wrong_lists("schedule", SCHEDULES, {"a.md": stale, "b.py": stray, "c.md": "zbv and dualpipev, or 1f1b"})
+    sources = {"a.md": stale, "b.py": stray, "c.md": "zbv and dualpipev, or 1f1b"}   # c: a mention
+    schedules = ["afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]   # fixed: this tests the check
+    found = wrong_lists("schedule", schedules, lists_in(sources))
     assert found == ["a.md:1: afab, 1f1b, interleaved_1f1b, zb_h1, zbv: leaves out dualpipev",
                      "b.py:1: afab, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev, gpipe: not a schedule: gpipe"]
 
