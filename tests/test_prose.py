@@ -20,8 +20,6 @@ import tomllib
 import pytest
 
 from nanoexp.config import RECOMPUTE_MODES, OptimizerFactory
-from nanoexp.model.attention import ATTENTION_KERNELS
-from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.saved_ops import SAVABLE_OPS
 from nanoexp.numerics import fp8  # noqa: F401 - registers its converter
 from nanoexp.numerics.converters import CONVERTERS
@@ -29,11 +27,12 @@ from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
+from nanoexp.validation import REGISTRIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = {"schedule": SCHEDULES, "attention kernel": ATTENTION_KERNELS, "cp kernel": CP_KERNELS,
-         "number format": CONVERTERS, "optimizer": OPTIMIZERS, "recompute mode": RECOMPUTE_MODES,
-         "expert kernel": EXPERT_KERNELS, "selective op group": SAVABLE_OPS}
+# Each key's registered names (validation.REGISTRIES: schedules, kernels, fp8 recipes, ...), and the number formats.
+NAMES = {**REGISTRIES, "optimizer.optimizer_factory.name": OPTIMIZERS, "parallelism.recompute": RECOMPUTE_MODES,
+         "parallelism.selective_ops": SAVABLE_OPS, "number format": CONVERTERS}
 # A list: two or more names (a word with a letter, maybe in backticks) joined by |, commas, "and" or "or".
 NAME = r"`?\w*[A-Za-z]\w*`?"
 # "a | b", "a \| b" (in a table), "a, b", "a, and b", "a or b"
@@ -48,10 +47,13 @@ def read(path: str) -> str:
 
 @functools.cache
 def texts() -> dict[str, str]:
-    """{path: prose} of the README and the docs, and of every module of nanoexp its docstrings and comments."""
-    paths = ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=REPO))
+    """{path: prose} of the README and the docs, of every module of nanoexp its docstrings and comments, and of
+    every config file its comments."""
+    pages = ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=REPO))
     modules = sorted(glob.glob("nanoexp/**/*.py", root_dir=REPO, recursive=True))
-    return {**{path: read(path) for path in paths}, **{path: prose_of(read(path)) for path in modules}}
+    configs = sorted(glob.glob("conf/**/*.yaml", root_dir=REPO, recursive=True))
+    return {**{path: read(path) for path in pages}, **{path: prose_of(read(path)) for path in modules},
+            **{path: re.sub(r"(?m)^[^#\n]*", "", read(path)) for path in configs}}   # from each line its #
 
 
 def prose_of(source: str) -> str:
@@ -90,7 +92,7 @@ def prose_lists() -> list[tuple[str, list[str], bool]]:
 
 
 def wrong_lists(kind: str, registered, found: list[tuple[str, list[str], bool]]) -> list[str]:
-    """Where a list of `kind` names names a stranger or leaves a registered name out. Which lists are checked:
+    """Where a list of `kind`'s names names a stranger or leaves a registered name out. Which lists are checked:
     one separated by | is a key's allowed values: every registered name, no other. One of commas, "and", "or" is
     a list of `kind` names when it names three, so it names no other; when it names four it is the registry, so
     it leaves none out. Fewer is a mention in passing (e.g. "learning rate, AdamW and Muon")."""
@@ -103,7 +105,7 @@ def wrong_lists(kind: str, registered, found: list[tuple[str, list[str], bool]])
         missing = sorted(known - named) if piped or len(named) >= 4 else []
         if strangers or missing:
             wrong.append(f"{where}: {', '.join(names)}: "
-                         + "; ".join(filter(None, [strangers and f"not a {kind}: {', '.join(strangers)}",
+                         + "; ".join(filter(None, [strangers and f"not {kind}'s: {', '.join(strangers)}",
                                                    missing and f"leaves out {', '.join(missing)}"])))
     return wrong
 
@@ -121,7 +123,7 @@ def test_the_list_finder_finds_stale_and_stray_names():
     schedules = ["afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]   # fixed: this tests the check
     found = wrong_lists("schedule", schedules, lists_in(sources))
     assert found == ["a.md:1: afab, 1f1b, interleaved_1f1b, zb_h1, zbv: leaves out dualpipev",
-                     "b.py:1: afab, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev, gpipe: not a schedule: gpipe"]
+                     "b.py:1: afab, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev, gpipe: not schedule's: gpipe"]
 
 
 def plain_words(text: str) -> str:
@@ -167,8 +169,8 @@ TYPED = re.compile(r"pytest\b.*\d+(?:[.,]\d+)?\s*(?:min\b|minutes|s\b|h\b)|\b\d+
 
 
 def test_test_times_and_counts_are_the_generated_ones():
-    """The README and docs/testing.md quote test times and counts only in docs/testing.md's table, which is
-    scripts/test_times.py's rendering (it writes the table when it times the tiers)."""
+    """The README and docs/testing.md quote test times and counts only in docs/testing.md's table, which has the
+    form scripts/test_times.py writes when it times the tiers (its --check)."""
     check = subprocess.run([sys.executable, "scripts/test_times.py", "--check"], cwd=REPO, capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
