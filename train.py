@@ -16,6 +16,7 @@ if __name__ == "__main__":
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from nanoexp.config import register_configs
 from nanoexp.launch.workers import launcher_env
@@ -32,6 +33,13 @@ def quiet_nonzero_ranks() -> None:
                      "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
+def slurm_launcher(hydra_cfg) -> dict | None:
+    """hydra.launcher, resolved, when this job is one of hydra/launcher=slurm's (replica groups submit theirs)."""
+    if not str(hydra_cfg.launcher.get("_target_", "")).endswith(".NanoexpSlurmLauncher"):
+        return None
+    return OmegaConf.to_container(hydra_cfg.launcher, resolve=True)
+
+
 @hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"),
             config_name="config")
 def main(cfg) -> None:
@@ -42,7 +50,8 @@ def main(cfg) -> None:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     job = HydraJob(overrides=list(hydra_cfg.overrides.task), override_dirname=hydra_cfg.job.override_dirname,
                    sweep_dir=hydra_cfg.sweep.dir if multirun else None,
-                   created_folder=None if multirun else created_for_run(run_dir))
+                   created_folder=None if multirun else created_for_run(run_dir),
+                   slurm_launcher=slurm_launcher(hydra_cfg) if multirun else None)
     run_main(cfg, run_dir, job)
 
 

@@ -3,6 +3,7 @@
     python benchmarks/bench_replica_groups.py parity                 # R=2 groups against the plain run, 5 layouts
     python benchmarks/bench_replica_groups.py failures --minutes 3   # a group killed every T s, both recoveries
     python benchmarks/bench_replica_groups.py diloco --steps 120     # DiLoCo against synchronous, model=small
+    python benchmarks/bench_replica_groups.py hosts --steps 40       # the bytes across two fake hosts (root)
 
 parity: each case trains 4 steps as R=2 groups and as the plain run of the same global batch (dp = 2 x the group's);
 the table gives the largest relative loss difference, the largest weight difference (final checkpoints) and whether
@@ -20,6 +21,11 @@ first step after it, from the log lines' time stamps.
 diloco: model=small, the same tokens, synchronous groups against DiLoCo (sync_every H): the held-out loss at the end,
 and the payload each rank all-reduced across groups per step (summary.json's fault_tolerance.cross_group_bytes over
 the steps), counted by the run itself.
+
+hosts: the same two ways of training, group 0 and the lighthouse on fake host 0, group 1 on fake host 1
+(scripts/fake_hosts.sh up 2, as root): the bytes host 1's link carried (its veth's end on the bridge, received and
+sent, from /sys/class/net/nxh1/statistics) over the run, per step, beside the run's own count; the link's bytes
+over 10 s before each run say what else crosses it.
 """
 from __future__ import annotations
 
@@ -245,6 +251,67 @@ def main_diloco(args) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+# -- bytes across the fake hosts ---------------------------------------------------------------------------------
+LINK = "/sys/class/net/nxh1/statistics"   # host 1's veth, its end on the bridge: all host 1 sends and receives
+HOST_PORT = 29518
+
+
+def link_bytes() -> int:
+    return sum(int(open(os.path.join(LINK, f"{way}_bytes")).read()) for way in ("rx", "tx"))
+
+
+def on_host(host: int, command: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "fake_hosts.sh"), "run", str(host), *command],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+
+
+def groups_on_hosts(run_dir: str, overrides: list[str]) -> None:
+    """The lighthouse and group 0 on host 0, group 1 on host 1 (as tests/test_replica_hosts.py), to the end."""
+    lighthouse = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    group = [sys.executable, "train.py", *overrides, f"fault_tolerance.lighthouse=http://nanoexp-host0:{HOST_PORT}",
+             f"hydra.run.dir={run_dir}"]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "hosts.log"), "w") as log:
+        server = on_host(0, [lighthouse, "--min_replicas", "2", "--bind", f"[::]:{HOST_PORT}",
+                             "--heartbeat_timeout_ms", "2000"], log)
+        try:
+            groups = [on_host(k, group + [f"fault_tolerance.group={k}"], log) for k in (0, 1)]
+            codes = [process.wait(timeout=24 * 3600) for process in groups]
+        finally:
+            server.terminate()
+            server.wait()
+    if codes != [0, 0]:
+        sys.exit(f"groups exited {codes}: {os.path.join(run_dir, 'hosts.log')}")
+
+
+def main_hosts(args) -> None:
+    if not os.path.exists(LINK):
+        sys.exit(f"no {LINK}: bring the fake hosts up first (bash scripts/fake_hosts.sh up 2, as root)")
+    work = tempfile.mkdtemp(prefix="bench-ft-hosts-")
+    run = ["model=small", f"tokens.train_steps={args.steps}", "tokens.val_check_interval=0",
+           "tokens.global_batch_size=16", "tokens.micro_batch_size=4", "logging.tensorboard=false",
+           "checkpoint.checkpoint_interval=0", *TORCHFT, "fault_tolerance.min_replicas=2"]
+    rows = []
+    for name, extra in [("synchronous", []), (f"DiLoCo, H = {args.sync_every}", [
+            "fault_tolerance.semi_sync=diloco", f"fault_tolerance.sync_every={args.sync_every}"])]:
+        idle = link_bytes()
+        time.sleep(10)
+        idle, before, start = link_bytes() - idle, link_bytes(), time.time()
+        groups_on_hosts(f"{work}/{len(rows)}", run + extra)
+        crossed, wall = link_bytes() - before, time.time() - start
+        counted = json.load(open(f"{work}/{len(rows)}/group_1/summary.json"))["fault_tolerance"]["cross_group_bytes"]
+        rows.append((name, crossed / args.steps, counted / args.steps, idle / 10, wall))
+    print(f"model=small, {args.steps} steps of 16 x 128 tokens, 2 groups of one rank on 2 fake hosts; "
+          f"{datetime.date.today()}, load average {os.getloadavg()[0]:.1f}")
+    print("| training | bytes across the hosts per step (host 1's link, both ways) | the run's count per step "
+          "(group 1's all-reduce payload) | the link idle, before | wall |\n|---|---|---|---|---|")
+    for name, crossed, counted, idle, wall in rows:
+        print(f"| {name} | {crossed / 2**20:.2f} MiB | {counted / 2**20:.2f} MiB | {idle / 1024:.1f} KiB/s | "
+              f"{wall / 60:.1f} min |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -256,8 +323,11 @@ def main() -> None:
     diloco = sub.add_parser("diloco")
     diloco.add_argument("--steps", type=int, default=120)
     diloco.add_argument("--sync-every", type=int, default=20)
+    hosts = sub.add_parser("hosts")
+    hosts.add_argument("--steps", type=int, default=40)
+    hosts.add_argument("--sync-every", type=int, default=20)
     args = parser.parse_args()
-    {"parity": main_parity, "failures": main_failures, "diloco": main_diloco}[args.mode](args)
+    {"parity": main_parity, "failures": main_failures, "diloco": main_diloco, "hosts": main_hosts}[args.mode](args)
 
 
 if __name__ == "__main__":

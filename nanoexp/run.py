@@ -32,6 +32,7 @@ from nanoexp.parallel.replicas import check_lighthouse
 from nanoexp.observe.peak import (Peak, job_peak, mfu_peak, node_peak, peak_dtype, slow_dtype_warning,
                                   sum_of_node_peaks)
 from nanoexp.launch.replica_groups import checkpoints_folder, group_folder, launch_replica_groups
+from nanoexp.launch.slurm_groups import SlurmGroups
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
 from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
 from nanoexp.launch.sweep import place_job_checkpoints
@@ -48,6 +49,7 @@ class HydraJob:
     override_dirname: str = ""
     sweep_dir: str | None = None
     created_folder: str | None = None   # the outermost folder Hydra made for this run (None: it existed)
+    slurm_launcher: dict | None = None   # hydra.launcher, in a job of hydra/launcher=slurm (replica groups' jobs)
 
     @property
     def multirun(self) -> bool:
@@ -156,7 +158,7 @@ def run(cfg, run_dir: str, job: HydraJob | None = None) -> None:
             return
         load = os.getloadavg()[0]
         with handle_stop_signals():   # before step 1 the run ends at once; then every rank checkpoints after its step
-            launch_and_train(cfg, run_dir, env, world, complete)
+            launch_and_train(cfg, run_dir, env, world, complete, job)
     if complete:
         return
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env else world
@@ -178,10 +180,12 @@ def place_replica_group(cfg, run_dir: str, env: dict | None) -> tuple:
 
 
 def train_group(cfg, run_dir: str) -> None:
-    """One replica group started by launch_replica_groups, in <run>/group_<g> (the launcher owns the run)."""
+    """One replica group, in <run>/group_<g>, started by launch_replica_groups: a child process on this machine, or
+    each task of the group's SLURM job (a rank of its world). Whoever started the groups owns the run's folders."""
     os.makedirs(run_dir, exist_ok=True)
     world = Layout.from_config(cfg).world_size
-    start_workers(cfg, run_dir, None, world, processes_here=world * cfg.fault_tolerance.replica_groups)
+    with debug_environment(cfg):
+        start_workers(cfg, run_dir, launcher_env(), world, processes_here=world * cfg.fault_tolerance.replica_groups)
 
 
 def check_resume_point(cfg, run_dir: str) -> str | None:
@@ -206,19 +210,25 @@ def debug_environment(cfg):
     return environment(**wanted)
 
 
-def launch_and_train(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None) -> None:
+def launch_and_train(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None,
+                     job: HydraJob | None = None) -> None:
     with debug_environment(cfg):
-        start_workers(cfg, run_dir, env, world, complete)
+        start_workers(cfg, run_dir, env, world, complete, job=job)
 
 
 def start_workers(cfg, run_dir: str, env: dict | None, world: int, complete: str | None = None,
-                  processes_here: int | None = None) -> None:
-    """Train in this process, in the launcher's world, in local workers, or in replica groups on this machine;
-    `processes_here`: the processes that share this machine's cores (default: this run's)."""
+                  processes_here: int | None = None, job: HydraJob | None = None) -> None:
+    """Train in this process, in the launcher's world, in local workers, or in replica groups on this machine
+    (under hydra/launcher=slurm: as SLURM jobs); `processes_here`: the processes that share this machine's cores
+    (default: this run's)."""
     if env is not None:   # torchrun or SLURM started us: join their world
         join_launcher_world(cfg, run_dir, env, complete)
     elif cfg.fault_tolerance.method != "none" and cfg.fault_tolerance.group is None:
-        launch_replica_groups(cfg, run_dir, train_group)
+        if job is not None and job.slurm_launcher is not None:
+            launch_replica_groups(cfg, run_dir, train_group, SlurmGroups.on(job.slurm_launcher, run_dir,
+                                                                            job.sweep_dir))
+        else:
+            launch_replica_groups(cfg, run_dir, train_group)
     elif world == 1:
         worker(0, 1, setup_device(0, processes_here or 1), cfg, run_dir, sum_of_node_peaks([node_cpu_peak(cfg)]))
     else:

@@ -2,11 +2,13 @@
 training as float32 gathers cast per matmul, one byte per element on the wire, and the scales agreed over the
 groups that split a weight.
 
-Tolerances: the gathered bytes and scales are those of the float32 path's casts, so every matmul is the same and
-the losses are equal (atol 0). The gradient norm is summed in another order (the norms' gradients are all-reduced
-whole beside the FP8 units, where the float32 path reduce-scatters them), measured 6.4e-8 relative: rtol 1e-6.
-Clipping is off: a clipped update divides by that norm, and its last-bit difference, crossing an FP8 rounding
-boundary in a later cast, moved step 4's loss by 1e-5 (dp2) and 5.6e-4 (moe-dp2ep2) relative.
+Tolerances: the gathered bytes and scales are those of the float32 path's casts, so the first step's matmuls are
+the same and its loss is equal (atol 0). The gradient norm is summed in another order (the norms' gradients are
+all-reduced whole beside the FP8 units, where the float32 path reduce-scatters them), measured 6.4e-8 relative: rtol
+1e-6 at step 1. Later steps start from weights whose last bits may differ by CPU (moe-dp2ep2's step 4 differed by
+8.6e-8 relative on one machine, 0 on another), and one such bit crossing an FP8 rounding boundary moved a loss by up
+to 5.6e-4 relative (measured with clipping, which divides by that norm): rtol 1e-3 there: a gather that missed an update would
+move the loss by a step's change (2-5 % here), and unagreed scales show at step 1 (the tp test below: > 1e-4).
 """
 import os
 
@@ -39,8 +41,10 @@ def test_fp8_gathers_train_as_float32_gathers(name, tmp_path):
     loss, norm = curves(train(tmp_path / "float32", base))
     fp8_loss, fp8_norm = curves(train(tmp_path / "fp8", base + GATHER))
     assert len(loss) == 4
-    np.testing.assert_array_equal(fp8_loss, loss)
-    np.testing.assert_allclose(fp8_norm, norm, rtol=1e-6, atol=0)
+    assert fp8_loss[0] == loss[0]
+    np.testing.assert_allclose(fp8_norm[0], norm[0], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(fp8_loss[1:], loss[1:], rtol=1e-3, atol=0)
+    np.testing.assert_allclose(fp8_norm[1:], norm[1:], rtol=1e-3, atol=0)
     log = open(os.path.join(tmp_path / "fp8", "logs", "rank_0.log")).read()
     assert "ZeRO-3 gathers their weights in FP8" in log
 

@@ -2,8 +2,9 @@
 fault_tolerance.lighthouse names a running one), then the R groups as child processes, each a world of its own with
 its own run folder (<run>/group_<g>; the checkpoints shared in <run>/checkpoints), and a group that dies started
 again, up to fault_tolerance.max_restarts times, while no group has finished. When all have ended, the run folder's
-summary.json and metrics.jsonl are the groups' put together. On other hosts or SLURM each world is started with
-fault_tolerance.group=g and the lighthouse's address (docs/fault-tolerance.md).
+summary.json and metrics.jsonl are the groups' put together. On other hosts each world is started with
+fault_tolerance.group=g and the lighthouse's address; under hydra/launcher=slurm the groups are SLURM jobs
+(nanoexp/launch/slurm_groups.py), watched and restarted by the same rule (GroupProcesses.watch).
 """
 from __future__ import annotations
 
@@ -87,10 +88,10 @@ def _group_main(train_group: Callable, cfg, run_dir: str, launcher_pid: int) -> 
     os._exit(0)
 
 
-def launch_replica_groups(cfg, run_dir: str, train_group: Callable, poll_s: float = 0.2) -> None:
-    """Train `cfg`'s R replica groups here: `train_group(group_cfg, group_run_dir)` in one child process each,
-    started again when it fails (fault_tolerance.max_restarts) while no group has finished. Raises WorkerFailed
-    when none finished."""
+def launch_replica_groups(cfg, run_dir: str, train_group: Callable, groups: Callable | None = None) -> None:
+    """Train `cfg`'s R replica groups: `train_group(group_cfg, group_run_dir)` in one child process each (or what
+    `groups`, a GroupProcesses class, starts them as: SLURM jobs), started again when it fails
+    (fault_tolerance.max_restarts) while no group has finished. Raises WorkerFailed when none finished."""
     from nanoexp.parallel.replicas import check_lighthouse
 
     ft = cfg.fault_tolerance
@@ -102,9 +103,9 @@ def launch_replica_groups(cfg, run_dir: str, train_group: Callable, poll_s: floa
         check_lighthouse(address, ft.quorum_timeout_s)
         log.info("replica groups: %d, lighthouse %s%s", ft.replica_groups, address,
                  "" if ft.lighthouse else " (started here)")
-        groups = GroupProcesses(cfg, run_dir, address, train_group)
+        groups = (groups or GroupProcesses)(cfg, run_dir, address, train_group)
         stack.callback(groups.stop)
-        ended = groups.watch(poll_s)
+        ended = groups.watch()
     merge_groups(run_dir, ft.replica_groups, groups.restarts, ended)
     if 0 not in ended.values():
         raise WorkerFailed(f"every replica group failed (exit codes {ended}); their logs: "
@@ -112,14 +113,19 @@ def launch_replica_groups(cfg, run_dir: str, train_group: Callable, poll_s: floa
 
 
 class GroupProcesses:
-    """The R group processes of a run, started and, when one fails, started again."""
+    """The R group processes of a run, started and, when one fails, started again. A subclass starts them as
+    something else (start_all, start), says when one ended (exit_code) and stops them (stop)."""
+    poll_s = 0.2   # how often watch() looks
 
     def __init__(self, cfg, run_dir: str, lighthouse: str, train_group: Callable):
         self.cfg, self.run_dir, self.lighthouse, self.train_group = cfg, run_dir, lighthouse, train_group
         self.context = mp.get_context(start_method(cfg.parallelism.start_method))
         count = cfg.fault_tolerance.replica_groups
         self.restarts = {g: 0 for g in range(count)}
-        self.running = {g: self.start(g) for g in range(count)}
+        self.running = dict(zip(range(count), self.start_all(list(range(count)))))
+
+    def start_all(self, groups: list[int]) -> list:
+        return [self.start(g) for g in groups]
 
     def start(self, group: int):
         process = self.context.Process(target=_group_main, args=(
@@ -128,23 +134,32 @@ class GroupProcesses:
         process.start()
         return process
 
-    def watch(self, poll_s: float) -> dict[int, int]:
-        """Until every group has ended: each group's exit code."""
+    def look(self) -> None:
+        """Before each look at the groups (a subclass asks their state here)."""
+
+    def exit_code(self, process) -> int | None:
+        """None while the group runs."""
+        return process.exitcode
+
+    def watch(self) -> dict[int, int]:
+        """Until every group has ended: each group's exit code. The one restart rule of replica groups: a group
+        that failed is started again while it has restarts left and no group has finished."""
         ended: dict[int, int] = {}
         while self.running:
-            time.sleep(poll_s)
+            time.sleep(self.poll_s)
+            self.look()
             for group, process in list(self.running.items()):
-                if process.exitcode is None:
+                code = self.exit_code(process)
+                if code is None:
                     continue
                 del self.running[group]
-                if process.exitcode and self.restarts[group] < self.cfg.fault_tolerance.max_restarts and \
-                        0 not in ended.values():
+                if code and self.restarts[group] < self.cfg.fault_tolerance.max_restarts and 0 not in ended.values():
                     self.restarts[group] += 1
                     log.warning("replica group %d exited with code %s: starting it again (restart %d of %d)", group,
-                                process.exitcode, self.restarts[group], self.cfg.fault_tolerance.max_restarts)
+                                code, self.restarts[group], self.cfg.fault_tolerance.max_restarts)
                     self.running[group] = self.start(group)
                 else:
-                    ended[group] = process.exitcode
+                    ended[group] = code
         return ended
 
     def stop(self) -> None:
