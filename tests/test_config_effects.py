@@ -50,7 +50,8 @@ def test_a_key_without_effect_is_refused_naming_what_makes_it_count(overrides, k
 
 
 def test_a_key_left_at_its_default_is_never_refused():
-    """The shipped defaults (conf/ repeats the schema's) pass under every condition EFFECTS tests."""
+    """The shipped defaults (conf/ repeats the schema's) pass with a MoE, cp, tp or FP8 (the fields' `counts`
+    conditions)."""
     for overrides in ([], ["model=moe_tiny"], ["parallelism.cp=2"], ["parallelism.tp=2"], ["model.fp8.enabled=true"]):
         cfg = compose_config(overrides)
         normalize(cfg)
