@@ -1,8 +1,8 @@
 """`validate(cfg)`: every check of a composed, normalised config (config.normalize), before any work. First
-each key on its own (nanoexp/config_domains.py: known to the schema, set, in its domain), then the cross-field
-rules: each config group has one function listing them as (condition, message) pairs, the message naming the
-key, the bad value and what is allowed. `validate` raises every broken rule at once, one line each, as one
-ConfigError. It only reads the config."""
+each key on its own (nanoexp/config_domains.py: known to the schema, set, in its domain; here: a registry's
+names), then the rules across keys: each config group has one function listing them as (condition, message)
+pairs, the message naming the key, the bad value and what is allowed; last, keys set where they have no effect.
+`validate` raises every broken rule at once, one line each, as one ConfigError. It only reads the config."""
 from __future__ import annotations
 
 import functools
@@ -11,24 +11,31 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nanoexp.config import (RECOMPUTE_MODES, ConfigError, batch_accumulation, num_kv_heads, optimizer_name,
-                            padded_vocab_size, replica_groups, stage_data)
-from nanoexp.config_domains import Rule, schema_rules
-from nanoexp.config_effects import effect_rules
+from nanoexp.config import (ConfigError, NanoexpConfig, TokensConfig, batch_accumulation, num_kv_heads,
+                            optimizer_name, padded_vocab_size, replica_groups, stage_data)
+from nanoexp.config_domains import Rule, effect_rules, schema_rules
+from nanoexp.data.sources import SOURCES
 from nanoexp.model.experts import EXPERT_KERNELS
 from nanoexp.model.moe import BALANCES, ROUTERS, balance_rules, routes_with_bias
 from nanoexp.model.attention import ATTENTION_KERNELS, flash_attn_func, kernel_problems
 from nanoexp.model.saved_ops import SAVABLE_OPS
 from nanoexp.numerics.converters import format_problems
+from nanoexp.numerics.fp8 import RECIPES
 from nanoexp.optim.registry import OPTIMIZERS
 from nanoexp.parallel.context_parallel import CP_KERNELS
 from nanoexp.parallel.layout import TP_MODES, Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
-from nanoexp.parallel.replicas import replica_rules
+from nanoexp.parallel.replicas import METHODS, SEMI_SYNC, replica_rules
 
 # Key prefixes, so that the rules below fit on a line.
 MODEL_CONFIG = "model.model_config."
 LR_SCHEDULER, ADAM = "optimizer.learning_rate_scheduler.", "optimizer.optimizer_factory."
+# Keys whose values are a registry's names: the registries sit above the schema (nanoexp/config.py), so their
+# names are checked here, after the schema's own domains.
+REGISTRIES = {"model.attention_kernel": ATTENTION_KERNELS, "model.fp8.recipe": RECIPES,
+              "model.moe.router": ROUTERS, "model.moe.expert_kernel": EXPERT_KERNELS, "model.moe.balance": BALANCES,
+              "parallelism.pp_engine": SCHEDULES, "parallelism.tp_mode": TP_MODES, "parallelism.cp_mode": CP_KERNELS,
+              "fault_tolerance.method": METHODS, "fault_tolerance.semi_sync": SEMI_SYNC}
 
 
 def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: Optional[int] = None,
@@ -37,18 +44,32 @@ def validate(cfg: Any, world_size: Optional[int] = None, tokenizer_vocab_size: O
     `unread_keys=False` lets keys without effect pass (the planner tries layouts under which some have none);
     `each_key=False` skips the checks of each key on its own, for a plain copy (not a DictConfig) of a config
     whose keys were checked and of which only values in their domains changed (the planner's layouts)."""
-    rules = schema_rules(cfg) if each_key else []
+    rules = key_rules(cfg) if each_key else []
     if all(ok for ok, _ in rules):   # the rules below compare, divide and look up these keys' values
         rules = (model_rules(cfg, tokenizer_vocab_size) + batch_rules(cfg) + parallelism_rules(cfg, world_size)
-                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + logging_rules(cfg) + eval_rules(cfg)
-                 + fault_rules(cfg) + replica_rules(cfg) + health_rules(cfg) + debug_rules(cfg))
+                 + optimizer_rules(cfg) + weights_rules(cfg) + data_rules(cfg) + eval_rules(cfg) + fault_rules(cfg)
+                 + replica_rules(cfg) + health_rules(cfg))
     problems = [message for ok, message in rules if not ok]
     if not problems and unread_keys:   # every value is valid: is each one read? (a wrong value is said once)
-        problems = [message for ok, message in effect_rules(cfg) if not ok]
+        problems = [message for ok, message in effect_rules(cfg, NanoexpConfig) + [batch_size_rule(cfg)] if not ok]
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def key_rules(cfg: Any) -> list[Rule]:
+    """Each key on its own: in the schema's domain (config_domains), then, a registry's key, one of its names."""
+    rules = schema_rules(cfg, NanoexpConfig)
+    if not all(ok for ok, _ in rules):
+        return rules
+    unknown_ops = [name for name in cfg.parallelism.selective_ops if name not in SAVABLE_OPS]
+    return [one_of(cfg, key, tuple(names)) for key, names in REGISTRIES.items()] + [
+        (optimizer_name(cfg) in OPTIMIZERS,
+         f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are {', '.join(OPTIMIZERS)} (any case)"),
+        (not unknown_ops, f"parallelism.selective_ops={list(cfg.parallelism.selective_ops)}: {', '.join(unknown_ops)} "
+         f"{'is' if len(unknown_ops) == 1 else 'are'} not an op group it knows; known: {', '.join(SAVABLE_OPS)}"),
+    ]
 
 
 def must(cfg: Any, key: str, ok: Callable[[Any], bool], allowed: str) -> Rule:
@@ -76,21 +97,17 @@ def model_rules(cfg: Any, tokenizer_vocab_size: Optional[int]) -> list[Rule]:
          f"{MODEL_CONFIG}vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
          f"({tokenizer_vocab_size}, tokenizer.tokenizer_name_or_path={tokenizer}): set "
          f"{MODEL_CONFIG}vocab_size>={tokenizer_vocab_size}"),
-        one_of(cfg, "model.dtype", ("float32", "bfloat16")),
-        one_of(cfg, "model.attention_mask", ("causal", "document")),
-        one_of(cfg, "model.attention_kernel", tuple(ATTENTION_KERNELS)),
-    ] + [(False, problem) for problem in kernel_problems(cfg.model.attention_kernel)] + parametrization_rules(cfg) + moe_rules(cfg) + [(False, problem) for problem in format_problems(cfg)]
+    ] + [(False, problem) for problem in kernel_problems(cfg.model.attention_kernel) + format_problems(cfg)] \
+        + parametrization_rules(cfg) + moe_rules(cfg)
 
 
 def moe_rules(cfg: Any) -> list[Rule]:
     """model.moe: a mixture of experts (num_experts > 0) needs a routing that fits it; Hugging Face weights load
     only as a Mixtral."""
     moe, model = cfg.model.moe, cfg.model
-    rules = [one_of(cfg, "model.moe.router", ROUTERS), one_of(cfg, "model.moe.expert_kernel", tuple(EXPERT_KERNELS)),
-             one_of(cfg, "model.moe.balance", BALANCES)]
     if moe.num_experts == 0:
-        return rules
-    return rules + balance_rules(cfg.model.moe) + [
+        return []
+    return balance_rules(cfg.model.moe) + [
         must(cfg, "model.moe.top_k", lambda k: 1 <= k <= moe.num_experts,
              f"between 1 and model.moe.num_experts={moe.num_experts}"),
         must(cfg, "model.moe.layer_frequency", lambda k: 1 <= k <= model.model_config.num_hidden_layers,
@@ -112,7 +129,7 @@ def parametrization_rules(cfg: Any) -> list[Rule]:
     """µP needs its base width; HF Llama weights are a standard-parametrization model."""
     model = cfg.model
     if model.parametrization != "mup":
-        return [one_of(cfg, "model.parametrization", ("standard", "mup"))]
+        return []
     return [
         must(cfg, "model.mup.base_width", lambda width: width is not None, "a positive hidden size with "
              "model.parametrization=mup: the width at which µP equals standard (e.g. the smallest width of a sweep)"),
@@ -143,9 +160,6 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
     layers = f"{MODEL_CONFIG}num_hidden_layers={m.num_hidden_layers}"
     # Fewer micro-batches than stages is allowed: the pipeline stays correct, only the bubble grows.
     return [
-        one_of(cfg, "parallelism.pp_engine", tuple(SCHEDULES)),
-        one_of(cfg, "parallelism.tp_mode", TP_MODES),
-        one_of(cfg, "parallelism.start_method", ("auto", "fork", "spawn")),
         *[(size % p.tp == 0, f"{MODEL_CONFIG}{name}={size} is not divisible by parallelism.tp={p.tp}")
           for name, size in [("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", kv),
                              ("intermediate_size", m.intermediate_size)]],
@@ -158,26 +172,18 @@ def parallelism_rules(cfg: Any, world_size: Optional[int]) -> list[Rule]:
         (world_size is None or layout.world_size == world_size, f"parallelism.dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*"
          f"{p.pp} = {layout.world_size} but the world size is {world_size}: make the product equal the number of "
          "processes"),
-        *[(False, problem) for problem in (SCHEDULES[layout.schedule].problems(layout.schedule, p.pp, v, micro,
-                                                                               m.num_hidden_layers)
-                                           if layout.schedule in SCHEDULES else [])],
+        *[(False, problem) for problem in SCHEDULES[layout.schedule].problems(layout.schedule, p.pp, v, micro,
+                                                                              m.num_hidden_layers)],
     ] + context_parallel_rules(cfg, layout) + expert_parallel_rules(cfg, layout) \
         + hybrid_sharding_rules(cfg, layout) + recompute_rules(cfg)
 
 
 def recompute_rules(cfg: Any) -> list[Rule]:
-    """parallelism.recompute: a mode; nanotron's recompute_layer=true means full, so beside another mode it is
-    ambiguous; selective_ops names groups of model/saved_ops.py (config_effects: the keys a mode does not read)."""
+    """nanotron's recompute_layer=true means recompute=full, so beside another mode it is ambiguous."""
     p = cfg.parallelism
-    unknown = [name for name in p.selective_ops if name not in SAVABLE_OPS]
-    return [
-        one_of(cfg, "parallelism.recompute", RECOMPUTE_MODES),
-        (not p.recompute_layer or p.recompute in ("none", "full"), f"parallelism.recompute_layer=true is nanotron's "
-         f"spelling of parallelism.recompute=full, which contradicts parallelism.recompute={p.recompute}: set only "
-         "parallelism.recompute"),
-        (not unknown, f"parallelism.selective_ops={list(p.selective_ops)}: {', '.join(unknown)} "
-         f"{'is' if len(unknown) == 1 else 'are'} not an op group it knows; known: {', '.join(SAVABLE_OPS)}"),
-    ]
+    return [(not p.recompute_layer or p.recompute in ("none", "full"), f"parallelism.recompute_layer=true is "
+             f"nanotron's spelling of parallelism.recompute=full, which contradicts parallelism.recompute={p.recompute}"
+             ": set only parallelism.recompute")]
 
 
 def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
@@ -200,11 +206,8 @@ def hybrid_sharding_rules(cfg: Any, layout: Layout) -> list[Rule]:
 def eval_rules(cfg: Any) -> list[Rule]:
     """The eval group (downstream tasks): whether its tasks exist is checked at start (checks.check_config)."""
     e = cfg.eval
-    return [
-        (not e.include_path or os.path.isdir(os.path.expanduser(e.include_path)),
-         f"eval.include_path={e.include_path}: no such folder (a folder of lm-eval task YAMLs)"),
-        one_of(cfg, "eval.on_error", ("continue", "stop")),
-    ]
+    return [(not e.include_path or os.path.isdir(os.path.expanduser(e.include_path)),
+             f"eval.include_path={e.include_path}: no such folder (a folder of lm-eval task YAMLs)")]
 
 
 def expert_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
@@ -226,10 +229,9 @@ def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
     """cp splits each sequence into 2·cp zig-zag chunks (two per cp rank); tp's sequence parallelism then splits
     a rank's s/cp tokens."""
     cp, tp, s = layout.cp, layout.tp, cfg.tokens.sequence_length
-    rules = [one_of(cfg, "parallelism.cp_mode", tuple(CP_KERNELS))]
-    if cp == 1 or not rules[0][0]:
-        return rules
-    return rules + [(False, problem) for problem in CP_KERNELS[layout.cp_mode].problems(cfg, layout)] + [
+    if cp == 1:
+        return []
+    return [(False, problem) for problem in CP_KERNELS[layout.cp_mode].problems(cfg, layout)] + [
         (s % (2 * cp) == 0, f"tokens.sequence_length={s} is not divisible by 2 * parallelism.cp = {2 * cp}: "
          "context parallelism gives each cp rank two of 2·cp equal chunks"),
         (not layout.sequence_parallel or s % (2 * cp) or layout.local_tokens(s) % tp == 0,
@@ -241,10 +243,6 @@ def context_parallel_rules(cfg: Any, layout: Layout) -> list[Rule]:
 def optimizer_rules(cfg: Any) -> list[Rule]:
     lr, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
     return [
-        (optimizer_name(cfg) in OPTIMIZERS,
-         f"{ADAM}name={cfg.optimizer.optimizer_factory.name}: allowed values are {', '.join(OPTIMIZERS)} (any case)"),
-        one_of(cfg, LR_SCHEDULER + "lr_decay_style", ("linear", "cosine", "constant")),
-        one_of(cfg, LR_SCHEDULER + "lr_warmup_style", ("linear", "constant")),
         (lr.lr_warmup_steps <= steps, f"{LR_SCHEDULER}lr_warmup_steps={lr.lr_warmup_steps} must be between 0 and "
          f"tokens.train_steps={steps} (for a quick smoke test use debug=fast, which shrinks both)"),
         must(cfg, LR_SCHEDULER + "lr_decay_starting_step", lambda start: start is None or start >= lr.lr_warmup_steps,
@@ -281,7 +279,6 @@ def weights_rules(cfg: Any) -> list[Rule]:
     return [
         (not hf_folder or os.path.isfile(os.path.join(hf_folder, "config.json")),
          f"model.init_method.path={hf_folder}: not a Hugging Face model folder (no config.json there)"),
-        one_of(cfg, "checkpoint.resume", ("auto", "never")),
         (not resume_folder or os.path.isfile(os.path.join(resume_folder, "meta.json")),
          f"checkpoint.resume_checkpoint_path={resume_folder}: no such checkpoint "
          "(a folder <checkpoints_path>/<step> holding meta.json)"),
@@ -313,7 +310,7 @@ def data_rules(cfg: Any) -> list[Rule]:
 def data_group_rules(d: Any, key: str) -> list[Rule]:
     """The rules of one data config, `key` being where it sits ("data." or "data_stages[i].data.")."""
     weights, folders = d.dataset_weights, d.dataset_folder or []
-    rules = [(d.name in ("builtin", "nanoset", "hf"), f"{key}name={d.name}: allowed values are builtin, nanoset, hf")]
+    rules = [(d.name in SOURCES, f"{key}name={d.name}: allowed values are {', '.join(SOURCES)}")]
     if d.name == "nanoset":
         rules.append((len(folders) > 0, f"{key}dataset_folder is empty: give one or more Nanoset folders, "
                       f"e.g. {key}dataset_folder=[data/nanoset/web]"))
@@ -326,10 +323,6 @@ def data_group_rules(d: Any, key: str) -> list[Rule]:
                    f"{key}hf_dataset_or_datasets is not set: give a local path or a Hub name"),
                   (bool(d.text_column_name), f"{key}text_column_name is empty: name the column holding the text")]
     return rules
-
-
-def logging_rules(cfg: Any) -> list[Rule]:
-    return [one_of(cfg, "logging.wandb.mode", ("disabled", "offline", "online"))]
 
 
 def fault_rules(cfg: Any) -> list[Rule]:
@@ -351,9 +344,7 @@ def fault_rules(cfg: Any) -> list[Rule]:
 
 def health_rules(cfg: Any) -> list[Rule]:
     """The detectors' actions; a rollback needs checkpoints, a replay kernels that repeat to the bit."""
-    h = cfg.health
-    rules = [one_of(cfg, "health.spike.action", ("off", "warn", "skip", "rollback")),
-             one_of(cfg, "health.replay_action", ("stop", "skip"))]
+    h, rules = cfg.health, []
     if h.spike.action == "rollback":
         rules.append((cfg.checkpoint.checkpoint_interval > 0, "health.spike.action=rollback returns to the last "
                       "checkpoint: set checkpoint.checkpoint_interval (0 saves only at the end)"))
@@ -367,6 +358,15 @@ def health_rules(cfg: Any) -> list[Rule]:
     return rules
 
 
-def debug_rules(cfg: Any) -> list[Rule]:
-    return [one_of(cfg, "debug.collectives", ("off", "check")),
-            one_of(cfg, "debug.cuda_sync", ("off", "warn", "error"))]
+
+def batch_size_rule(cfg: Any) -> Rule:
+    """tokens.batch_accumulation_per_replica sets the batch (dp x micro_batch_size x it): a global_batch_size
+    changed beside it must agree."""
+    t, dp, groups = cfg.tokens, cfg.parallelism.dp, replica_groups(cfg)
+    if t.batch_accumulation_per_replica is None or t.global_batch_size == TokensConfig.global_batch_size:
+        return True, ""
+    product = dp * groups * t.micro_batch_size * t.batch_accumulation_per_replica
+    return (t.global_batch_size == product, f"tokens.global_batch_size={t.global_batch_size} has no effect beside "
+            f"tokens.batch_accumulation_per_replica={t.batch_accumulation_per_replica}, which makes the batch "
+            f"parallelism.dp{' x fault_tolerance.replica_groups' if groups > 1 else ''} x micro_batch_size x it = "
+            f"{product}: set one of the two")

@@ -1,6 +1,6 @@
-"""Every key on its own, checked at start (nanoexp/config_domains.py): each numeric key's domain, found by
-walking the schema here, so that a key added later is covered without a new test; and keys the schema does
-not know, however they were added, refused with the nearest known key."""
+"""Every key on its own, checked at start (nanoexp/config_domains.py): each numeric key's domain, declared with its
+field in nanoexp/config.py and found by walking the schema here, so that a key added later is covered without a new
+test; and keys the schema does not know, however they were added, refused with the nearest known key."""
 import copy
 import dataclasses
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nanoexp.config import ConfigError, NanoexpConfig
-from nanoexp.config_domains import DOMAINS
+from nanoexp.config_domains import Domain
 from nanoexp.validation import validate
 from tests.helpers import compose_config
 
@@ -25,6 +25,12 @@ NEGATIVE_ONE_IS_VALID: dict[str, str] = {
 def numeric_leaves(schema=NanoexpConfig, prefix=""):
     """(dotted key, int or float, whether a list of them) of every numeric field of the schema; a stage's as
     data_stages[0]."""
+    for key, _, number, listed in numeric_fields(schema, prefix):
+        yield key, number, listed
+
+
+def numeric_fields(schema=NanoexpConfig, prefix=""):
+    """(dotted key, field, int or float, whether a list of them) of every numeric field of the schema."""
     for field in dataclasses.fields(schema):
         hint = typing.get_type_hints(schema)[field.name]
         args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -32,11 +38,11 @@ def numeric_leaves(schema=NanoexpConfig, prefix=""):
         listed = typing.get_args(inner)[0] if typing.get_origin(inner) is list else None
         key = prefix + field.name
         if dataclasses.is_dataclass(inner):
-            yield from numeric_leaves(inner, key + ".")
+            yield from numeric_fields(inner, key + ".")
         elif dataclasses.is_dataclass(listed):
-            yield from numeric_leaves(listed, key + "[0].")
+            yield from numeric_fields(listed, key + "[0].")
         elif inner in (int, float) or listed in (int, float):
-            yield key, inner if listed is None else listed, listed is not None
+            yield key, field, inner if listed is None else listed, listed is not None
 
 
 LEAVES = list(numeric_leaves())
@@ -70,10 +76,11 @@ def test_the_walk_reaches_every_group():
                                "fault_injection.slow_step_s", "model.moe.z_loss_coef"} <= keys
 
 
-def test_every_numeric_key_has_one_domain():
-    """A stage's data keys share the data group's entry; no entry names a key the schema lacks."""
-    keys = {key.replace("data_stages[0].data.", "data.").replace("[0]", "[]") for key, _, _ in LEAVES}
-    assert keys == set(DOMAINS)
+def test_every_numeric_key_declares_its_domain():
+    """Its field's `key(default, domain)`; a stage's data keys have the data group's domains."""
+    fields = {key: field for key, field, _, _ in numeric_fields()}
+    assert [key for key, field in fields.items() if not isinstance(field.metadata.get("domain"), Domain)] == []
+    assert fields["data_stages[0].data.seed"].metadata == fields["data.seed"].metadata
 
 
 @pytest.mark.parametrize("key, number, listed", LEAVES, ids=[key for key, _, _ in LEAVES])

@@ -1,17 +1,17 @@
-"""Keys without effect (nanoexp/config_effects.py): changed where the run does not read them, they are refused in one
-line naming the key and what would make it count; where they count, the same values pass."""
+"""Keys without effect (each field's `counts` in nanoexp/config.py, checked by nanoexp/config_domains.py): changed
+where the run does not read them, they are refused in one line naming the key and what would make it count; where
+they count, the same values pass."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import pytest
 
-from nanoexp.config import CONF_DIR, normalize
-from nanoexp.config_domains import schema_keys
-from nanoexp.config import NanoexpConfig
-from nanoexp.config_effects import EFFECTS, keys_of
+from nanoexp.config import CONF_DIR, NanoexpConfig, normalize
+from nanoexp.config_domains import field_types, schema_keys, unwrap
 from nanoexp.validation import validate
-from omegaconf import OmegaConf
 from tests.helpers import compose_config
 
 pytestmark = pytest.mark.quick
@@ -50,7 +50,8 @@ def test_a_key_without_effect_is_refused_naming_what_makes_it_count(overrides, k
 
 
 def test_a_key_left_at_its_default_is_never_refused():
-    """The shipped defaults (conf/ repeats the schema's) pass under every condition EFFECTS tests."""
+    """The shipped defaults (conf/ repeats the schema's) pass with a MoE, cp, tp or FP8 (the fields' `counts`
+    conditions)."""
     for overrides in ([], ["model=moe_tiny"], ["parallelism.cp=2"], ["parallelism.tp=2"], ["model.fp8.enabled=true"]):
         cfg = compose_config(overrides)
         normalize(cfg)
@@ -60,14 +61,26 @@ def test_a_key_left_at_its_default_is_never_refused():
 @pytest.mark.parametrize("group", ["model", "parallelism", "optimizer"])
 def test_every_shipped_option_passes(group):
     """No config group option of conf/ sets a key where its own settings do not read it."""
-    for name in sorted(os.listdir(os.path.join(CONF_DIR, group))):
-        cfg = compose_config([f"{group}={name.removesuffix('.yaml')}"])
+    for name in sorted(name for name in os.listdir(os.path.join(CONF_DIR, group)) if name.endswith(".yaml")):
+        cfg = compose_config([f"{group}={name.removesuffix('.yaml')}"])   # conf/model/shared/: a part of each
         normalize(cfg)
         validate(cfg)
 
 
-def test_every_effect_names_keys_of_the_schema():
-    known, defaults = set(schema_keys(NanoexpConfig)), OmegaConf.structured(NanoexpConfig)
-    for effect in EFFECTS:
-        keys = keys_of(effect, defaults)
-        assert keys and set(keys) <= known, effect.key
+def conditions(schema=NanoexpConfig):
+    """Every `counts` of the schema's fields."""
+    for field in dataclasses.fields(schema):
+        inner = unwrap(field_types(schema)[field.name])[0]
+        if dataclasses.is_dataclass(inner):
+            yield from conditions(inner)
+        elif field.metadata.get("counts"):
+            yield field.metadata["counts"]
+
+
+def test_what_makes_a_key_count_names_keys_of_the_schema():
+    """Each `needs` starts from a key (or a group choice, fault_tolerance=torchft) of the schema."""
+    known = set(schema_keys(NanoexpConfig))
+    needs = {counts.needs for counts in conditions()}
+    assert len(needs) > 10
+    for text in needs:
+        assert re.match(r"[\w.]+", text).group(0) in known, text

@@ -200,7 +200,7 @@ def test_benchmarks_take_their_shared_pieces_from_the_harness():
 # Hugging Face's names, configs and weights (interop.hf, which knows only the model) below the runtime that starts
 # from them, while interop's converters (hf_checkpoint, dcp, nanotron) build whole runs and sit above it.
 LAYERS = [("instruments",), ("failures", "config", "config_domains"), ("model",), ("parallel", "data", "interop.hf"),
-          ("numerics", "optim"), ("config_effects", "validation"), ("checkpoint",), ("runtime",),
+          ("numerics", "optim"), ("validation",), ("checkpoint",), ("runtime",),
           ("observe", "evaluation", "interop", "launch", "checks", "health"), ("runtime.trainer", "runtime.replica_trainer",
            "launch.fault_injection", "run"),
           ("verify", "plan")]

@@ -100,7 +100,7 @@ class HealthMonitor:
 
 def install(cfg, trainer) -> HealthMonitor | None:
     """The detectors `cfg.health` turns on, wrapped around `trainer` (None when none is on)."""
-    from nanoexp.config_effects import compares_ranks
+    from nanoexp.config import compares_ranks
     from nanoexp.health.replay import ReplayCheck
     from nanoexp.health.spikes import Spikes
     from nanoexp.health.stragglers import Stragglers

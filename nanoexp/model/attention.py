@@ -9,7 +9,7 @@ A kernel is a module called as `kernel(q, k, v, scale, mask)`: q [b, heads, s, d
                      packed samples (model.attention_mask=document): a query sees the keys of its own document
                      up to itself; ids and positions [b, s] count from 0 in each document.
 Context parallelism replaces the kernel of every layer by one that meets the other ranks' chunks
-(nanoexp/parallel/context_parallel.py); a new kernel is a class here (or in its own file) and a line in
+(nanoexp/parallel/context_parallel/); a new kernel is a class here (or in its own file) and a line in
 `ATTENTION_KERNELS`.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"            # parallelism.pp_engine
-    virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b, zbv)
+    virtual_stages: int = 1           # chunks of layers per pp rank (interleaved_1f1b; 2: zbv, dualpipev)
     cp_mode: str = "ring"
     sequence_parallel: bool = False   # tp_mode=reduce_scatter: activations between blocks split over tp
     ep: int = 1                       # expert parallel: ranks of dp x cp that split a mixture's experts
@@ -125,7 +125,7 @@ class Layout:
     # -- pipeline stages ---------------------------------------------------------------------
     @property
     def stages(self) -> StageMap:
-        """Which pp rank runs which virtual stage (the schedule's placement: V for zbv, a loop otherwise)."""
+        """Which pp rank runs which virtual stage (the schedule's placement: V or a loop)."""
         placement = SCHEDULES[self.schedule].placement if self.schedule in SCHEDULES else "loop"
         return StageMap(self.pp, self.virtual_stages, placement)
 

@@ -27,7 +27,6 @@ from typing import NamedTuple
 from omegaconf import OmegaConf
 
 from nanoexp.config import ConfigError, batch_accumulation
-from nanoexp.config_domains import schema_rules
 from nanoexp.model.shape import model_shape
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
@@ -44,7 +43,7 @@ from nanoexp.plan.cost import (
 )
 from nanoexp.plan.hardware import Hardware, hardware, per_rank
 from nanoexp.plan.memory import HEADROOM, first_rank_gib, limit_gib
-from nanoexp.validation import validate
+from nanoexp.validation import key_rules, validate
 
 MICRO_BATCHES = (1, 2, 4)
 RECOMPUTE = ("none", "selective", "every_k", "full")   # parallelism.recompute's modes (every_k: every 2nd layer)
@@ -190,7 +189,7 @@ def rank(cfg, gpus: int, gpus_per_node: int, gpu: str | Hardware, top: int | Non
     every candidate in full (ties: the order of enumeration); only those that can still win are (`Search`).
     `modes`: the recomputation modes tried (parallelism.recompute)."""
     hw = hardware(gpu) if isinstance(gpu, str) else gpu
-    key_problem = next((message for ok, message in schema_rules(cfg) if not ok), None)
+    key_problem = next((message for ok, message in key_rules(cfg) if not ok), None)
     if key_problem:   # a key out of its domain: every layout has it
         return Ranking([], {f"invalid: {key_problem}": 1})
     return Search(cfg, gpus, gpus_per_node, hw, framework, modes).run(top)

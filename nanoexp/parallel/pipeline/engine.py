@@ -3,8 +3,8 @@
 Virtual stage 0 owns the token embedding and the first layers, the last one the last layers, the final norm and
 the LM head (it computes the loss); stages in between hold only layers (stages.py: which rank runs which).
 Activations travel forward between neighbouring stages and their gradients backward, point to point through a
-Mailbox (posted at once, waited for when read). Every engine of `parallelism.pp_engine` (afab, 1f1b,
-interleaved_1f1b, zb_h1, zbv) gives exactly the gradients of plain gradient accumulation; they differ only
+Mailbox (posted at once, waited for when read). Every schedule of `parallelism.pp_engine` (schedules.SCHEDULES)
+gives exactly the gradients of plain gradient accumulation; they differ only
 in their schedule, which this executor takes from `schedule` and runs step by step. The caller's
 `forward_step` runs the chunk's modules and, on the last stage, the loss: the engine knows no model.
 """
@@ -24,8 +24,8 @@ ACTION_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}   # wha
 
 class PipelineEngine:
     """Runs one optimizer step's micro-batches through this rank's pipeline stage by the schedule named
-    `schedule` (afab, 1f1b, interleaved_1f1b, zb_h1, zbv: Layout.schedule) with `num_chunks` chunks of
-    layers per rank (Layout.virtual_stages: 1 except for interleaved_1f1b and zbv); chunk `num_chunks - 1` of the
+    `schedule` (a name of SCHEDULES: Layout.schedule) with `num_chunks` chunks of layers per rank
+    (Layout.virtual_stages: 1 except for interleaved_1f1b, zbv and dualpipev); chunk `num_chunks - 1` of the
     head's rank (the last stage) computes the loss. It keeps the per-micro-batch forward and backward steps and their
     bookkeeping: losses, the gradient sync's calls around each backward, `max_in_flight` (most micro-batch
     chunks whose saved tensors were held at once: from F to B, or to W where W is split off), the trace."""
