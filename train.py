@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from nanoexp.config import register_configs
-from nanoexp.launch.workers import launcher_env
+from nanoexp.parallel.context import launcher_env
 
 register_configs()
 

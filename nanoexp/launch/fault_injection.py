@@ -1,5 +1,5 @@
 """Deliberate faults for the robustness tests (`fault_injection.*`, all off by default). Each wraps the trainer's
-phase it strikes in (nanoexp/launch/seams.py), installed at start-up only when it is set, so that the trainer reads
+phase it strikes in (nanoexp/runtime/seams.py), installed at start-up only when it is set, so that the trainer reads
 as the training loop alone."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import torch
 
 from nanoexp.checkpoint.async_save import in_background_writer
-from nanoexp.launch.seams import wrap_method
+from nanoexp.runtime.seams import wrap_method
 
 log = logging.getLogger("nanoexp")
 

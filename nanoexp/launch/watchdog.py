@@ -31,7 +31,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from nanoexp.launch.workers import end_worker
-from nanoexp.launch.seams import mark_phases
+from nanoexp.runtime.seams import mark_phases
 from nanoexp.instruments.flight_recorder import read_dumps, read_trace, torch_analysis, write_trace
 from nanoexp.instruments.heartbeat import HEARTBEAT
 from nanoexp.instruments.stall_diagnosis import diagnose

@@ -64,18 +64,6 @@ def lost_peer(error: BaseException, timeout_s: float) -> str | None:
     return None
 
 
-def launcher_env() -> dict | None:
-    """Rank, world size and local rank given by torchrun or SLURM, or None when run directly."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
-                "local_rank": int(env.get("LOCAL_RANK", 0))}
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
-                "local_rank": int(env.get("SLURM_LOCALID", 0))}
-    return None
-
-
 def export_slurm_rendezvous() -> None:
     """Under SLURM tasks (not torchrun), point torch's env:// rendezvous at the allocation: MASTER_ADDR is
     the first node of SLURM_JOB_NODELIST, MASTER_PORT derives from the job id (every task computes the
