@@ -27,6 +27,7 @@ from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_
 from nanoexp.numerics.precision import denormals_flushed, set_tf32
 from nanoexp.instruments.flight_recorder import recorder_env
 from nanoexp.instruments.memory import return_freed_memory
+from nanoexp.parallel.context import launcher_env
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.replicas import check_lighthouse
 from nanoexp.observe.peak import (Peak, job_peak, mfu_peak, node_peak, peak_dtype, slow_dtype_warning,
