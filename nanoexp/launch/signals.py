@@ -1,20 +1,18 @@
 """Stop signals: SIGTERM, SIGUSR2 or SIGINT (Ctrl-C). Before the first step a run ends at once (nothing trained,
-nothing to save: exit 128 + the signal's number, one line); once training, every rank finishes its step,
-checkpoints and exits cleanly.
-
-Each process is in one phase (`_state["phase"]`): "starting" (a stop signal raises `StopBeforeTraining` where the
-process is, so a run's start-up must leave the interpreter often: no long C call), "delegated" (a launcher whose
-local workers run: it forwards the signal to them and waits), "training" (the signal is recorded; the trainer's
-read_scalars agrees on it in each step, one all-reduce, so all stop after the same step) and "stopping" (a second
-signal changes nothing). `handle_stop_signals()` wraps a run in the process that starts it; train.py installs the
-same handler first thing (`stop_during_start_up()`), so a signal during its imports ends it too. The launcher
-blocks the signals while it starts workers (`workers_starting()`; the mask survives fork and spawn), and each
-worker installs the handler first thing (`worker_handles_stop_signals()`) before letting held-back signals in. A
-worker stopped before training exits with 128 + the signal's number, which its launcher reports as the run's stop.
-Once a checkpoint is written, the handler installed before ours gets the signal (submitit's SIGUSR2 handler
-requeues the job); Python's KeyboardInterrupt is not chained. See docs/robustness.md.
-
-This module imports only the standard library at the top: train.py imports it before anything slow."""
+nothing to save: exit 128 + the signal's number, one line); once training, every rank finishes its step, checkpoints
+and exits cleanly.
+Each process is in one phase: "starting" (a stop signal raises `StopBeforeTraining` where the process is, so a run's
+start-up must leave the interpreter often: no long C call), "delegated" (a launcher whose local workers run: it
+forwards the signal to them and waits), "training" (the signal is recorded; the trainer's read_scalars agrees on it
+in each step, one all-reduce, so all stop after the same step) and "stopping" (a second signal changes nothing).
+`handle_stop_signals()` wraps a run in the process that starts it; train.py installs the same handler first thing
+(`stop_during_start_up()`), so a signal during its imports ends it too. The launcher blocks the signals while it
+starts workers (`workers_starting()`; the mask survives fork and spawn), and each worker installs the handler first
+thing (`worker_handles_stop_signals()`) before letting held-back signals in. A worker stopped before training exits
+with 128 + the signal's number, which its launcher reports as the run's stop. Once a checkpoint is written, the
+handler installed before ours gets the signal (submitit's SIGUSR2 handler requeues the job); Python's
+KeyboardInterrupt is not chained. See docs/robustness.md. Only the standard library is imported at the top: train.py
+imports this module before anything slow."""
 from __future__ import annotations
 
 import contextlib
