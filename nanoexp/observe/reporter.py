@@ -128,6 +128,11 @@ class StepReporter:
         self.downstream_scores.update(scores)
         self.log({"step": step, **scores, "eval/seconds": seconds})
 
+    def stopped(self, step: int, signal: str | None) -> None:
+        """A stop signal ends the run after `step` (logged on every rank: whether the signal reached it)."""
+        log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
+                 f"{signal} reached this rank" if signal else "it reached another rank")
+
     def log_checkpoints(self, checkpoints, step: int) -> None:
         """The checkpoints published since the last call, after step `step`."""
         for record in checkpoints.saved():

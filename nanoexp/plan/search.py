@@ -10,9 +10,8 @@ A candidate is a choice of dp x cp x tp x pp = gpus (ep dividing dp x cp and the
 schedule of the registry (schedules.py SCHEDULES, with the chunks its entry's plan_chunks names; pp > 1 only), the
 ZeRO stage (0-3; 0 alone without dp x cp > 1), hybrid sharding at ZeRO 1-3 (the `dp_shard` whose block dp_shard x cp
 x tp fills a node: ZeRO's gathers stay in it), the micro-batch (1, 2, 4) and the recomputation mode (RECOMPUTE).
-`validate` decides what is valid, tp stays inside a node, and a layout fits when memory.py's estimate is at most
-HEADROOM of the GPU's memory. Only candidates that can still be among the `top` are priced in full (`Search`: branch
-and bound).
+`validate` decides what is valid, tp stays inside a node, a layout fits when memory.py's estimate is at most HEADROOM
+of the GPU's memory, and only candidates that can still be among the `top` are priced in full (`Search`).
 """
 from __future__ import annotations
 

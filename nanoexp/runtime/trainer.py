@@ -1,12 +1,9 @@
 """The training loop: batch -> forward and backward -> gradient sync -> clip -> optimizer -> metrics -> checkpoint.
 
-The trainer does not know which engine, data source or logger it drives; it asks for a batch, runs a step, and
-hands the step's record to its reporter (nanoexp/observe/reporter.py: the console, metrics.jsonl, summary.json).
-It runs on every rank. Each phase of a step is a short method (train_step reads as the list of them), and the
-phases are the loop's seams (nanoexp/runtime/seams.py): what watches or disturbs the loop wraps them on the
-instance, installed once at start-up by the entry point (nanoexp/run.py) and only when it is on: the stall
-watchdog's heartbeat marks, the robustness tests' faults and the health checks (nanoexp/health/). The entry point
-also hands in how the loop hears of stop signals (`StopSignals`). With all off the loop runs as written here.
+It runs on every rank and hands each step's record to its reporter (nanoexp/observe/reporter.py). Each phase of a
+step is a short method (train_step reads as the list of them) and a seam (nanoexp/runtime/seams.py): what watches or
+disturbs the loop (heartbeat marks, faults, nanoexp/health/) wraps them on the instance at start-up, only when on.
+The entry point (nanoexp/run.py) hands in how the loop hears of stop signals (`StopSignals`).
 """
 from __future__ import annotations
 
@@ -52,8 +49,7 @@ class Trainer:
         self.downstream = sharded_downstream(cfg, self.runner) if cfg.eval.tasks else None
 
     def start_data(self) -> None:
-        """The data (of the stage being trained; data_stages switch it by step) and the progress at self.resume:
-        the start, or a rollback's checkpoint (nanoexp/health/)."""
+        """The data (of the stage being trained) and the progress at self.resume (the start, or a rollback's)."""
         r = self.resume
         self.batches = StagedBatches(self.cfg, self.global_batch, *self.data_position(), r.step + 1,
                                      r.consumed_samples, r.stage_consumed_samples,
@@ -73,10 +69,8 @@ class Trainer:
         self.checkpoints.restore(self.model, self.optimizer)
         self.moe_metrics, self.stop_after_step, self.checkpoint_writing = {}, False, False
 
-    # -- one optimizer step, phase by phase --------------------------------------------------
     def train_step(self, micro_batches: list[dict], lr: float) -> tuple[float, float]:
-        """One optimizer step; returns the loss and the gradient norm. The step's scalars (loss, norm, MoE metrics,
-        the stop-signal flag) reach the host in one read, the step's only one outside its layers."""
+        """One optimizer step; returns the loss and the gradient norm, read by the host once (read_scalars)."""
         set_lr(self.optimizer, lr)
         losses = self.forward_backward([self.runner.prepare(mb) for mb in micro_batches])
         self.sync_gradients()
@@ -111,9 +105,7 @@ class Trainer:
         return clip_gradients(self.grad_sync.norm_inputs(self.params), self.cfg.optimizer.clip_grad, self.ctx.device)
 
     def read_scalars(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
-        """The step's loss and norm on the host, in one read with the MoE metrics and the flags every rank agrees
-        on: a stop signal (every rank stops after the same step), a background checkpoint write to publish
-        (once no rank is writing) and step_maxima's values."""
+        """Loss and norm on the host in one read, with the MoE metrics, step_maxima and the ranks' agreed flags."""
         moe, micro_batches = self.model.moe_losses, self.ctx.dp * self.accumulation
         names, moe_values = moe_step_values(moe, self.ctx, micro_batches) if moe else ([], loss.new_zeros(0))
         flags = agreed_flags(self.ctx, [self.signals.requested(), self.checkpoints.writing()], self.step_maxima())
@@ -124,8 +116,7 @@ class Trainer:
         return values[0], values[1]
 
     def step_maxima(self) -> torch.Tensor:
-        """Values each rank adds to read_scalars' all-reduce (their maximum over the ranks lands in self.maxima):
-        none here; what watches the loop (nanoexp/health/) wraps this phase to add its own."""
+        """Values whose maximum over the ranks read_scalars puts in self.maxima: none here (nanoexp/health/'s)."""
         return torch.zeros(0, device=self.ctx.device)
 
     def skip_step(self, loss: float, grad_norm: float) -> tuple[float, float]:
@@ -158,10 +149,8 @@ class Trainer:
                                                       t.limit_val_batches, self.ctx.dp_rank, self.ctx.dp,
                                                       t.sequence_length, b.eod_id))
 
-    # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
-        """Train from the resumed step to tokens.train_steps, evaluating and checkpointing when due;
-        rank 0 writes summary.json (also when a step raises)."""
+        """Train from the resumed step to tokens.train_steps; rank 0 writes summary.json (also on an error)."""
         summary = self.reporter.start(self.batches, self.checkpoints.run_id)
         self.signals.training_started()   # a stop signal from here on ends the run after a step, with its checkpoint
         try:
@@ -187,12 +176,9 @@ class Trainer:
         loss, grad_norm = self.train_step(micro_batches, lr)
         stage = self.record_step(step, loss, lr, grad_norm, start)
         # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
-        stop = self.stop_after_step   # agreed by every rank in train_step
-        self.checkpoint_step(step, stop)
-        if stop and step != self.cfg.tokens.train_steps:   # each rank's log says whether the signal reached it
-            name = self.signals.received_name()
-            log.info("stop signal received: checkpoint saved after step %d, exiting (%s)", step,
-                     f"{name} reached this rank" if name else "it reached another rank")
+        self.checkpoint_step(step, self.stop_after_step)   # a stop signal, agreed by every rank in train_step
+        if self.stop_after_step and step != self.cfg.tokens.train_steps:
+            self.reporter.stopped(step, self.signals.received_name())
             return True
         self.evaluate_when_due(step, stage)
         return False
@@ -222,8 +208,7 @@ class Trainer:
         return self.tokens_per_step
 
     def checkpoint_step(self, step: int, stop: bool) -> None:
-        """Publish the background write every rank has finished (checkpoint.async_save), then save this step when
-        due: in the background, except at the end and at a stop signal (the run waits for those)."""
+        """Publish the background write all ranks finished; save this step when due (waited for at the end/a stop)."""
         if self.checkpoints.written_everywhere(not self.checkpoint_writing):
             self.finish_checkpoint_write()
         last = step == self.cfg.tokens.train_steps
@@ -241,8 +226,7 @@ class Trainer:
         self.reporter.log_checkpoints(self.checkpoints, self.step)
 
     def raised_together(self, error: Exception) -> Exception:
-        """`error`, which every rank raises here together: the background write is published first (its own
-        failure is logged, and `error` raised still)."""
+        """`error`, raised by every rank together once the background write is published (or its failure logged)."""
         try:
             self.finish_checkpoint_write(f"the run stops ({type(error).__name__})")
         except CheckpointError as failed:
@@ -266,7 +250,6 @@ class Trainer:
         self.reporter.downstream(step, scores, time.perf_counter() - start)
         return errors
 
-    # -- the end (phases, so that what watches the loop may wrap them) -------------------------
     def memory_of_every_rank(self) -> dict:
         """summary.json's memory fields and hosts, from every rank (a collective: call it on all ranks)."""
         return self.reporter.memory_of_every_rank()
