@@ -52,3 +52,16 @@ def train_once(tmp_path_factory):
         folder, records = runs[key]
         return folder, copy.deepcopy(records)
     return run
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_stay_the_tests():
+    """A run in this process adds handlers to the root logger (its train.log, a console on pytest's captured stream,
+    closed after the test): they go with the test, so a later run does not write into a closed file."""
+    import logging
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+        handler.close()
