@@ -58,7 +58,7 @@ class MoeShape:
 
 def routes_with_bias(balance: str) -> bool:
     """Whether model.moe.balance keeps a routing bias per MoE layer (a buffer checkpoints keep)."""
-    return BALANCES[balance].routing_bias
+    return balance in BALANCES and BALANCES[balance].routing_bias   # an unknown value: named by its domain check
 
 
 def balance_rules(moe) -> list[tuple[bool, str]]:
