@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from nanoexp.config import register_configs
-from nanoexp.launch.workers import launcher_env
+from nanoexp.parallel.context import launcher_env
 
 register_configs()
 

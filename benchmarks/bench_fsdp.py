@@ -159,7 +159,7 @@ def run_nanoexp(cfg, device, args) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, ParallelContext(Layout.from_config(cfg), device, args.timeout), run_dir)
         step = lambda i, mbs: trainer.train_step(mbs, lr_at(i, cfg))[0]   # noqa: E731
-        return timed_steps(step, trainer.batches, args, device) | {"baseline_mb": trainer.baseline_mb}
+        return timed_steps(step, trainer.batches, args, device) | {"baseline_mb": trainer.reporter.baseline_mb}
 
 
 # -- both -----------------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def worker(overrides: list[str], steps: int, out_dir: str) -> None:
             for _ in range(steps):
                 trainer.train_step(trainer.batches.next_step(), lr)
         trainer.batches.close()
-        peak = peak_memory_mb(ctx.device) - trainer.baseline_mb
+        peak = peak_memory_mb(ctx.device) - trainer.reporter.baseline_mb
         formula = sent_bytes(cfg, ctx.layout, trainer.shape, ctx.pp_rank, trainer.accumulation)
     crosses = crossing(named, hosts, ctx.rank)
     sent = {name: t["sent_bytes"] / steps for name, t in comm.totals().items()}

@@ -3,7 +3,7 @@
     python -m benchmarks.eval_layouts outputs/.../checkpoints/240 [--limit 200] \
         [--layouts parallelism.dp=2 parallelism.tp=2 parallelism.pp=2 parallelism.cp=2]
 
-Each layout runs scripts/evaluate.py's evaluation (nanoexp/evaluation/offline.py) with every document's responses;
+Each layout runs scripts/evaluate.py's evaluation (nanoexp/evaluate.py) with every document's responses;
 printed per layout: the largest relative difference of any choice's log-likelihood from one process's, whether
 every greedy flag, accuracy and generation is the same, and the seconds it took.
 """
@@ -13,7 +13,7 @@ import argparse
 import tempfile
 import time
 
-from nanoexp.evaluation.offline import evaluate_checkpoint
+from nanoexp.evaluate import evaluate_checkpoint
 
 TASKS = "eval.tasks=[shakespeare_choice,shakespeare_complete]"
 

@@ -1,7 +1,7 @@
 """The start-up checks: the config normalised and validated, and what it names there to be read (the tokenizer,
 each stage's data, the eval tasks), and for a training run the memory it needs and a writable checkpoints folder,
 before any process group or training work. What train.py, the converters and offline evaluation run first (run.py,
-interop/hf_checkpoint.py, evaluation/offline.py)."""
+interop/hf_checkpoint.py, nanoexp/evaluate.py)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,8 @@ from nanoexp.data.sources import check_data
 from nanoexp.data.stages import training_stages
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import INSTALL_HINT, fewshot_problems, harness_installed, unknown_tasks
-from nanoexp.launch.workers import launcher_env, start_method
+from nanoexp.launch.workers import start_method
+from nanoexp.parallel.context import launcher_env
 from nanoexp.model.shape import model_shape
 from nanoexp.observe.memory_estimate import device_estimate, estimate, total
 from nanoexp.parallel.layout import Layout

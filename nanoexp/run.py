@@ -22,11 +22,12 @@ from nanoexp.config import ConfigError
 from nanoexp.observe.console import resume_command, summary_line
 from nanoexp.evaluation.downstream import environment
 from nanoexp.failures import is_known
-from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, launcher_env,
-                            lost_peer, setup_device, spawn_local)
+from nanoexp.launch.workers import (WorkerFailed, die_with_parent, export_slurm_rendezvous, init_distributed, lost_peer,
+                                    setup_device, spawn_local)
 from nanoexp.numerics.precision import denormals_flushed, set_tf32
 from nanoexp.instruments.flight_recorder import recorder_env
 from nanoexp.instruments.memory import return_freed_memory
+from nanoexp.parallel.context import launcher_env
 from nanoexp.parallel.layout import Layout
 from nanoexp.parallel.replicas import check_lighthouse
 from nanoexp.observe.peak import (Peak, job_peak, mfu_peak, node_peak, peak_dtype, slow_dtype_warning,
@@ -34,7 +35,8 @@ from nanoexp.observe.peak import (Peak, job_peak, mfu_peak, node_peak, peak_dtyp
 from nanoexp.launch.replica_groups import checkpoints_folder, group_folder, launch_replica_groups
 from nanoexp.launch.slurm_groups import SlurmGroups
 from nanoexp.launch.run_lock import RunFolderBusy, own_folders
-from nanoexp.launch.signals import StopBeforeTraining, handle_stop_signals
+from nanoexp.launch.signals import (StopBeforeTraining, handle_stop_signals, received_signal_name, stop_requested,
+                                    training_started)
 from nanoexp.launch.sweep import place_job_checkpoints
 from nanoexp.observe.summary import read_summary, record_failure, record_machine_load, stopped_by_signal
 
@@ -93,6 +95,7 @@ def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: 
     from nanoexp.launch.watchdog import StallWatchdog
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.replica_trainer import ReplicaTrainer
+    from nanoexp.runtime.seams import StopSignals
     from nanoexp.runtime.trainer import Trainer
 
     ctx = ParallelContext(Layout.from_config(cfg), device, cfg.parallelism.collective_timeout_s)
@@ -102,7 +105,9 @@ def train_rank(rank: int, world_size: int, device, cfg, run_dir: str, cpu_peak: 
         torch.cuda.set_sync_debug_mode(cfg.debug.cuda_sync)   # every host wait for the GPU warns (or raises)
     peak = job_peak(device, peak_dtype(cfg, device), cfg.logging.peak_tflops, world_size, nodes, cpu_peak)
     with StallWatchdog(cfg, ctx, run_dir) as watchdog:
-        trainer = (Trainer if cfg.fault_tolerance.method == "none" else ReplicaTrainer)(cfg, ctx, run_dir, peak)
+        signals = StopSignals(training_started, stop_requested, received_signal_name)   # launch/signals.py's
+        loop = Trainer if cfg.fault_tolerance.method == "none" else ReplicaTrainer
+        trainer = loop(cfg, ctx, run_dir, peak, signals)
         # Each wraps the trainer's phases only when on: by default the loop runs with nothing of them.
         watchdog.watch(trainer)   # heartbeat marks
         FaultInjection(cfg.fault_injection, rank).install(trainer)   # the robustness tests' faults

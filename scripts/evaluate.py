@@ -58,7 +58,7 @@ def layout_overrides(overrides: list[str]) -> list[str]:
 
 
 def evaluate_tasks(args) -> None:
-    from nanoexp.evaluation.offline import evaluate_checkpoint
+    from nanoexp.evaluate import evaluate_checkpoint
     overrides = [f"eval.tasks=[{args.tasks}]"] + layout_overrides(args.overrides)
     result = evaluate_checkpoint(args.checkpoint, overrides, args.out, samples=args.samples)
     print(json.dumps({"checkpoint": result["checkpoint"], "layout": result["layout"], **result["scores"]}))

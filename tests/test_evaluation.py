@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from nanoexp.runtime.build import load_single_process
 from nanoexp.data.tokenizer import build_tokenizer
 from nanoexp.evaluation.downstream import flatten
-from nanoexp.evaluation.offline import evaluate_checkpoint
+from nanoexp.evaluate import evaluate_checkpoint
 from nanoexp.evaluation.scorer import ShardedScorer
 from nanoexp.parallel.context import ParallelContext
 from nanoexp.parallel.pipeline import PipelineEngine

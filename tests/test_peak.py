@@ -119,9 +119,9 @@ def test_a_throughput_above_the_peak_is_never_reported_as_mfu(caplog):
     cfg = compose_config(FAST)
     trainer = Trainer(cfg, ParallelContext(), os.devnull, peak=Peak(2.0, "a test's peak"))
     trainer.batches.close()
-    assert trainer.mfu(1.0) == 0.5
+    assert trainer.reporter.mfu(1.0) == 0.5
     with caplog.at_level("WARNING", logger="nanoexp"):
-        assert trainer.mfu(3.0) is None and trainer.mfu(4.0) is None and trainer.mfu(1.8) is None
+        assert trainer.reporter.mfu(3.0) is None and trainer.reporter.mfu(4.0) is None and trainer.reporter.mfu(1.8) is None
     assert sum("above the peak" in r.getMessage() for r in caplog.records) == 1   # said once
 
 

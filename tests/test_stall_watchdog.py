@@ -179,10 +179,10 @@ def test_groups_are_named_by_the_layout():
 
 
 def test_the_heartbeat_marks_each_phase_of_a_step(tmp_path):
-    """The watchdog's marks wrap the trainer's phases from outside (nanoexp/launch/seams.py): a step beats them in
+    """The watchdog's marks wrap the trainer's phases from outside (nanoexp/runtime/seams.py): a step beats them in
     the loop's order, and the first step is a long phase, which ends the start-up's."""
     from nanoexp.checks import check_config
-    from nanoexp.launch.seams import mark_phases
+    from nanoexp.runtime.seams import mark_phases
     from nanoexp.instruments.heartbeat import HEARTBEAT
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.trainer import Trainer

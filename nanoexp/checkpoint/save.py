@@ -1,18 +1,16 @@
 """Writing a sharded checkpoint, atomically.
 
 Layout of `<checkpoints_path>/<step>/`:
-  rank_<r>.safetensors   what global rank r owns: its parameter slices and optimizer state, keyed by
-                         HF parameter name, plus its RNG states. Every value is stored once: model
-                         weights and plain AdamW state by dp (and cp) rank 0 (a routed expert under
-                         expert parallelism by the first rank holding it), tp-replicated ones by tp rank 0,
-                         a pipeline's tied LM-head copy not at all (it equals the embedding); ZeRO
-                         state (and ZeRO-3's weights) by the dp x cp (edp) rank that owns it, as flat ranges of
-                         each parameter (under hybrid sharding, the owner in replica 0).
-  meta.json              step, data position, layout, the composed config, format version, and an
-                         index: which file holds which piece of which tensor (enough to re-slice).
-The folder is written as `.tmp-<step>/` and renamed into place by rank 0 only after every rank
-reported success; `latest.txt` moves last. A crash or a failed write leaves earlier checkpoints
-as they were. A save is four steps (prepare_folder, take_shard, write_shard, publish): save_checkpoint runs them
+  rank_<r>.safetensors   what global rank r owns: its parameter slices and optimizer state, keyed by HF parameter
+                         name, plus its RNG states. Every value is stored once: model weights and plain AdamW state
+                         by dp (and cp) rank 0 (a routed expert under expert parallelism by the first rank holding
+                         it), tp-replicated ones by tp rank 0, a pipeline's tied LM-head copy not at all (it equals
+                         the embedding); ZeRO state (and ZeRO-3's weights) by the dp x cp (edp) rank that owns it, as
+                         flat ranges of each parameter (under hybrid sharding, the owner in replica 0).
+  meta.json              step, data position, layout, the composed config, format version, and an index: which
+                         file holds which piece of which tensor (enough to re-slice).
+The folder is written as `.tmp-<step>/` and renamed into place by rank 0 only after every rank reported success;
+`latest.txt` moves last. A crash or a failed write leaves earlier checkpoints as they were. A save is four steps (prepare_folder, take_shard, write_shard, publish): save_checkpoint runs them
 one after the other; checkpoint.async_save writes the shard in the background (async_save.py).
 """
 from __future__ import annotations

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+log = logging.getLogger("nanoexp")
+
 SHIPPED_TASKS = Path(__file__).resolve().parent / "tasks"
 INSTALL_HINT = "pip install -e '.[eval]' (EleutherAI's lm-eval)"
 
@@ -103,6 +105,15 @@ def flatten(results: dict) -> dict[str, float]:
     return flat
 
 
+def sharded_downstream(cfg, runner) -> DownstreamEval:
+    """The eval group's harness tasks scored on `runner`'s model as it is sharded (a ShardedScorer): what training
+    runs when due and nanoexp/evaluate.py runs on a checkpoint."""
+    from nanoexp.data.tokenizer import build_tokenizer
+    from nanoexp.evaluation.scorer import ShardedScorer
+    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
+    return DownstreamEval(cfg.eval, ShardedScorer(runner, tokenizer.eod_id), tokenizer)
+
+
 class DownstreamEval:
     """The `eval` group's tasks on a ShardedScorer's model, with a nanoexp tokenizer."""
 
@@ -115,6 +126,17 @@ class DownstreamEval:
     def due(self, step: int, last_step: int) -> bool:
         interval = int(self.cfg.interval)
         return step == last_step or (interval > 0 and step % interval == 0)
+
+    def failure(self, step: int, errors: dict[str, str]) -> Exception | None:
+        """What training does about the tasks that failed at `step` ({task: error}): under eval.on_error=stop the
+        error every rank raises (the step's checkpoint is written), otherwise None, each failure logged."""
+        from nanoexp.failures import KnownFailure
+        for task, error in errors.items():
+            message = f"step {step}: downstream task {task} failed: {error}"
+            if self.cfg.on_error == "stop":   # the same on every rank
+                return KnownFailure(f"{message} (eval.on_error=stop; the step's checkpoint is written)")
+            log.error("%s; training goes on (eval.on_error=stop ends the run instead)", message)
+        return None
 
     def run(self, log_samples: bool = False) -> tuple[dict[str, float], dict[str, list], dict[str, str]]:
         """Every task once, each on its own, the same on every rank: its scores {"eval/<task>/<metric>": value},

@@ -4,9 +4,7 @@ A row is a sequence of at most `tokens.sequence_length` input ids and, at the po
 id (IGNORE_INDEX elsewhere). `ShardedScorer.score(rows)` returns, for every row and on every rank:
     logprob      the sum of log p(target) over the scored positions (a continuation's log-likelihood)
     mismatches   how many scored positions' greedy (argmax) token is not the target (0: greedy would produce it)
-    argmax       the sum of the greedy tokens at the scored positions: the greedy next token when one position
-                 is scored (as generation does)
-
+    argmax       the sum of the greedy tokens at the scored positions (one scored position: the greedy next token)
 Every rank takes part. The dp replicas split the rows (each takes a contiguous block, padded with empty rows);
 each block goes through the pipeline in micro-batches of `tokens.micro_batch_size` rows of `sequence_length`
 tokens (right-padded: causal attention keeps the padding out of every real position), cut into zig-zag parts

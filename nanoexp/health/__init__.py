@@ -1,5 +1,5 @@
 """A slow, spiking or silently wrong rank, named: stragglers (stragglers.py), loss spikes (spikes.py) and replay
-checks for silent data corruption (replay.py). Each detector wraps the trainer's phases (nanoexp/launch/seams.py),
+checks for silent data corruption (replay.py). Each detector wraps the trainer's phases (nanoexp/runtime/seams.py),
 installed at start-up by the entry point only when it is on, as the stall watchdog's marks are; the loop itself
 holds none of it (docs/health.md).
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoexp.failures import KnownFailure
-from nanoexp.launch.seams import wrap_method
+from nanoexp.runtime.seams import wrap_method
 
 log = logging.getLogger("nanoexp")
 
@@ -88,7 +88,7 @@ class HealthMonitor:
         trainer = self.trainer
         if trainer.is_writer:
             log.warning("step %d/%d | %s", finding.step, trainer.cfg.tokens.train_steps, finding.line)
-            trainer.writer.event(finding.record(), f"health/{finding.kind}", finding.line)
+            trainer.reporter.writer.event(finding.record(), f"health/{finding.kind}", finding.line)
 
     def finish(self, original, summary: dict) -> None:
         """summary.json's `health`: every finding by kind (empty lists: none)."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.health import Finding
-from nanoexp.launch.seams import wrap_method
+from nanoexp.runtime.seams import wrap_method
 
 AS_INTEGERS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}   # by element size
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanoexp.checkpoint.manager import Start, latest_checkpoint
 from nanoexp.health import Finding
-from nanoexp.launch.seams import wrap_method
+from nanoexp.runtime.seams import wrap_method
 
 log = logging.getLogger("nanoexp")
 

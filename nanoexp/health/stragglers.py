@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nanoexp.health import Finding
-from nanoexp.launch.seams import wrap_method
+from nanoexp.runtime.seams import wrap_method
 
 # The collectives nanoexp calls (by attribute, at each call: nanoexp/parallel/collectives.py), as this torch has them.
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",

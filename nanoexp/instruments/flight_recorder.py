@@ -1,18 +1,17 @@
-"""torch's flight recorder as nanoexp uses it: every process group records its last collectives (op, group,
-sequence number, sizes, state, creation time) in a ring of `debug.flight_recorder_entries`; on a stall each rank
-writes the ring to `<run>/debug/fr/rank_<N>` in the format torch's analyzer (`torchfrtrace`) reads, a pickle, and
-the same as JSON to `<run>/debug/fr_json/rank_<N>.json`, which is what nanoexp's own diagnosis reads: nanoexp
-decodes only the pickle torch's recorder hands over in memory, in this process, and never unpickles a file.
+"""torch's flight recorder as nanoexp uses it: every process group records its last collectives (op, group, sequence
+number, sizes, state, creation time) in a ring of `debug.flight_recorder_entries`; on a stall each rank writes the
+ring to `<run>/debug/fr/rank_<N>` in the format torch's analyzer (`torchfrtrace`) reads, a pickle, and the same as
+JSON to `<run>/debug/fr_json/rank_<N>.json`, which is what nanoexp's own diagnosis reads: nanoexp decodes only the
+pickle torch's recorder hands over in memory, in this process, and never unpickles a file.
 
 torch's analyzer unpickles every file whose name holds the prefix, in subfolders too: run over the run folder, a
-file planted there (a shared, copied or resumed run) would run its code. So nanoexp runs it over a private folder
-of its own making, holding only the dumps of this stall, pickled again from their JSON (plain data: nothing in
-them can run).
-
+file planted there (a shared, copied or resumed run) would run its code. So nanoexp runs it over a private folder of
+its own making, holding only the dumps of this stall, pickled again from their JSON (plain data: nothing in them can
+run).
 Two things are added to what torch writes. gloo leaves the dump's group table (`pg_config`) empty, which the
-analyzer needs to match ranks: nanoexp fills it from its own groups (their layout names and global ranks). And
-under the key "nanoexp", the rank's heartbeat and, for each recorded collective, the step and action that posted
-it (from the heartbeat's history and the record's creation time, both this process's clock).
+analyzer needs to match ranks: nanoexp fills it from its own groups (their layout names and global ranks). And under
+the key "nanoexp", the rank's heartbeat and, for each recorded collective, the step and action that posted it (from
+the heartbeat's history and the record's creation time, both this process's clock).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What this process is doing, for the stall watchdog (nanoexp/launch/watchdog.py).
 
 `HEARTBEAT.at(...)` is called where work begins: by the trainer's phases (a step, the loss all-reduce, the
-optimizer; wrapped from outside while the watchdog is on: nanoexp/launch/seams.py) and by the pipeline engine (each
+optimizer; wrapped from outside while the watchdog is on: nanoexp/runtime/seams.py) and by the pipeline engine (each
 schedule action). Each call counts one beat; the watchdog publishes the count, and a count that
 stops moving on every rank is a stall. The last thousand beats are kept with their wall-clock times, so that
 a collective in a flight-recorder dump (which carries its own creation time) can be attributed to the step and

@@ -8,14 +8,14 @@ LOAD_IMBALANCE = "moe_load_imbalance/layer_"   # + n: layer n's busiest expert's
 
 
 @torch.no_grad()
-def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.Tensor]:
     """The step's MoE metrics, names and values on the device (the trainer reads them with its other scalars):
     `moe_aux_loss` and `moe_z_loss` (and with a sequence-wise loss `moe_seq_aux_loss`), summed over the MoE layers
     and averaged over the global batch's `micro_batches` (before their coefficients); per MoE layer n
     `moe_load_imbalance/layer_n`: the most tokens an expert got over the mean (1: balanced); with a capacity factor
-    `moe_dropped_fraction`: the share of the step's assignments beyond their expert's capacity. Also the loads
-    themselves, [MoE layers, E]: each expert's assignments in the step, summed over every rank that routed them
-    (what balance=bias moves its bias by). One all-reduce over all ranks; clears the records."""
+    `moe_dropped_fraction`: the share of the step's assignments beyond their expert's capacity. The loads
+    themselves, [MoE layers, E], go to `losses.loads`: each expert's assignments in the step, summed over every
+    rank that routed them (what balance=bias moves its bias by). One all-reduce over all ranks; clears the records."""
     moe, experts = losses.moe, losses.moe.num_experts
     values = torch.zeros(4 + len(losses.moe_layers) * experts, device=ctx.device)
     for record in losses.records:
@@ -30,7 +30,7 @@ def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.T
     losses.records.clear()
     if ctx.world_size > 1:
         dist.all_reduce(values)
-    loads = values[4:].view(len(losses.moe_layers), experts)
+    loads = losses.loads = values[4:].view(len(losses.moe_layers), experts)
     imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
     names = ["moe_aux_loss", "moe_z_loss"] + [f"{LOAD_IMBALANCE}{n}" for n in losses.moe_layers]
     parts = [values[:2] / micro_batches, imbalance]
@@ -40,4 +40,4 @@ def moe_step_values(losses, ctx, micro_batches: int) -> tuple[list[str], torch.T
     if moe.seq_aux_loss_coef > 0:
         names.append("moe_seq_aux_loss")
         parts.append((values[3] / micro_batches).view(1))
-    return names, torch.cat(parts), loads
+    return names, torch.cat(parts)

@@ -10,8 +10,7 @@ ranks that posted it with another op, shape or dtype disagree. Causes are ranked
 2. a missing rank in its own work (it is stuck in compute, or took another branch with no collective after), or
    one that wrote no dump (its Python cannot run);
 3. a pipeline sender that moved on to a collective its receiver has not reached (it sent too few messages);
-4. two ranks of the same pipeline stage (one program) each waiting where the other has not arrived: the one
-   further along its step skipped what the other waits in;
+4. two ranks of one pipeline stage each waiting where the other has not arrived (the one ahead skipped it);
 5. any other wait.
 """
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""Pipeline timeline recorder: when each forward, backward, send, receive and gradient
-all-reduce of a training step started and ended, on this rank.
-
-With `logging.pipeline_trace=true` every rank writes `<run>/pipeline_trace/rank_<r>.jsonl`:
-a first line `{"meta": {...}}` (rank, pp/dp/cp/tp coordinates, pp, virtual stages, engine),
-then one JSON object per event:
+"""Pipeline timeline recorder: when each forward, backward, send, receive and gradient all-reduce of a training
+step started and ended, on this rank. With `logging.pipeline_trace=true` every rank writes
+`<run>/pipeline_trace/rank_<r>.jsonl`: a first line `{"meta": {...}}` (rank, pp/dp/cp/tp coordinates, pp, virtual
+stages, engine), then one JSON object per event:
 
     {"step": 3, "kind": "forward", "mb": 5, "chunk": 1, "start": 1712.123, "end": 1712.130}
 
-`kind` is forward | backward | weight (compute, per micro-batch and chunk), a communication label
-such as "post send_forward recv_backward" (posting one batch of point-to-point messages), "wait
-recv_forward" (waiting for a received tensor, with its mb and chunk) or "wait sends" (the step's
-last sends, at its end), "allreduce_launch" (an instant: start == end, when a gradient bucket's
-dp x cp reduction was started, with "bucket" and "in_backward") or "allreduce_wait" (the time
-spent waiting for that reduction). Times are wall-clock seconds (`time.time()`), so ranks on one
-machine share a time axis. `scripts/plot_pipeline.py RUN` draws these files;
-nanoexp.verify.trace_analysis reads them.
-
-When tracing is off the trainer uses `NO_TRACE`, whose methods do nothing.
+`kind` is forward | backward | weight (compute, per micro-batch and chunk), a communication label such as "post
+send_forward recv_backward" (posting one batch of point-to-point messages), "wait recv_forward" (waiting for a
+received tensor, with its mb and chunk) or "wait sends" (the step's last sends, at its end), "allreduce_launch" (an
+instant: start == end, when a gradient bucket's dp x cp reduction was started, with "bucket" and "in_backward") or
+"allreduce_wait" (the time spent waiting for that reduction). Times are wall-clock seconds (`time.time()`), so
+ranks on one machine share a time axis. `scripts/plot_pipeline.py RUN` draws these files;
+nanoexp.verify.trace_analysis reads them. When tracing is off the runtime uses `NO_TRACE`, whose methods do nothing.
 """
 from __future__ import annotations
 

@@ -2,23 +2,15 @@
 scripts/convert_from_dcp.py).
 
 `convert_to_dcp` writes a nanoexp checkpoint of any layout as a DCP folder of one process's full tensors, under
-Hugging Face parameter names (nanoexp.interop.hf.hf_name: a Llama's are nanoexp's own, a mixture's Mixtral's):
-  model.<name>                               the weights as trained (a µP model's multipliers are not baked in)
-  optimizer.state.<name>.<kind>              the optimizer's state per element (AdamW: exp_avg, exp_avg_sq)
-  optimizer.state.<name>.step                its update count (a float32 scalar, as torch's AdamW keeps it)
-  train_state.step, .consumed_samples, .consumed_tokens, .skipped_steps       int64 scalars
-  train_state.stage_consumed_samples.<stage>                                  with data_stages
-and `nanoexp.json` beside them: the composed config, the run and the layout the checkpoint was saved on.
-The "model" and "optimizer" entries are the form torch.distributed.checkpoint.state_dict gives (parameter groups
-aside: they hold no tensors, and DCP would pickle them). Only tensors go in, so torch's `dcp_to_torch_save` and
-`torch.load(..., weights_only=True)` read the whole state. The per-rank RNG states stay behind: nanoexp's training
-draws from no global generator (data order and initialisation have seeded generators of their own).
-
-`convert_from_dcp` reads such a folder back into a nanoexp checkpoint at its step: one process's, which resumes on
-any layout (every rank re-slices it). DCP stores its index, `.metadata`, as a pickle (torch's FileSystemReader
+Hugging Face parameter names (a Llama's are nanoexp's own, a mixture's Mixtral's), in the form
+torch.distributed.checkpoint.state_dict gives ("model", "optimizer"; parameter groups aside: they hold no tensors,
+and DCP would pickle them). Only tensors go in, so torch's `dcp_to_torch_save` and `torch.load(...,
+weights_only=True)` read the whole state. The per-rank RNG states stay behind: nanoexp's training draws from no
+global generator. `convert_from_dcp` reads such a folder back into a nanoexp checkpoint at its step (one
+process's, which resumes on any layout). DCP stores its index, `.metadata`, as a pickle (torch's FileSystemReader
 unpickles it whole; torch 2.13 offers no safe reader): nanoexp reads it with `MetadataUnpickler`, which admits only
-the classes DCP's index is made of and refuses any other a file names, before anything of it runs; the tensors
-come through torch's weights-only loads, and values that are not tensors (pickled by DCP) are refused.
+the classes DCP's index is made of, before anything of it runs; the tensors come through torch's weights-only
+loads, and values that are not tensors (pickled by DCP) are refused.
 """
 from __future__ import annotations
 
@@ -63,7 +55,14 @@ METADATA_CLASSES = {
 
 
 def convert_to_dcp(checkpoint: str, out: str) -> None:
-    """Write the nanoexp checkpoint folder `checkpoint` (<checkpoints_path>/<step>) as the DCP folder `out`."""
+    """Write the nanoexp checkpoint folder `checkpoint` (<checkpoints_path>/<step>) as the DCP folder `out`, one
+    process's full tensors under Hugging Face parameter names (interop.hf.hf_name):
+      model.<name>                               the weights as trained (a µP model's multipliers are not baked in)
+      optimizer.state.<name>.<kind>              the optimizer's state per element (AdamW: exp_avg, exp_avg_sq)
+      optimizer.state.<name>.step                its update count (a float32 scalar, as torch's AdamW keeps it)
+      train_state.step, .consumed_samples, .consumed_tokens, .skipped_steps       int64 scalars
+      train_state.stage_consumed_samples.<stage>                                  with data_stages
+    and `nanoexp.json` beside them: the composed config, the run and the layout the checkpoint was saved on."""
     check_output_folder(out, "the DCP checkpoint")
     reader = checked_input(checkpoint)
     meta = reader.meta

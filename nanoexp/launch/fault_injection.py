@@ -1,5 +1,5 @@
 """Deliberate faults for the robustness tests (`fault_injection.*`, all off by default). Each wraps the trainer's
-phase it strikes in (nanoexp/launch/seams.py), installed at start-up only when it is set, so that the trainer reads
+phase it strikes in (nanoexp/runtime/seams.py), installed at start-up only when it is set, so that the trainer reads
 as the training loop alone."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import torch
 
 from nanoexp.checkpoint.async_save import in_background_writer
-from nanoexp.launch.seams import wrap_method
+from nanoexp.runtime.seams import wrap_method
 
 log = logging.getLogger("nanoexp")
 
@@ -24,30 +24,31 @@ HOLD_LIMIT_S = 120.0   # the longest hold_checkpoint_write keeps a write back
 class FaultInjection:
     """`slow_step_s`: every step starts that much later, as on a slow host (a signal sent after a step then arrives
     well before the end of training, however fast the machine). `slow_start_up_s`: every rank's start-up ends that
-    much later (a signal sent a few seconds in then lands in the start-up, however fast the machine). `hang_at_step`: rank `hang_rank` stops answering
-    before that step, as a stuck GPU or host would. `nonfinite_loss_at_step`: the training loss of that step
-    becomes NaN on the loss stage. The desync faults of the stall watchdog's tests, each on one rank:
-    `stall_rank` sleeps `stall_s` in its compute at `stall_at_step` (with `stall_holds_interpreter`, holding Python's
-    interpreter lock, so that none of its threads runs either); `sigstop_rank` stops itself there (SIGSTOP: the whole
-    process, the store that rank 0 hosts included, as a debugger or `kill -STOP` would); at step 3,
-    `skip_collective_rank` skips the loss all-reduce, `wrong_shape_rank` posts it with two elements instead of one,
-    `short_pipeline_rank` runs one micro-batch too few, `raise_rank` raises. `kill_group`: that replica group's
-    rank 0 is killed (SIGKILL, as a lost host) in its compute at `kill_at_step` (fault_tolerance), once per run
-    folder. `slow_checkpoint_s`: rank 0 sleeps
-    inside each checkpoint write (in the background writer under checkpoint.async_save). `hold_checkpoint_write`:
-    rank 0's background write of step S's checkpoint waits until step S + that many has begun, so that it is in
-    flight while those steps train however fast the machine (at most HOLD_LIMIT_S: a run that ends sooner
-    waits that long). The health checks' faults (nanoexp/health/): `slow_rank` sleeps `slow_rank_s` in each
-    micro-batch's forward; the batch step `spike_at_step` reads in a fresh run has its loss (and gradients) x 10,
-    wherever a run reads it; `flip_gradient_rank` flips one bit of its first parameter's gradient once at
-    `flip_gradient_step`."""
+    much later (a signal sent a few seconds in then lands in the start-up, however fast the machine).
+    `hang_at_step`: rank `hang_rank` stops answering before that step, as a stuck GPU or host would.
+    `nonfinite_loss_at_step`: the training loss of that step becomes NaN on the loss stage. The desync faults of the
+    stall watchdog's tests, each on one rank: `stall_rank` sleeps `stall_s` in its compute at `stall_at_step` (with
+    `stall_holds_interpreter`, holding Python's interpreter lock, so that none of its threads runs either);
+    `sigstop_rank` stops itself there (SIGSTOP: the whole process, the store that rank 0 hosts included, as a
+    debugger or `kill -STOP` would); at step 3, `skip_collective_rank` skips the loss all-reduce, `wrong_shape_rank`
+    posts it with two elements instead of one, `short_pipeline_rank` runs one micro-batch too few, `raise_rank`
+    raises. `kill_group`: that replica group's rank 0 is killed (SIGKILL, as a lost host) in its compute at
+    `kill_at_step` (fault_tolerance), once per run folder.
+    The checkpoint's and the health checks' faults: `install`."""
 
     def __init__(self, faults, rank: int):
         self.faults, self.rank = faults, rank
         self.step_begun, self.current_step = threading.Condition(), 0
 
     def install(self, trainer) -> None:
-        """Wrap the phases of `trainer` that the faults set strike in; none when every fault is off."""
+        """Wrap the phases of `trainer` that the faults set strike in; none when every fault is off. Besides the
+        class docstring's: `slow_checkpoint_s`: rank 0 sleeps inside each checkpoint write (in the background writer
+        under checkpoint.async_save). `hold_checkpoint_write`: rank 0's background write of step S's checkpoint waits
+        until step S + that many has begun, so that it is in flight while those steps train however fast the machine
+        (at most HOLD_LIMIT_S: a run that ends sooner waits that long). The health checks' faults (nanoexp/health/):
+        `slow_rank` sleeps `slow_rank_s` in each micro-batch's forward; the batch step `spike_at_step` reads in a
+        fresh run has its loss (and gradients) x 10, wherever a run reads it; `flip_gradient_rank` flips one bit of
+        its first parameter's gradient once at `flip_gradient_step`."""
         f, self.trainer = self.faults, trainer
         wanted = {"train": f.slow_start_up_s > 0,
                   "run_step": f.hang_at_step is not None or f.slow_step_s > 0 or f.hold_checkpoint_write,

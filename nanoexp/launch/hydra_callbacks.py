@@ -39,7 +39,7 @@ class RunFolderGuard(Callback):
 
 
 def refuse_if_owned(run_dir: str) -> None:
-    from nanoexp.launch.workers import launcher_env
+    from nanoexp.parallel.context import launcher_env
     from nanoexp.launch.run_lock import busy_message, owner_of
     env = launcher_env()
     if env is not None and env["rank"] != 0:   # such ranks write into rank 0's folder (train.py)

@@ -1,20 +1,16 @@
 """A store of its own for every torchrun round, so that `torchrun --max-restarts=N` can restart a world.
 
-By default torchrun's rank-0 agent hosts one TCPStore for the workers and keeps it across restarts: every worker
-is a client of it at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True in their environment). The
-process groups' keys are named alike in every round ("0", "1", ...), so a restarted world would read the dead
-workers' addresses there and fail to connect (gloo: connectFullMesh ... Connection refused) or wait for them
-until the timeout.
-
-A round id to prefix the keys with is not to be had: TORCHELASTIC_RESTART_COUNT differs between nodes (an agent
+By default torchrun's rank-0 agent hosts one TCPStore for the workers and keeps it across restarts: every worker is
+a client of it at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True in their environment). The process
+groups' keys are named alike in every round ("0", "1", ...), so a restarted world would read the dead workers'
+addresses there and fail to connect (gloo: connectFullMesh ... Connection refused) or wait for them. A round id to prefix the keys with is not to be had: TORCHELASTIC_RESTART_COUNT differs between nodes (an agent
 whose workers were healthy restarts them for another node without counting a restart), and torchrun gives the
 workers nothing else that names the round. So worker rank 0 starts a fresh TCPStore server (any free port) and
 announces it under one fixed key of the agent's store as "host:port:nonce", the nonce also kept in the new store.
-The other ranks may read the previous round's announcement before rank 0 has replaced it; its server died with
-the old rank 0, so the connection is refused (or, should the port be taken again, the nonce differs), and they
-read again until the announcement is fresh. Liveness tells the rounds apart without the ranks agreeing on any
-number, and the new store holds nothing of an earlier round. Stores do not depend on the backend: NCCL
-exchanges its ids through this store as gloo its addresses.
+The other ranks may read the previous round's announcement before rank 0 has replaced it; its server died with the
+old rank 0, so the connection is refused (or, should the port be taken again, the nonce differs), and they read
+again until the announcement is fresh. Liveness tells the rounds apart without the ranks agreeing on any number, and
+the new store holds nothing of an earlier round. NCCL exchanges its ids through this store as gloo its addresses.
 """
 from __future__ import annotations
 

@@ -1,20 +1,18 @@
 """Stop signals: SIGTERM, SIGUSR2 or SIGINT (Ctrl-C). Before the first step a run ends at once (nothing trained,
-nothing to save: exit 128 + the signal's number, one line); once training, every rank finishes its step,
-checkpoints and exits cleanly.
-
-Each process is in one phase (`_state["phase"]`): "starting" (a stop signal raises `StopBeforeTraining` where the
-process is, so a run's start-up must leave the interpreter often: no long C call), "delegated" (a launcher whose
-local workers run: it forwards the signal to them and waits), "training" (the signal is recorded and every rank
-asks `stop_flag(ctx)` in each step, one all-reduce, so all stop after the same step) and "stopping" (a second
-signal changes nothing). `handle_stop_signals()` wraps a run in the process that starts it; train.py installs the
-same handler first thing (`stop_during_start_up()`), so a signal during its imports ends it too. The launcher
-blocks the signals while it starts workers (`workers_starting()`; the mask survives fork and spawn), and each
-worker installs the handler first thing (`worker_handles_stop_signals()`) before letting held-back signals in. A
-worker stopped before training exits with 128 + the signal's number, which its launcher reports as the run's stop.
-Once a checkpoint is written, the handler installed before ours gets the signal (submitit's SIGUSR2 handler
-requeues the job); Python's KeyboardInterrupt is not chained. See docs/robustness.md.
-
-This module imports only the standard library at the top: train.py imports it before anything slow."""
+nothing to save: exit 128 + the signal's number, one line); once training, every rank finishes its step, checkpoints
+and exits cleanly.
+Each process is in one phase: "starting" (a stop signal raises `StopBeforeTraining` where the process is, so a run's
+start-up must leave the interpreter often: no long C call), "delegated" (a launcher whose local workers run: it
+forwards the signal to them and waits), "training" (the signal is recorded; the trainer's read_scalars agrees on it
+in each step, one all-reduce, so all stop after the same step) and "stopping" (a second signal changes nothing).
+`handle_stop_signals()` wraps a run in the process that starts it; train.py installs the same handler first thing
+(`stop_during_start_up()`), so a signal during its imports ends it too. The launcher blocks the signals while it
+starts workers (`workers_starting()`; the mask survives fork and spawn), and each worker installs the handler first
+thing (`worker_handles_stop_signals()`) before letting held-back signals in. A worker stopped before training exits
+with 128 + the signal's number, which its launcher reports as the run's stop. Once a checkpoint is written, the
+handler installed before ours gets the signal (submitit's SIGUSR2 handler requeues the job); Python's
+KeyboardInterrupt is not chained. See docs/robustness.md. Only the standard library is imported at the top: train.py
+imports this module before anything slow."""
 from __future__ import annotations
 
 import contextlib
@@ -129,25 +127,6 @@ def received_signal_name() -> str | None:
     """The stop signal this process received ("SIGUSR2", ...), None if none did."""
     signum = _state["signum"]
     return None if signum is None else signal.Signals(signum).name
-
-
-def stop_flag(ctx, *more: bool, maxima=None):
-    """[1 on every rank if any rank has received a stop signal, else 0, then each of `more` likewise: 1 if it is
-    true on any rank, then `maxima` (a tensor on the device, maximum over the ranks)], on the device: one all-reduce
-    (a collective: call it on all ranks; the trainer reads it with the step's other scalars, and agrees its
-    checkpoint writes in the same call)."""
-    import torch   # here, not at the top: train.py imports this module before torch (stop_during_start_up)
-    import torch.distributed as dist
-
-    flags = torch.zeros(1 + len(more), device=ctx.device)
-    for i, raised in enumerate([stop_requested(), *more]):
-        if raised:
-            flags[i] = 1.0   # a fill on the device: no copy from the host, no wait for it
-    if maxima is not None and maxima.numel():
-        flags = torch.cat([flags, maxima.float()])
-    if ctx.world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return flags
 
 
 @contextlib.contextmanager

@@ -1,20 +1,17 @@
-"""The results of a sweep folder as a table: one row per job, including jobs that failed, were killed
-or never started.
+"""The results of a sweep folder as a table: one row per job, also those that failed, were killed or never started.
 
-Used at the end of every multirun (nanoexp/launch/hydra_callbacks.py prints the table) and by
-scripts/summarize_sweep.py, which adds the CSV (`write_csv`), the best learning rate per width when the jobs try
-several (`lr_sweep`, `best_lr_table`) and the plots (nanoexp/launch/sweep_plots.py).
-
+Used at the end of every multirun (launch/hydra_callbacks.py prints the table) and by scripts/summarize_sweep.py,
+which adds the CSV (`write_csv`), the best learning rate per width when the jobs try several (`lr_sweep`,
+`best_lr_table`) and the plots (nanoexp/launch/sweep_plots.py).
 - Jobs are the job folders (`<dir>/<n>/` with `.hydra/`) and, for submitit sweeps, every submitted job
   (`<dir>/.submitit/<array>_<n>/`: array task n is sweep job n; a one-job sweep has no array).
-- `state` is `completed`, `failed`, `stopped` (checkpointed on a signal, not yet resumed) or, for a
-  SLURM job that is still queued or running, its SLURM state; `reason` says why a job is not
-  completed: the error in its summary.json, else the error submitit recorded, else what `sacct` says.
-- A `+plan=topK` sweep (nanoexp/plan/sweep.py) leaves each job's predicted step in `<dir>/plan.json`:
-  `plan_table` puts it beside the measured one.
-- `overrides` shows only the overrides whose values differ between the jobs (what the sweep varies).
-- Rows stay in job order; `rank` is a job's place by a metric (eval loss unless asked otherwise), so a reader
-  sees both the order the sweep ran in and which job won, and the order never depends on the last digits.
+- `state` is `completed`, `failed`, `stopped` (checkpointed on a signal, not yet resumed) or a queued or running
+  SLURM job's SLURM state; `reason` says why a job is not completed: its summary.json's error, else submitit's, else
+  what `sacct` says.
+- A `+plan=topK` sweep (nanoexp/plan/sweep.py) leaves each job's predicted step in `<dir>/plan.json`: `plan_table`
+  puts it beside the measured one.
+- `overrides` shows only those whose values differ between the jobs (what the sweep varies). Rows stay in job order;
+  `rank` is a job's place by a metric (eval loss by default), so the order never depends on the last digits.
 """
 from __future__ import annotations
 

@@ -8,15 +8,9 @@ Each rank's watchdog thread publishes its heartbeat (nanoexp/instruments/heartbe
 every poll; rank 0 reads them all and times the progress by its own clock (hosts' clocks may differ). When rank
 0's watchdog itself falls silent (its Python cannot run: a call holding the interpreter lock), rank 1 takes its
 place. A rank in a long phase (start-up, first step, checkpoint save) holds the alarm back. A dead peer is not a
-stall: the collective fails at once and the launcher reports the lost contact as before.
-
-The store lives in rank 0's process under every launcher (env:// makes rank 0 its server; under torchrun it is
-the round's own store, which rank 0 starts: nanoexp/launch/rendezvous.py), so a stopped rank 0 (SIGSTOP, a
-debugger, a frozen host) silences it, and a TCPStore call to a stopped server never returns (torch 2.13: after its
-own timeout it waits, unbounded, for the server to acknowledge). Moving the store out of rank 0 would need a
-process of its own under every launcher (plain SLURM tasks have none to spare) and lose torchrun's fresh store per
-round; instead each poll's store calls are bounded: a poll unanswered for STORE_SILENT_S is itself the sign
-that rank 0 is stopped, and rank 1 then diagnoses from its own dump once it has made no progress for the
+stall: the collective fails at once and the launcher reports the lost contact as before. The store lives in rank
+0's process, so each poll's store calls are bounded (`bounded`): a poll unanswered for STORE_SILENT_S is itself the
+sign that rank 0 is stopped, and rank 1 then diagnoses from its own dump once it has made no progress for the
 limit.
 """
 from __future__ import annotations
@@ -31,7 +25,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from nanoexp.launch.workers import end_worker
-from nanoexp.launch.seams import mark_phases
+from nanoexp.runtime.seams import mark_phases
 from nanoexp.instruments.flight_recorder import read_dumps, read_trace, torch_analysis, write_trace
 from nanoexp.instruments.heartbeat import HEARTBEAT
 from nanoexp.instruments.stall_diagnosis import diagnose
@@ -54,7 +48,12 @@ class StoreSilent(Exception):
 def bounded(call: Callable, timeout_s: float):
     """call()'s result, or StoreSilent when it has not returned within timeout_s. It runs in a thread of its own,
     left behind when it never returns; a second, short wait gives it a chance should this process itself have
-    been stopped meanwhile."""
+    been stopped meanwhile. Why bounded: the store lives in rank 0's process under every launcher (env:// makes
+    rank 0 its server; under torchrun it is the round's own store, which rank 0 starts), so a stopped rank 0
+    (SIGSTOP, a debugger, a frozen host) silences it, and a TCPStore call to a stopped server never returns (torch
+    2.13: after its own timeout it waits, unbounded, for the server to acknowledge). Moving the store out of rank 0
+    would need a process of its own under every launcher (plain SLURM tasks have none to spare) and lose
+    torchrun's fresh store per round."""
     outcome = {}
 
     def run() -> None:

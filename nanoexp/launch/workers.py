@@ -64,18 +64,6 @@ def lost_peer(error: BaseException, timeout_s: float) -> str | None:
     return None
 
 
-def launcher_env() -> dict | None:
-    """Rank, world size and local rank given by torchrun or SLURM, or None when run directly."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
-                "local_rank": int(env.get("LOCAL_RANK", 0))}
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
-                "local_rank": int(env.get("SLURM_LOCALID", 0))}
-    return None
-
-
 def export_slurm_rendezvous() -> None:
     """Under SLURM tasks (not torchrun), point torch's env:// rendezvous at the allocation: MASTER_ADDR is
     the first node of SLURM_JOB_NODELIST, MASTER_PORT derives from the job id (every task computes the
@@ -303,23 +291,27 @@ def spawn_local(world_size: int, fn: Callable, args: tuple, timeout_s: float = 6
     if stopped is not None:
         raise StopBeforeTraining(stopped)
     if failure is not None:
-        reports = []
-        while not errors.empty():
-            reports.append(errors.get())
-        # Root cause: a rank killed by a signal (it could not report; its peers then fail with
-        # connection errors), else the first report.
-        if killed:
-            rank, message, trace = killed[0][0], f"killed by signal {killed[0][1]}", ""
-            if killed[0][1] == signal.SIGABRT and torch.cuda.is_available():   # NCCL's watchdog tears down
-                message += (" (aborted: NCCL's watchdog ends a process whose collective timed out or whose peer was"
-                            " lost; its log says which)")
-        elif reports:
-            rank, message, trace = reports[0]
-        else:
-            rank, message, trace = failure[0], f"exited with code {failure[1]}", ""
-        if trace:   # a failure that names its cause is said once, by the command's last line
-            log.error("rank %d failed: %s\n%s", rank, message, trace)
-        raise WorkerFailed(f"rank {rank} failed: {message}")
+        raise _worker_failed(failure, killed, errors)
+
+
+def _worker_failed(failure: tuple[int, int], killed: list, errors) -> WorkerFailed:
+    """The failure of a local run, named by its root cause: a rank killed by a signal (it could not report; its
+    peers then fail with connection errors), else the first report, else the first rank's exit code."""
+    reports = []
+    while not errors.empty():
+        reports.append(errors.get())
+    if killed:
+        rank, message, trace = killed[0][0], f"killed by signal {killed[0][1]}", ""
+        if killed[0][1] == signal.SIGABRT and torch.cuda.is_available():   # NCCL's watchdog tears down
+            message += (" (aborted: NCCL's watchdog ends a process whose collective timed out or whose peer was"
+                        " lost; its log says which)")
+    elif reports:
+        rank, message, trace = reports[0]
+    else:
+        rank, message, trace = failure[0], f"exited with code {failure[1]}", ""
+    if trace:   # a failure that names its cause is said once, by the command's last line
+        log.error("rank %d failed: %s\n%s", rank, message, trace)
+    return WorkerFailed(f"rank {rank} failed: {message}")
 
 
 def _stopped_at_start_up(procs) -> int | None:

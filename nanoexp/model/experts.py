@@ -5,16 +5,10 @@ that run them on rows sorted by expert (`model.moe.expert_kernel`, `EXPERT_KERNE
 
 A kernel is called as `kernel(rows, counts, gate, up, down)`: `rows` [N, hidden] sorted by expert, `counts` the
 rows of each expert (`ExpertCounts`), and returns each row's expert output [N, hidden] in the same order.
-
   grouped_mm  one `torch._grouped_mm` per projection over all experts (the matmul kernel torchtitan and Megatron's
-              `--moe-grouped-gemm` use): no Python loop and no read of the counts on the host (the group ends are
-              their running sum, on the device). torch 2.13 runs it on CPU for float32, bfloat16 and float16, the
-              2-byte types when every row is a multiple of 16 bytes (hidden and width multiples of 8); for any other
-              dtype or shape it runs `loop` instead, explicitly (`grouped_mm_takes`). Autocast does not cast its
-              operands: it casts them itself to autocast's dtype, as F.linear would be.
+              `--moe-grouped-gemm` use), where torch runs it (`grouped_mm_takes`), else `loop`;
   loop        one F.linear per expert and projection, on the expert's block of rows (the counts read on the host
               once, if the route did not already).
-
 Checkpoints and Hugging Face files name each expert's matrices apart, as Mixtral's and Qwen3-MoE's checkpoints do
 (`experts.<e>.gate_proj.weight`): `expert_value_names` gives those names for a stacked parameter.
 """
@@ -60,7 +54,9 @@ def compute_dtype(rows: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm_takes(dtype: torch.dtype, gate: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs these operands (measured on CPU with torch 2.13; module docstring)."""
+    """Whether torch._grouped_mm runs these operands (measured on CPU with torch 2.13): float32, bfloat16 and
+    float16, the 2-byte types when every row is a multiple of 16 bytes (hidden and width multiples of 8); for any
+    other dtype or shape grouped_mm runs `loop` instead, explicitly."""
     if dtype == torch.float32:
         return True
     width, hidden = gate.shape[1:]
@@ -68,7 +64,9 @@ def grouped_mm_takes(dtype: torch.dtype, gate: torch.Tensor) -> bool:
 
 
 def grouped_mm(rows, counts: ExpertCounts, gate, up, down) -> torch.Tensor:
-    """Each projection as one grouped matmul over the experts' blocks; group e ends at counts[:e + 1].sum()."""
+    """Each projection as one grouped matmul over the experts' blocks; group e ends at counts[:e + 1].sum(), their
+    running sum on the device (no read of the counts on the host, no Python loop). Autocast does not cast its
+    operands: it casts them itself to autocast's dtype, as F.linear would be."""
     dtype = compute_dtype(rows)
     if not grouped_mm_takes(dtype, gate):
         return loop(rows, counts, gate, up, down)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,6 @@ from nanoexp.model.experts import ExpertCounts, GroupedExperts
 from nanoexp.model.linear import Linear
 
 ROUTERS = ("softmax_topk", "softmax_topk_normalized")
-BALANCES = ("aux_loss", "bias", "none")   # model.moe.balance
 DEFAULT_BIAS_UPDATE_RATE = 0.001   # DeepSeek-V3's gamma (model.moe.bias_update_rate=null)
 
 
@@ -59,7 +58,7 @@ class MoeShape:
 
 def routes_with_bias(balance: str) -> bool:
     """Whether model.moe.balance keeps a routing bias per MoE layer (a buffer checkpoints keep)."""
-    return balance == "bias"
+    return balance in BALANCES and BALANCES[balance].routing_bias   # an unknown value: named by its domain check
 
 
 def balance_rules(moe) -> list[tuple[bool, str]]:
@@ -123,6 +122,7 @@ class MoeLosses:
         self.moe, self.moe_layers = moe, moe_layers   # the model's MoE layers (all stages)
         self.scale, self.recording = 1.0, False
         self.records: list[MoeRecord] = []
+        self.loads: torch.Tensor | None = None   # the last step's, [MoE layers, E], every rank's (moe_metrics.py)
         self.token_sums: list = []       # callables summing a counts tensor over ranks, in place
 
     def add(self, layer: int, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
@@ -295,3 +295,14 @@ def update_expert_biases(model: nn.Module, loads: torch.Tensor) -> None:
             load = loads[module.losses.moe_layers.index(module.layer)]
             module.expert_bias.add_(torch.sign(load.mean() - load).to(module.expert_bias.dtype),
                                     alpha=module.moe.bias_update_rate)
+
+
+class Balance(NamedTuple):
+    """A way to keep the routing even (model.moe.balance): whether it keeps a routing bias per MoE layer, and its
+    post-step hook, `after_step(model, loads)`: what moves after each optimizer step by the step's loads (None:
+    nothing; the runtime runs it, nanoexp/runtime/build.py)."""
+    routing_bias: bool
+    after_step: Callable[[nn.Module, torch.Tensor], None] | None = None
+
+
+BALANCES = {"aux_loss": Balance(False), "bias": Balance(True, update_expert_biases), "none": Balance(False)}

@@ -10,13 +10,7 @@ an idle one too (1024² matrices gave 84.5 GFLOP/s where 2048² gave 131 on a 2-
 - at start-up it runs in a child process: a long matmul is one C call, during which the launcher's signal handlers
   could not run, and the launcher's OpenMP threads stay unstarted (a child forked after them hangs when it uses
   several threads: GNU libgomp);
-- each machine keeps the best figure it ever measured, per (host, CPU model, threads, dtype), in
-  `$XDG_CACHE_HOME/nanoexp/peaks.json` (~/.cache by default), refreshed when a new measurement beats it; the peak
-  is the better of the cached and the new figure, and its source says which;
-- each start measures again until today's figure is stable, its two best measurements of the day within STABLE of
-  each other (or DAILY_MEASUREMENTS made: a machine always busy settles no better); from then on that day's
-  starts take the best without measuring (a second sooner). A first start on a busy machine reads low, and the
-  next idle start replaces it: a busy minute does not spoil the day's MFU.
+- each machine keeps its best figure, measured again each start until the day's is stable (`node_peak`).
 FP8 on a CPU runs in software, far slower than float32: its peak gives no MFU (`mfu_peak` says why instead).
 """
 from __future__ import annotations
@@ -211,8 +205,14 @@ def _measure_and_send(send, dtype: str, threads: int) -> None:
 
 
 def node_peak(dtype: str, threads: int, cache_path: str | None = None) -> Peak:
-    """The node's CPU peak: the best this machine ever measured for the same CPU, threads and dtype (cached, see the
-    module docstring), measured again now (in a child process) unless today's figure is stable already."""
+    """The node's CPU peak: the best this machine ever measured for the same CPU, threads and dtype, measured again
+    now (in a child process) unless today's figure is stable already. Each machine keeps the best figure it ever
+    measured, per (host, CPU model, threads, dtype), in `$XDG_CACHE_HOME/nanoexp/peaks.json` (~/.cache by default),
+    refreshed when a new measurement beats it; the peak is the better of the cached and the new figure, and its
+    source says which. Each start measures again until today's figure is stable, its two best measurements of the
+    day within STABLE of each other (or DAILY_MEASUREMENTS made: a machine always busy settles no better); from then
+    on that day's starts take the best without measuring (a second sooner). A first start on a busy machine reads
+    low, and the next idle start replaces it: a busy minute does not spoil the day's MFU."""
     path = cache_path or default_cache_path()
     key = f"{platform.node()} | {cpu_model()} | {threads} threads | {dtype}"
     cache, today = read_cache(path), datetime.date.today().isoformat()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from nanoexp.launch.workers import launcher_env
+from nanoexp.parallel.context import launcher_env
 
 SUMMARY_FILE = "summary.json"
 PLAN_FILE = "plan.json"   # a +plan=topK sweep's predictions, by job (nanoexp/plan/sweep.py writes it)

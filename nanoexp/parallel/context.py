@@ -16,6 +16,7 @@ from datetime import timedelta
 from itertools import product
 from typing import Any
 
+import os
 import socket
 
 import torch
@@ -23,6 +24,18 @@ import torch.distributed as dist
 
 from nanoexp.parallel.layout import Layout
 from nanoexp.model.placement import placement
+
+
+def launcher_env() -> dict | None:
+    """Rank, world size and local rank given by torchrun or SLURM, or None when run directly."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
+                "local_rank": int(env.get("LOCAL_RANK", 0))}
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
+                "local_rank": int(env.get("SLURM_LOCALID", 0))}
+    return None
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,17 @@
 """Layout: the parallel shape of a run, built once from the config and asked by everything else.
 
-A run splits its work four ways: dp replicas of the model each read part of the global batch, cp ranks each
-hold part of every sequence (context parallel), tp ranks each hold a slice of every large weight, and pp
-stages each hold some of the layers (in `virtual_stages` chunks per rank with interleaved 1F1B). A fifth,
-expert parallelism, adds no ranks: the dp x cp ranks, which read different tokens, are cut into groups of ep
-consecutive ones, each of which holds a mixture's experts once, num_experts / ep on each rank. ZeRO shards over
-all of dp x cp, or with `dp_shard` over shard groups of dp_shard x cp ranks, replicated dp / dp_shard times
-(hybrid sharding). Validation, the sweeps and launchers, ParallelContext, model building, the memory estimate
-and the trainer all read these numbers here; none recomputes them.
-
-Where tied embeddings (model.model_config.tie_word_embeddings) live is decided here too: which stage holds
-which copy (`lm_head_weight`) and which stages sum their gradients (`tied_stages`). The model declares the
-copies on its parameters (placement.py), and what gradient sync sums, norms count and checkpoints store
-follows from those declarations.
+A run splits its work four ways: dp replicas of the model each read part of the global batch, cp ranks each hold
+part of every sequence (context parallel), tp ranks each hold a slice of every large weight, and pp stages each hold
+some of the layers (in `virtual_stages` chunks per rank with interleaved 1F1B). A fifth, expert parallelism, adds no
+ranks: the dp x cp ranks, which read different tokens, are cut into groups of ep consecutive ones, each of which
+holds a mixture's experts once, num_experts / ep on each rank. ZeRO shards over all of dp x cp, or with `dp_shard`
+over shard groups of dp_shard x cp ranks, replicated dp / dp_shard times (hybrid sharding). Validation, the sweeps
+and launchers, ParallelContext, model building, the memory estimate and the trainer all read these numbers here;
+none recomputes them.
+Where tied embeddings (model.model_config.tie_word_embeddings) live is decided here too: which stage holds which
+copy (`lm_head_weight`) and which stages sum their gradients (`tied_stages`). The model declares the copies on its
+parameters (placement.py), and what gradient sync sums, norms count and checkpoints store follows from those
+declarations.
 """
 from __future__ import annotations
 

@@ -1,19 +1,17 @@
-"""Tensor parallelism: sharded linear and embedding layers, a vocab-parallel cross-entropy, and `apply_tensor_parallel`,
-which tensor_parallel_plan.py puts into a plain model by a plan (which layer is split how).
+"""Tensor parallelism: sharded linear and embedding layers, a vocab-parallel cross-entropy, and
+`apply_tensor_parallel`, which tensor_parallel_plan.py puts into a plain model by a plan (which layer is split how).
 
-A tensor-parallel (tp) group of ranks splits each large weight; the layers below declare which dimension they
-split and which part a rank holds (``placement.place``), which is all that initialisation, checkpoints and
-Hugging Face weights need to cut full tensors.
-
+A tensor-parallel (tp) group of ranks splits each large weight; the layers below declare which dimension they split
+and which part a rank holds (``placement.place``), which is all that initialisation, checkpoints and Hugging Face
+weights need to cut full tensors.
 Two activation layouts between layers:
   * all-reduce mode: activations are replicated on every tp rank, ``[b, s, h]``;
   * sequence-parallel (SP) mode: each tp rank holds a contiguous chunk of the sequence,
     ``[b, s // tp, h]`` (rank r holds positions r*s/tp .. (r+1)*s/tp).
-
 Every communication is one of the small autograd functions below, each paired with its conjugate in backward
-(identity <-> all-reduce, all-gather <-> reduce-scatter). Collectives run on the tp group
-(`axis`: group, size, this rank), in the dtype they receive (bf16 under autocast), and always on contiguous
-tensors: gloo silently mis-reduces non-contiguous views.
+(identity <-> all-reduce, all-gather <-> reduce-scatter). Collectives run on the tp group (`axis`: group, size, this
+rank), in the dtype they receive (bf16 under autocast), and always on contiguous tensors: gloo silently mis-reduces
+non-contiguous views.
 """
 from __future__ import annotations
 

@@ -57,7 +57,10 @@ def comm_seconds(nbytes: float, calls: float, n: int, crosses: bool, hw: Hardwar
 
 
 def exposed(comm: float, window: float) -> float:
-    """What a collective overlapped with `window` seconds of compute adds to the step."""
+    """What a collective overlapped with `window` seconds of compute adds to the step. The windows: gradient
+    buckets behind the last backward (ZeRO-0/1), reduce-scatters behind every backward (ZeRO-2), prefetched gathers
+    behind every forward and backward (ZeRO-3), ring attention behind the attention. A second of compute hides one
+    collective's time once: the attention the ring fills leaves ZeRO's window."""
     return max(comm - window, 0.0) + (1 - OVERLAP) * min(comm, window)
 
 

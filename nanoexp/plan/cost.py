@@ -2,27 +2,16 @@
 
 One optimizer step on the busiest pipeline rank is
     m x (F + B)  +  bubble  +  exposed communication  +  optimizer update  +  the host's fixed ops
-- F, B: one micro-batch's forward and backward on the slowest stage (the last carries the LM head), at which the
-  whole schedule is priced (`stage_times`; the breakdown's "uneven" is what that costs over the mean stage).
-  Matmuls take their FLOPs (metrics.layer_matmul_params, split over tp) at the peak of the dtype their number
-  format multiplies in (the numerics registry's planned_product_dtype: FP8 on FP8 units, with its casts) times an
-  efficiency that grows with the GEMM's sizes (`gemm_efficiency`); causal attention its FLOPs (half the s x s
-  square; backward ATTENTION_BACKWARD forwards) at ATTENTION_EFFICIENCY; the other ops (norms, SwiGLU, rotary,
-  residuals) the bytes they move at HBM bandwidth. Recomputation adds, for each block its mode recomputes, a
-  forward but the down projection, less what selective keeps (metrics.hardware_flops_per_token's rule). Eager
-  PyTorch's host issues every op: a micro-batch takes at least OPS x Hardware.launch_us.
-- bubble: nanoexp/verify/pipeline_bubble.py's simulation of the schedule (its registry entry: chunks, W apart)
-  with these F and B, one p2p hop added to each.
+- F, B: one micro-batch's forward and backward on the slowest stage (`stage_times`; the rule for each kind of op
+  is `micro_batch_times`'): matmuls at their number format's peak times `gemm_efficiency`, causal attention at
+  ATTENTION_EFFICIENCY, the other ops by the bytes they move, recomputation a forward again, the host's launches.
+- bubble: verify/pipeline_bubble.py's simulation of the schedule (its entry: chunks, W apart), F and B each + 1 hop.
 - communication (comm.py): each group's bytes (traffic.py) over the link it crosses, hidden behind the compute
-  it overlaps, up to it: gradient buckets behind the last backward (ZeRO-0/1), reduce-scatters behind every
-  backward (ZeRO-2), prefetched gathers behind every forward and backward (ZeRO-3), ring attention behind the
-  attention. A second of compute hides one collective's time once: the attention the ring fills leaves ZeRO's
-  window. tp's collectives and the experts' all-to-alls are exposed in nanoexp.
+  it overlaps, up to it; tp's collectives and the experts' all-to-alls are exposed in nanoexp.
 - on a CPU only (`cpu_overhead`): Python's fitted cost per step and per micro-batch and layer
   (benchmarks/bench_plan_cpu.py --calibrate; docs/planning.md, "This CPU").
-
-Fitted on published rows (docs/planning.md says which): GEMM_EFFICIENCY, ATTENTION_EFFICIENCY and comm.OVERLAP.
-Every other number is counted from the code, a datasheet's, or measured, and says so where it is defined.
+Fitted on published rows (docs/planning.md says which): GEMM_EFFICIENCY, ATTENTION_EFFICIENCY and comm.OVERLAP;
+every other number is counted from the code, a datasheet's, or measured, and says so where it is defined.
 """
 from __future__ import annotations
 
@@ -190,8 +179,14 @@ def model_flops(shape, seq: int) -> float:
 
 
 def micro_batch_times(cfg, layout: Layout, shape, pp_rank: int, hw: Hardware, fw: Framework) -> tuple[float, float]:
-    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation); at least the time
-    eager PyTorch's host takes to issue their ops (a micro-batch of small kernels waits for it)."""
+    """(F, B) seconds of one micro-batch on pipeline rank `pp_rank` (B with any recomputation). Matmuls take their
+    FLOPs (metrics.layer_matmul_params, split over tp) at the peak of the dtype their number format multiplies in
+    (the numerics registry's planned_product_dtype: FP8 on FP8 units, with its casts) times an efficiency that grows
+    with the GEMM's sizes (`gemm_efficiency`); causal attention its FLOPs (half the s x s square; backward
+    ATTENTION_BACKWARD forwards) at ATTENTION_EFFICIENCY; the other ops (norms, SwiGLU, rotary, residuals) the
+    bytes they move at HBM bandwidth. Recomputation adds, for each block its mode recomputes, a forward but the
+    down projection, less what selective keeps (metrics.hardware_flops_per_token's rule). At least the time eager
+    PyTorch's host takes to issue their ops, OPS x Hardware.launch_us (a micro-batch of small kernels waits)."""
     s, h, tp = cfg.tokens.sequence_length, shape.hidden_size, layout.tp
     tokens = cfg.tokens.micro_batch_size * s / layout.cp
     width = shape.moe.intermediate_size if shape.moe else shape.intermediate_size

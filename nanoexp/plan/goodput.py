@@ -3,12 +3,10 @@
 Failures come at the rate the Llama 3 405B run saw: 419 unexpected interruptions in 54 days on 16,384 H100s
 (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4), one per 54 x 24 x 16,384 / 419 = 50,677
 GPU-hours, so a job of n GPUs fails every 50,677 / n hours on average (a failure anywhere stops it).
-
 Restart from a checkpoint (every failure stops every rank): each save stalls training `save_s`, each failure costs
 the restart (`restart_s`: new processes, process groups, reading the checkpoint) and on average half an interval of
 steps trained again. The interval that loses least is Young's (1974) sqrt(2 x save_s x MTBF), with Daly's (2006)
 first correction, - save_s; goodput = 1 - save_s / interval - (interval / 2 + restart_s) / MTBF.
-
 Replica groups (fault_tolerance=torchft): a failure stops every group only while the lighthouse notices it and the
 step in flight is trained again (`stall_s`); the failed group (1/R of the throughput) is out until it has restarted
 and copied a live peer's state (`rejoin_s`). goodput = 1 - (stall_s + rejoin_s / R) / MTBF (checkpoints, for a

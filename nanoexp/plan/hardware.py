@@ -9,10 +9,9 @@ Datasheet figures, dense (no 2:4 sparsity: the datasheets' sparse tensor-core fi
   dense; 1,440 GB of HBM3e in all (180 GB each) at 64 TB/s (8 TB/s each); NVLink 5 1.8 TB/s both ways.
 Between nodes every GPU has its own NIC: 400 Gb/s InfiniBand/RoCE (ConnectX-7) = 50 GB/s each way (A100 systems
 HDR 200 Gb/s = 25 GB/s). Latencies are typical NCCL small-message figures (a few µs inside a node over NVLink,
-~10 µs across InfiniBand), not datasheet numbers.
-
-"cpu" is this machine, calibrated (`calibrate_cpu`): the matmul peak of nanoexp/observe/peak.py and the rates of gloo's
-all-reduce, reduce-scatter and all-gather between two local processes, measured by a short micro-benchmark.
+~10 µs across InfiniBand), not datasheet numbers. "cpu" is this machine, calibrated (`calibrate_cpu`): the matmul
+peak of nanoexp/observe/peak.py and the rates of gloo's all-reduce, reduce-scatter and all-gather between two
+local processes, measured by a short micro-benchmark.
 """
 from __future__ import annotations
 

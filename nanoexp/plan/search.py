@@ -7,14 +7,11 @@
     ranking.reasons                         # {one line on why some are out: how many candidates}
 
 A candidate is a choice of dp x cp x tp x pp = gpus (ep dividing dp x cp and the experts, MoE only), a pipeline
-schedule of the registry (parallel/pipeline/schedules.py SCHEDULES, each with the chunks a rank its entry's
-plan_chunks names; pp > 1 only), the ZeRO stage (0-3; 0 alone without dp x cp > 1), hybrid sharding at ZeRO 1-3
-(`dp_shard` beside full sharding: only the dp_shard whose shard block dp_shard x cp x tp fills a node, so that
-ZeRO's gathers stay inside it and only the replicas' all-reduce crosses nodes; a smaller block would add traffic
-and save no memory against it), the micro-batch (1, 2, 4) and the recomputation mode (RECOMPUTE). nanoexp's own `validate`
-decides what is valid, tensor parallelism stays inside a node, and a layout fits when memory.py's estimate is at
-most HEADROOM of the GPU's memory. Only the candidates that can still be among the `top` are validated and priced
-in full (`Search`: branch and bound); the answer is the one of pricing every candidate.
+schedule of the registry (schedules.py SCHEDULES, with the chunks its entry's plan_chunks names; pp > 1 only), the
+ZeRO stage (0-3; 0 alone without dp x cp > 1), hybrid sharding at ZeRO 1-3 (the `dp_shard` whose block dp_shard x cp
+x tp fills a node: ZeRO's gathers stay in it), the micro-batch (1, 2, 4) and the recomputation mode (RECOMPUTE).
+`validate` decides what is valid, tp stays inside a node, a layout fits when memory.py's estimate is at most HEADROOM
+of the GPU's memory, and only candidates that can still be among the `top` are priced in full (`Search`).
 """
 from __future__ import annotations
 

@@ -5,19 +5,7 @@ benchmarks/bench_parallel.py, which calls `sent_bytes`), and what the cost model
 Sent bytes follow comm_counter's ring rules: an all-reduce of B bytes over n ranks sends 2(n-1)/n x B, a
 reduce-scatter or all-gather (n-1)/n of the whole, a send its tensor. Per step, with m micro-batches, s' = seq / cp
 the tokens of a sample a rank holds, A = micro_batch x s' x hidden x activation bytes and N the parameters the rank
-holds (benchmarks/bench_parallel.py's docstring explains each line):
-  dp (dp_cp with cp > 1)  zero_passes x (n-1)/n x 4N, plus the step loss and the token count (float32 scalars);
-  edp  the experts' gradients over the expert-data-parallel ranks; ep  the all-to-all of routed tokens;
-  shard, replica, expert_shard  under hybrid sharding (parallelism.dp_shard, `hybrid_sent_bytes`): ZeRO's passes
-       over the shard group in place of dp x cp's, and one all-reduce of the rank's shard a step across the replicas
-       (the loss scalars stay on dp x cp);
-  cp   per layer and micro-batch, what parallelism.cp_mode's kernel says it sends (its CP_KERNELS entry's
-       sent_bytes: the ring's K/V hops and dK/dV home, the all-gather's K/V and dK/dV reduce-scatter, ...), the
-       forward's share again under recomputation;
-  tp   4 all-reduces of A per layer (2 forward, 2 backward; the same bytes as sequence parallelism's gathers and
-       reduce-scatters; one more when the block is recomputed), one for the embedding and one for the head's input, the vocab-parallel loss' 3;
-  pp   the activation to the next stage and its gradient back, float32, per micro-batch, plus the step loss;
-  model_parallel  the squared gradient norm.
+holds, `sent_bytes` lists each group's (benchmarks/bench_parallel.py's docstring explains each line).
 """
 from __future__ import annotations
 
@@ -110,8 +98,21 @@ def activation_bytes(cfg) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4   # TP and CP messages run in the autocast dtype
 
 
+# Per group, what `sent_bytes` counts:
+# dp (dp_cp with cp > 1)  zero_passes x (n-1)/n x 4N, plus the step loss and the token count (float32 scalars);
+# edp  the experts' gradients over the expert-data-parallel ranks; ep  the all-to-all of routed tokens;
+# shard, replica, expert_shard  under hybrid sharding (`hybrid_sent_bytes`): ZeRO's passes over the shard group
+#      in place of dp x cp's, and one all-reduce of the rank's shard a step across the replicas;
+# cp   per layer and micro-batch, what parallelism.cp_mode's kernel says it sends (its CP_KERNELS entry's
+#      sent_bytes), the forward's share again under recomputation;
+# tp   4 all-reduces of A per layer (2 forward, 2 backward; the same bytes as sequence parallelism's gathers
+#      and reduce-scatters; one more when the block is recomputed), one for the embedding and one for the
+#      head's input, the vocab-parallel loss' 3;
+# pp   the activation to the next stage and its gradient back, float32, per micro-batch, plus the step loss;
+# model_parallel  the squared gradient norm.
 def sent_bytes(cfg, layout: Layout, shape, pp_rank: int, m: int) -> dict[str, float]:
-    """Bytes the rank of pipeline stage `pp_rank` sends per optimizer step of `m` micro-batches, per group."""
+    """Bytes the rank of pipeline stage `pp_rank` sends per optimizer step of `m` micro-batches, per group (the
+    comment above says what each group's count is)."""
     mb, s, h = cfg.tokens.micro_batch_size, layout.local_tokens(cfg.tokens.sequence_length), shape.hidden_size
     first, last, sp = pp_rank == 0, pp_rank == layout.head_rank, layout.sequence_parallel
     act = activation_bytes(cfg)

@@ -8,7 +8,7 @@ materialised on its device and filled: no rank ever allocates or draws a full te
 (nanoexp/model/init.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from nanoexp.config import batch_accumulation
 from nanoexp.interop.hf import load_hf_weights
 from nanoexp.model.init import init_weights
 from nanoexp.model.llama import LlamaForCausalLM
+from nanoexp.model.moe import BALANCES
 from nanoexp.model.mup import parametrization_of
 from nanoexp.model.shape import model_shape
 from nanoexp.numerics.converters import convert_linears, gather_format
@@ -31,7 +32,7 @@ from nanoexp.parallel.zero.engine import ZeroOptions
 from nanoexp.parallel.pipeline import PipelineEngine
 from nanoexp.parallel.pipeline.schedules import SCHEDULES
 from nanoexp.parallel.pipeline.weight_grad import defer_weight_gradients
-from nanoexp.instruments.trace import NO_TRACE
+from nanoexp.instruments.trace import NO_TRACE, PipelineTrace
 from nanoexp.runtime.step import StepRunner
 
 
@@ -91,12 +92,24 @@ class Runtime:
     runner: StepRunner
     grad_sync: GradientSync | None = None   # None: evaluation only
     optimizer: object = None
+    trace: object = NO_TRACE   # the pipeline timeline (logging.pipeline_trace)
+    after_step: list = field(default_factory=list)   # post-step hooks, run after each optimizer step
 
 
-def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRACE) -> Runtime:
+def after_step_hooks(model: nn.Module) -> list:
+    """What runs after each optimizer step: the MoE balance's hook (BALANCES; balance=bias moves the routing biases
+    by the step's loads, which every rank read alike in the step)."""
+    moe = model.moe_losses
+    after = BALANCES[moe.moe.balance].after_step if moe else None
+    return [lambda: after(model, moe.loads)] if after else []
+
+
+def build_runtime(cfg, ctx: ParallelContext, training: bool = True, run_dir: str | None = None) -> Runtime:
     """This rank's model shard and step runner, and for training its gradient sync (flat buffers, one set of
-    buckets per chunk: a chunk's gradients are final after its own last backward) and optimizer."""
+    buckets per chunk: a chunk's gradients are final after its own last backward), optimizer, post-step hooks
+    and, with logging.pipeline_trace, the pipeline timeline written into `run_dir`."""
     model = build_model(cfg, ctx)
+    trace = PipelineTrace.for_run(run_dir, ctx) if training and run_dir and cfg.logging.pipeline_trace else NO_TRACE
     # zero-bubble schedules run each backward as B and W: the linears keep their weight gradients for W
     weights = defer_weight_gradients(model) if training and SCHEDULES[ctx.layout.schedule].splits_backward else None
     engine = PipelineEngine(ctx, ctx.layout.schedule, ctx.layout.virtual_stages, trace, weights)
@@ -113,4 +126,4 @@ def build_runtime(cfg, ctx: ParallelContext, training: bool = True, trace=NO_TRA
                           overlap_reduce_scatter=ctx.device.type == "cuda" if overlap is None else overlap,
                           gather_format=gather_format(model, cfg), split_backward=weights is not None)
     grad_sync = GradientSync(model.units_by_chunk(), ctx, o.zero_stage, options, trace)
-    return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync))
+    return Runtime(model, runner, grad_sync, build_optimizer(cfg, model, grad_sync), trace, after_step_hooks(model))

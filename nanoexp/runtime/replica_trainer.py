@@ -20,14 +20,15 @@ from nanoexp.checkpoint.save import persistent_buffers
 from nanoexp.checkpoint.manager import Resume
 from nanoexp.parallel.replicas import to_safetensors
 from nanoexp.parallel.zero.sharded_optimizer import ShardedOptimizer
+from nanoexp.runtime.seams import StopSignals
 from nanoexp.runtime.trainer import Trainer
 
 log = logging.getLogger("nanoexp")
 
 
 class ReplicaTrainer(Trainer):
-    def __init__(self, cfg, ctx, run_dir: str, peak=None):
-        super().__init__(cfg, ctx, run_dir, peak)
+    def __init__(self, cfg, ctx, run_dir: str, peak=None, signals: StopSignals = StopSignals()):
+        super().__init__(cfg, ctx, run_dir, peak, signals)
         ft = cfg.fault_tolerance
         ctx.join_replica_groups(ft, self.resume.step if ft.semi_sync == "none" else 0)   # DiLoCo: syncs, from here
         self.groups = ctx.replica_groups

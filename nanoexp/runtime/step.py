@@ -127,6 +127,18 @@ class StepRunner:
         finally:
             self.model.train(was_training)
 
+    @torch.no_grad()
+    def held_out_loss(self, micro_batches: list[dict]) -> float:
+        """Mean loss over every real target token of the held-out `micro_batches` (as the data gives them; forward
+        only through the pipeline; padding rows of the last batch count nowhere), summed over the replicas."""
+        batches = [self.prepare(mb) for mb in micro_batches]
+        sums = self.forward_only(batches, TokenLossSum())
+        count = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batches) if sums else 0
+        totals = torch.tensor([float(sum(s.item() for s in sums)), float(count)], dtype=torch.float64,
+                              device=self.ctx.device)
+        total, tokens = self.replica_sum(totals).tolist()
+        return total / tokens
+
     def replica_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum over the pipeline (only the last stage has losses: this broadcasts them) and dp x cp, in place."""
         if self.ctx.pp > 1:

@@ -76,7 +76,7 @@ class _CountOneStep:
 def host_waits_of_a_step(cfg, ctx, run_dir: str, step: int = 3) -> HostSyncCounter:
     """The host waits of training step `step` (its batch, forward, backward, gradient sync, norm, scalars, update,
     logging) in a run of cfg.tokens.train_steps > `step` steps without evaluation or checkpoints due then."""
-    from nanoexp.launch.seams import wrap_method
+    from nanoexp.runtime.seams import wrap_method
     from nanoexp.runtime.trainer import Trainer
     trainer, counting = Trainer(cfg, ctx, run_dir), _CountOneStep(step)
     wrap_method(trainer, "run_step", counting.run_step)

@@ -1,20 +1,17 @@
 """Ring attention over context-parallel ranks, load-balanced by the zig-zag split (issue #18).
 
-Each cp rank holds two chunks of the sequence, r and 2·cp−1−r (zigzag.py). Each rank keeps the queries of its two chunks;
-the K/V blocks travel round the ring (to the next rank, from the previous one), and at step t rank r attends
-to the block of rank (r − t) mod cp. Chunk pairs are fully visible (key chunk before query chunk), causal on
-the diagonal (the same chunk), or invisible (key chunk after): a rank computes only the visible ones, which is
-the same work on every rank (`ring_blocks`). The partial outputs are merged with the log-sum-exp rule; each block
-is computed in tiles (blocks.py), so no rank holds more than one tile's scores.
-
-The backward recomputes each block's probabilities from the saved log-sum-exp (as flash attention does). K/V
-go round the ring again, and with them one float accumulator of dK/dV per block, which reaches its owner
-after visiting every other rank: K/V and dK/dV each travel cp − 1 hops. Every exchange is ONE
-batch_isend_irecv that pairs the sends to the next rank with the receives from the previous one, so NCCL's
-ordered, tagless channels cannot deadlock; nanoexp.verify.context_parallel.ring_plan writes the exchanges as a
-plan, and tests/test_ring_attention.py checks it under NCCL's rules and that the function posts exactly it.
-
-parallelism.cp_mode=ring runs it in every attention layer (nanoexp/model/llama.py) when parallelism.cp > 1.
+Each cp rank holds two chunks of the sequence, r and 2·cp−1−r (zigzag.py). Each rank keeps the queries of its two
+chunks; the K/V blocks travel round the ring (to the next rank, from the previous one), and at step t rank r attends
+to the block of rank (r − t) mod cp. Chunk pairs are fully visible (key chunk before query chunk), causal on the
+diagonal (the same chunk), or invisible (key chunk after): a rank computes only the visible ones, which is the same
+work on every rank (`ring_blocks`). The partial outputs are merged with the log-sum-exp rule; each block is computed
+in tiles (blocks.py), so no rank holds more than one tile's scores.
+The backward recomputes each block's probabilities from the saved log-sum-exp (as flash attention does). K/V go
+round the ring again, and with them one float accumulator of dK/dV per block, which reaches its owner after visiting
+every other rank: K/V and dK/dV each travel cp − 1 hops. Every exchange is ONE batch_isend_irecv that pairs the
+sends to the next rank with the receives from the previous one, so NCCL's ordered, tagless channels cannot deadlock;
+nanoexp.verify.context_parallel.ring_plan writes the exchanges as a plan, and tests/test_ring_attention.py checks it
+under NCCL's rules and that the function posts exactly it. parallelism.cp_mode=ring (parallelism.cp > 1) runs it.
 """
 from __future__ import annotations
 

@@ -103,38 +103,43 @@ class PipelineEngine:
                     receiver = self.stages.other_end(step[1], ctx.pp_rank)[1]
                     mail.hand_over((kind, receiver, mb), outbox.pop((kind, chunk, mb)).detach())
                     continue
-                kind, chunk, mb = step
-                # Marked here, not wrapped from outside as the trainer's phases are: each action is the stall diagnosis'
-                # evidence of where a pipeline rank waits (the step and action that posted a collective).
-                HEARTBEAT.at(f"{ACTION_NAMES[kind]} of micro-batch {mb}"
-                             + (f" (chunk {chunk})" if self.num_chunks > 1 else ""))
-                if kind == "F":
-                    x = mail.take(step)
-                    if x is not None and keep_graph:
-                        x.requires_grad_()   # a received activation is this chunk's input: its gradient goes back
-                    y = self._forward(mb, x, chunk)
-                    if not self.is_loss_chunk(chunk):
-                        outbox[step] = y
-                    if keep_graph:
-                        stash[chunk, mb] = (x, y)
-                        held.add((chunk, mb))
-                        self.max_in_flight = max(self.max_in_flight, len(held))
-                elif kind == "B":
-                    x, y = stash.pop((chunk, mb))
-                    if not self.splits_backward:
-                        held.discard((chunk, mb))
-                    input_grad = self._backward(mb, x, y, mail.take(step), chunk)
-                    if input_grad is not None:
-                        outbox[step] = input_grad
-                else:
-                    self._weight_step(mb, chunk)
-                    held.discard((chunk, mb))   # the linears' inputs and output gradients, kept from B to W
+                self._compute(step, mail, outbox, stash, held, keep_graph)
             mail.drain()
         finally:
             self._forward_fn = self._micro_batches = None
         assert not (outbox or stash), "the schedule left messages or activations behind"
         losses, self._losses = self._losses, []
         return losses
+
+    def _compute(self, step, mail, outbox: dict, stash: dict, held: set, keep_graph: bool) -> None:
+        """One compute op of the schedule, ("F" | "B" | "W", chunk, mb): its input taken from `mail`, what it makes
+        to send put in `outbox`, a forward's (input, output) in `stash` until its backward, `held` updated."""
+        kind, chunk, mb = step
+        # Marked here, not wrapped from outside as the trainer's phases are: each action is the stall diagnosis'
+        # evidence of where a pipeline rank waits (the step and action that posted a collective).
+        HEARTBEAT.at(f"{ACTION_NAMES[kind]} of micro-batch {mb}"
+                     + (f" (chunk {chunk})" if self.num_chunks > 1 else ""))
+        if kind == "F":
+            x = mail.take(step)
+            if x is not None and keep_graph:
+                x.requires_grad_()   # a received activation is this chunk's input: its gradient goes back
+            y = self._forward(mb, x, chunk)
+            if not self.is_loss_chunk(chunk):
+                outbox[step] = y
+            if keep_graph:
+                stash[chunk, mb] = (x, y)
+                held.add((chunk, mb))
+                self.max_in_flight = max(self.max_in_flight, len(held))
+        elif kind == "B":
+            x, y = stash.pop((chunk, mb))
+            if not self.splits_backward:
+                held.discard((chunk, mb))
+            input_grad = self._backward(mb, x, y, mail.take(step), chunk)
+            if input_grad is not None:
+                outbox[step] = input_grad
+        else:
+            self._weight_step(mb, chunk)
+            held.discard((chunk, mb))   # the linears' inputs and output gradients, kept from B to W
 
     def _global_peer(self, msg) -> int:
         """The global rank at the other end of a message: the same dp, cp and tp position on the peer's pp rank."""

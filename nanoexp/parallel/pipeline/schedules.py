@@ -136,53 +136,59 @@ def dualpipe_v(pp: int, v: int, m: int, pp_rank: int) -> tuple[list, list]:
     and the r + 1 Ws still owed, oldest first. A backward whose W follows at once is one full backward of
     torch.distributed.pipelining's ScheduleDualPipeV, whose table this is, overlapped pairs expanded F then B
     (tests/test_dualpipev.py). Needs a micro-batch per virtual stage (m >= 2·pp), as torch's."""
-    r, order, owed = pp_rank, [], []   # owed: (chunk, micro-batch) of the Bs whose W waits, oldest first
-    ran = {}   # (kind, chunk) -> how many ran
-
-    def forward(chunk):
-        order.append(("F", chunk, ran.get(("F", chunk), 0)))
-        ran["F", chunk] = order[-1][2] + 1
-
-    def backward(chunk, defer_weights=False):
-        mb = ran.get(("B", chunk), 0)
-        ran["B", chunk] = mb + 1
-        order.append(("B", chunk, mb))
-        if defer_weights:
-            owed.append((chunk, mb))
-        else:
-            order.append(("W", chunk, mb))
-
-    def owed_weights():
-        order.append(("W", *owed.pop(0)))
-
-    def paired(forward_chunk):   # a forward and the other chunk's backward: DualPipe's overlapped pair
-        forward(forward_chunk)
-        backward(1 - forward_chunk)
-
+    r, ops = pp_rank, _RankOps()
     for _ in range(2 * (pp - r - 1)):
-        forward(0)
+        ops.forward(0)
     for _ in range(r + 1):
-        forward(0)
-        forward(1)
+        ops.forward(0)
+        ops.forward(1)
     for _ in range(pp - r - 1):
-        backward(1)
-        forward(1)
+        ops.backward(1)
+        ops.forward(1)
     for _ in range(m - 2 * pp + r + 1):
-        paired(0)
-        paired(1)
+        ops.paired(0)
+        ops.paired(1)
     for _ in range(pp - r - 1):
-        backward(1)
-        paired(1)
+        ops.backward(1)
+        ops.paired(1)
     middle = (r + 1) // 2   # from the middle pair on, Ws are owed: they fill the cool-down's gaps
     for i in range(r + 1):
-        backward(1, defer_weights=i > middle or (i == middle and r % 2 == 1))
-        backward(0, defer_weights=i >= middle)
+        ops.backward(1, defer_weights=i > middle or (i == middle and r % 2 == 1))
+        ops.backward(0, defer_weights=i >= middle)
     for _ in range(pp - r - 1):
-        owed_weights()
-        backward(0, defer_weights=True)
-    while owed:
-        owed_weights()
-    return [[op] for op in order], [True] * len(order)
+        ops.owed_weights()
+        ops.backward(0, defer_weights=True)
+    while ops.owed:
+        ops.owed_weights()
+    return [[op] for op in ops.order], [True] * len(ops.order)
+
+
+class _RankOps:
+    """One rank's ops of two chunks in the order written (dualpipe_v): each F and B of a chunk takes its next
+    micro-batch; a B's W follows at once or is owed (`owed`: (chunk, micro-batch), oldest first)."""
+
+    def __init__(self):
+        self.order, self.owed, self.ran = [], [], {}   # ran: (kind, chunk) -> how many ran
+
+    def forward(self, chunk: int) -> None:
+        self.order.append(("F", chunk, self.ran.get(("F", chunk), 0)))
+        self.ran["F", chunk] = self.order[-1][2] + 1
+
+    def backward(self, chunk: int, defer_weights: bool = False) -> None:
+        mb = self.ran.get(("B", chunk), 0)
+        self.ran["B", chunk] = mb + 1
+        self.order.append(("B", chunk, mb))
+        if defer_weights:
+            self.owed.append((chunk, mb))
+        else:
+            self.order.append(("W", chunk, mb))
+
+    def owed_weights(self) -> None:
+        self.order.append(("W", *self.owed.pop(0)))
+
+    def paired(self, forward_chunk: int) -> None:   # a forward and the other chunk's backward: DualPipe's pair
+        self.forward(forward_chunk)
+        self.backward(1 - forward_chunk)
 
 
 @dataclass(frozen=True)

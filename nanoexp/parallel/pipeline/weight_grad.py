@@ -1,19 +1,16 @@
 """A backward split in two for the zero-bubble schedules (schedules.py's "W" steps): B computes the gradient of a
 stage's input, which the previous stage waits for, and leaves the weight gradients of its linears for W, which
 nobody waits for, to run later in a slot that would otherwise idle (Qi et al. 2024, "Zero Bubble Pipeline
-Parallelism").
-
-The split is made at the linear: every `Linear.matmul` of the model becomes a `DeferredMatmul` around the matmul
-it had (plain, or a number format's), whose backward, run inside `WeightGradients.deferring(key)`, returns the
-input's gradient at once and keeps what the product saved and its output gradient to compute the weight's
-gradient when `run(key)` is called. A matmul splits through three methods, `split_forward(x, weight, layer) ->
-(y, saved)`, `input_grad(saved, grad)` and `weight_grad(saved, grad)`: `PlainSplit` for F.linear, a number
-format's own (numerics/fp8.py's Fp8Matmul); the two halves are what its own backward computes, in its order.
-The other parameters (norms, embedding) get their gradients in B, as before. W accumulates each weight gradient
-through autograd (`torch.autograd.backward` on the weight), so gradient hooks fire as for any gradient. W needs no
-communication: tensor parallelism's gathers and reductions are in B (they move inputs and their gradients), and a
-linear's weight gradient is local to its rank. Under model.compile a deferred linear runs eagerly between the
-compiled pieces of its block (a graph break, DeferredMatmul.__call__).
+Parallelism"). The split is made at the linear: every `Linear.matmul` of the model becomes a `DeferredMatmul` around the matmul it
+had (plain, or a number format's), whose backward, run inside `WeightGradients.deferring(key)`, returns the input's
+gradient at once and keeps what the product saved and its output gradient to compute the weight's gradient when
+`run(key)` is called. A matmul splits through three methods, `split_forward(x, weight, layer) -> (y, saved)`,
+`input_grad(saved, grad)` and `weight_grad(saved, grad)`: `PlainSplit` for F.linear, a number format's own
+(numerics/fp8.py's Fp8Matmul); the two halves are what its own backward computes, in its order. The other parameters
+(norms, embedding) get their gradients in B, as before. W accumulates each weight gradient through autograd
+(`torch.autograd.backward` on the weight), so gradient hooks fire as for any gradient. W needs no communication:
+tensor parallelism's gathers and reductions are in B (they move inputs and their gradients), and a linear's weight
+gradient is local to its rank.
 """
 from __future__ import annotations
 
@@ -70,7 +67,8 @@ class PlainSplit:
 
 class DeferredMatmul:
     """`Linear.matmul` whose weight gradient waits for W (its backward runs inside `store.deferring`); `split` is
-    the matmul it wraps, seen as its forward and its backward's two halves."""
+    the matmul it wraps, seen as its forward and its backward's two halves. Under model.compile it runs eagerly
+    between the compiled pieces of its block (a graph break, __call__)."""
 
     def __init__(self, store: WeightGradients, split):
         self.store, self.split = store, split

@@ -51,9 +51,7 @@ def evaluate_checkpoint(folder: str, overrides: list[str], out_path: str, sample
 
 def evaluation_worker(rank: int, world_size: int, device, cfg_dict: dict, folder: str, out_path: str,
                       samples: bool) -> None:
-    from nanoexp.data.tokenizer import build_tokenizer
-    from nanoexp.evaluation.downstream import DownstreamEval
-    from nanoexp.evaluation.scorer import ShardedScorer
+    from nanoexp.evaluation.downstream import sharded_downstream
     from nanoexp.parallel.context import ParallelContext
     from nanoexp.runtime.build import build_runtime
 
@@ -63,10 +61,7 @@ def evaluation_worker(rank: int, world_size: int, device, cfg_dict: dict, folder
     reader = CheckpointReader(folder)
     check_compatible(reader, runtime.model.shape)
     load_model(reader, runtime.model, ctx)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_name_or_path)
-    scorer = ShardedScorer(runtime.runner, tokenizer.eod_id)
-    downstream = DownstreamEval(cfg.eval, scorer, tokenizer)
-    scores, responses, errors = downstream.run(log_samples=samples)
+    scores, responses, errors = sharded_downstream(cfg, runtime.runner).run(log_samples=samples)
     if errors:
         raise RuntimeError("; ".join(f"task {task} failed: {error}" for task, error in errors.items()))
     if rank == 0:
