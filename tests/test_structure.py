@@ -253,13 +253,14 @@ def test_what_trains_and_reports_imports_nothing_of_the_launcher():
 
 def test_the_training_loop_stays_thin():
     """The loop runs the step and hands its record to the reporter (nanoexp/observe/reporter.py): issue 65 set
-    250 lines and 20 import statements for runtime/trainer.py (411 and 28 before); the lines are at 260 today, a
-    ratchet that only comes down."""
+    250 lines and 20 import statements for runtime/trainer.py (411 and 28 before); the lines are at 254 today (the
+    rest are seams: runtime/seams.py's marks, health/ and ReplicaTrainer wrap or override them), a ratchet that
+    only comes down."""
     path = os.path.join(ROOT, "runtime", "trainer.py")
     with open(path) as f:
         source = f.read()
     imports = [node for node in ast.parse(source).body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    assert len(source.splitlines()) <= 260 and len(imports) <= 20
+    assert len(source.splitlines()) <= 254 and len(imports) <= 20
 
 
 # Readable at a glance (HELPERS.md): no function over 50 lines, no docstring over 15 lines in nanoexp/.

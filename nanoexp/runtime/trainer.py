@@ -1,10 +1,7 @@
-"""The training loop: batch -> forward and backward -> gradient sync -> clip -> optimizer -> metrics -> checkpoint.
-
-It runs on every rank and hands each step's record to its reporter (nanoexp/observe/reporter.py). Each phase of a
-step is a short method (train_step reads as the list of them) and a seam (nanoexp/runtime/seams.py): what watches or
-disturbs the loop (heartbeat marks, faults, nanoexp/health/) wraps them on the instance at start-up, only when on.
-The entry point (nanoexp/run.py) hands in how the loop hears of stop signals (`StopSignals`).
-"""
+"""The training loop on every rank: batch -> forward and backward -> gradient sync -> clip -> optimizer -> metrics ->
+checkpoint. Each phase is a short method (train_step lists them) and a seam (runtime/seams.py): what watches or
+disturbs the loop (heartbeat marks, faults, health/) wraps it at start-up, only when on. Each step's record goes to
+the reporter (observe/reporter.py); run.py hands in how the loop hears of stop signals (`StopSignals`)."""
 from __future__ import annotations
 
 import logging
@@ -35,8 +32,7 @@ class Trainer:
         if ctx.layout != Layout.from_config(cfg):
             raise ValueError(f"the context's layout {ctx.layout} is not the config's {Layout.from_config(cfg)}")
         self.cfg, self.ctx, self.run_dir, self.signals = cfg, ctx, run_dir, signals
-        self.is_writer = ctx.rank == 0
-        self.step = 0   # the optimizer step being run
+        self.is_writer, self.step = ctx.rank == 0, 0   # step: the optimizer step being run
         torch.manual_seed(cfg.general.seed)
         self.checkpoints = CheckpointManager(cfg, ctx, run_dir)
         self.resume = self.checkpoints.where_to_start()   # step and data position; the weights load below
@@ -111,8 +107,7 @@ class Trainer:
         flags = agreed_flags(self.ctx, [self.signals.requested(), self.checkpoints.writing()], self.step_maxima())
         values = torch.cat([torch.stack([loss, grad_norm.float()]).float(), flags, moe_values.float()]).tolist()
         self.stop_after_step, self.checkpoint_writing = bool(values[2]), bool(values[3])
-        moe_start = 2 + len(flags)
-        self.maxima, self.moe_metrics = values[4:moe_start], dict(zip(names, values[moe_start:]))
+        self.maxima, self.moe_metrics = values[4:2 + len(flags)], dict(zip(names, values[2 + len(flags):]))
         return values[0], values[1]
 
     def step_maxima(self) -> torch.Tensor:
@@ -123,9 +118,9 @@ class Trainer:
         """A non-finite loss or gradient norm: no update; the run stops unless optimizer.skip_nonfinite_steps."""
         if not self.cfg.optimizer.skip_nonfinite_steps:
             self.grad_sync.zero_grad()
-            raise self.raised_together(FloatingPointError(
-                f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
-                "(set optimizer.skip_nonfinite_steps=true to skip such steps)"))
+            error = FloatingPointError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {self.step} "
+                                       "(set optimizer.skip_nonfinite_steps=true to skip such steps)")
+            raise self.raised_together(error)
         self.drop_update("non-finite loss or gradient")
         return loss, grad_norm
 
@@ -175,8 +170,7 @@ class Trainer:
         self.step, lr = step, lr_at(step - self.resume.lr_step_offset, self.cfg)
         loss, grad_norm = self.train_step(micro_batches, lr)
         stage = self.record_step(step, loss, lr, grad_norm, start)
-        # The step's checkpoint comes before anything optional, so that no evaluation can lose it.
-        self.checkpoint_step(step, self.stop_after_step)   # a stop signal, agreed by every rank in train_step
+        self.checkpoint_step(step, self.stop_after_step)   # before anything optional: no evaluation can lose it
         if self.stop_after_step and step != self.cfg.tokens.train_steps:
             self.reporter.stopped(step, self.signals.received_name())
             return True
