@@ -79,6 +79,7 @@ def test_a_background_checkpoint_is_the_synchronous_one_and_resumes_the_same(lay
     assert train_losses(resumed) == sync[2:]
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_the_snapshot_is_of_its_step(tmp_path):
     """One process: checkpoint 2 is written while steps 3 and 4 train (published after step 4) and holds step 2's
     state, the synchronous run's checkpoint 2, whose weights differ from step 4's."""
@@ -120,6 +121,7 @@ def test_a_save_due_while_one_is_written_waits_for_it_and_says_how_long(tmp_path
     assert (tmp_path / "latest.txt").read_text().strip() == "4" and manager.saved()[0]["step"] == 4
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_a_failed_background_write_is_reported_and_the_previous_checkpoint_stays_latest(tmp_path, monkeypatch):
     run = CONSTANT_LR + ASYNC + ["tokens.train_steps=6"]
     real_write = save_module.write_file

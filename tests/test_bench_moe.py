@@ -8,6 +8,8 @@ import pytest
 from benchmarks.bench import bench_one, moe_comparisons, table_row
 from tests.helpers import require
 
+pytestmark = pytest.mark.slow   # its shared fixture trains the MoE shapes and their HF references: 100 s under load
+
 SHAPE = ["model.model_config.hidden_size=64", "model.model_config.intermediate_size=128",
          "model.model_config.num_attention_heads=4", "model.model_config.num_key_value_heads=2",
          "tokens.sequence_length=32", "tokens.global_batch_size=8", "tokens.micro_batch_size=2"]

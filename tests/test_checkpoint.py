@@ -62,6 +62,7 @@ def test_resume_across_layouts_both_directions(tmp_path):
     assert_same_steps(a + b + c, reference, steps=range(1, 10))   # losses and gradient norms
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_any_element_wise_optimizer_is_sharded_and_resumed_on_another_layout(tmp_path, monkeypatch):
     """An optimizer registered beside AdamW (SGD with momentum: a state key AdamW lacks) runs under ZeRO-3 on dp2
     and its checkpoint, saved by state key, resumes on one process without ZeRO, as one process's run."""
@@ -96,6 +97,7 @@ def test_resume_across_context_parallel_layouts(tmp_path):
         r["consumed_tokens"] for r in reference if "loss" in r]
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_resume_in_the_middle_of_a_data_stage_same_layout_and_another(tmp_path):
     """Two data stages (built-in corpus, then a Nanoset from step 4). Resumed in the middle of the second stage on
     the same layout the run continues bit for bit; resumed in the first stage on another layout it crosses the
@@ -119,6 +121,7 @@ def test_resume_in_the_middle_of_a_data_stage_same_layout_and_another(tmp_path):
     assert_same_steps(other, full_records, steps=[3, 4, 5, 6])   # losses and gradient norms
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     run = RUN + ["tokens.train_steps=6", "checkpoint.checkpoint_interval=2", "checkpoint.keep_last_n=2"]
     real_write = save_module.write_file

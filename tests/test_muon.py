@@ -186,6 +186,7 @@ def assert_like_one_process(records, reference):
     np.testing.assert_allclose(norms, expected_norms, rtol=MUON_GRAD_NORM_RTOL, atol=0)
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_exact_resume_and_adamw_state_is_not_loaded(tmp_path, caplog):
     """A Muon run resumed from its step-3 checkpoint continues bit for bit (momentum_buffer saved beside AdamW's
     moments); an AdamW checkpoint resumed with Muon says that its state is not loaded."""
@@ -300,6 +301,7 @@ def test_muon_sends_the_analytic_bytes(overrides):
             assert sent == analytic, (group, sent, analytic)
 
 
+@pytest.mark.slow   # 12-45 s under load: out of the quick tier (the whole suite runs it)
 def test_coord_check_muon_under_mup_keeps_activations_steady_as_width_grows():
     """Muon under µP (optim/muon.py's hidden_lr_scale, through model/mup.py's lr_scale: no width multiplier on
     Muon's hidden matrices with the original adjustment, whose update has the same spectral norm at every width;
